@@ -1,0 +1,117 @@
+/*
+ * fusible core library: types shared by every kernel family.
+ *
+ * Conventions
+ *  - Every kernel works on row-major, contiguous matrices. Callers flatten leading dimensions:
+ *    a tensor of shape (d0, ..., dn-1, dn) is the matrix [d0*...*dn-1, dn].
+ *  - Every entry point returns a fus_status. On failure, fus_last_error() returns a message that
+ *    names the function, the argument and what was expected (thread-local; valid until the next call
+ *    on the same thread). No entry point aborts the process.
+ *  - fus_context selects the backend. FUS_DEVICE_CPU runs synchronously on the calling thread.
+ *    FUS_DEVICE_CUDA enqueues on ctx->stream (a cudaStream_t; NULL is the legacy default stream) and
+ *    returns without synchronising; pointers must then be device pointers.
+ */
+#ifndef FUSIBLE_COMMON_H_
+#define FUSIBLE_COMMON_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum fus_status {
+  FUS_SUCCESS = 0,
+  FUS_ERROR_INVALID_ARGUMENT = 1, /* bad shape, dtype, pointer, alignment or combination */
+  FUS_ERROR_UNSUPPORTED = 2,      /* valid request this build or device cannot serve */
+  FUS_ERROR_CUDA = 3,             /* a CUDA runtime or cuBLASLt call failed */
+  FUS_ERROR_INTERNAL = 4,
+} fus_status;
+
+/* Element types. Values are stable: the Python layer maps torch dtypes onto them. */
+typedef enum fus_dtype {
+  FUS_FLOAT32 = 0,
+  FUS_FLOAT16 = 1,
+  FUS_BFLOAT16 = 2,
+  FUS_FLOAT8_E4M3 = 3, /* OCP E4M3 ("fn"): max 448, no inf, NaN = S.1111.111 */
+  FUS_FLOAT8_E5M2 = 4, /* OCP E5M2: max 57344, IEEE-like inf/NaN */
+  FUS_E8M0 = 5,        /* OCP MX scale: 2^(bits - 127), 0xFF = NaN */
+} fus_dtype;
+
+typedef enum fus_device_type {
+  FUS_DEVICE_CPU = 0,
+  FUS_DEVICE_CUDA = 1,
+} fus_device_type;
+
+typedef struct fus_context {
+  fus_device_type device;
+  int device_index; /* CUDA ordinal; ignored on CPU */
+  void* stream;     /* cudaStream_t; ignored on CPU */
+} fus_context;
+
+/* A row-major contiguous matrix [rows, cols]. A vector is [1, n]. data may be NULL only when
+ * rows * cols == 0 or where a function documents the matrix as optional. */
+typedef struct fus_tensor {
+  void* data;
+  fus_dtype dtype;
+  int64_t rows;
+  int64_t cols;
+} fus_tensor;
+
+/* How a quantized tensor is scaled. */
+typedef enum fus_scaling_mode {
+  FUS_SCALING_PER_TENSOR = 0, /* one fp32 scale for the whole tensor (delayed or current scaling) */
+  FUS_SCALING_MXFP8 = 1,      /* one E8M0 scale per 32 consecutive elements (OCP MX) */
+} fus_scaling_mode;
+
+/* MXFP8 block size along the scaled dimension. */
+#define FUS_MXFP8_BLOCK 32
+
+/*
+ * A quantized view of a high-precision matrix X [rows, cols]. Either copy may be absent (NULL).
+ *
+ * FUS_SCALING_PER_TENSOR
+ *   rowwise_data          FP8 [rows, cols]             q = fp8(x * scale)
+ *   columnwise_data       FP8 [cols, rows]             the transpose of rowwise_data (same bits)
+ *   rowwise_scale_inv     float[1]                     1 / scale, written by quantize; shared by both
+ *   columnwise_scale_inv  unused
+ *   scale                 float[1]                     input to quantize
+ * FUS_SCALING_MXFP8
+ *   rowwise_data          FP8 [rows, cols]             blocks of 32 along a row
+ *   rowwise_scale_inv     E8M0 [rows, ceil(cols/32)]   x ~= q * 2^(s - 127)
+ *   columnwise_data       FP8 [rows, cols]             blocks of 32 down a column (not transposed)
+ *   columnwise_scale_inv  E8M0 [ceil(rows/32), cols]
+ *   scale                 unused
+ * amax (optional, both modes): float[1], receives max |x| over X (NaN if X holds a NaN).
+ */
+typedef struct fus_quantized {
+  fus_scaling_mode mode;
+  fus_dtype dtype; /* FUS_FLOAT8_E4M3 or FUS_FLOAT8_E5M2 */
+  int64_t rows;
+  int64_t cols;
+  void* rowwise_data;
+  void* columnwise_data;
+  void* rowwise_scale_inv;
+  void* columnwise_scale_inv;
+  float* scale;
+  float* amax;
+} fus_quantized;
+
+/* Message of the last failed call on this thread ("" if none). */
+const char* fus_last_error(void);
+
+/* 1 if this build contains the CUDA backend. */
+int fus_has_cuda(void);
+
+/* Largest finite value of an FP8 dtype (448 or 57344); 0 for other dtypes. */
+float fus_fp8_max(fus_dtype dtype);
+
+/* Size of one element in bytes, or 0 for an unknown dtype. */
+size_t fus_dtype_size(fus_dtype dtype);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FUSIBLE_COMMON_H_ */

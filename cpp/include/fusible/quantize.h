@@ -1,0 +1,64 @@
+/*
+ * fusible core library: the quantize family.
+ *
+ * Numerics (identical on every backend; the CPU backend is the specification):
+ *  - FP8 cast: y = fp8(float(x) * scale), rounded to nearest even, saturated to the finite range
+ *    (+-448 for E4M3, +-57344 for E5M2; inf saturates too); NaN becomes NaN with x's sign bit
+ *    (0x7F | sign), the bits torch.Tensor.to(torch.float8_*) gives for NaN.
+ *  - amax = max |x| over the whole input, NaN if any element is NaN.
+ *  - Per-tensor scale from amax (current scaling and delayed scaling alike):
+ *      amax finite and > 0:  scale = ldexp(fp8_max / amax, -margin)   (FLT_MAX if that overflows)
+ *      otherwise:            scale = fallback (1 for current scaling; the previous scale for
+ *                            delayed scaling), so no inf/NaN scale is ever produced.
+ *    scale_inv = 1 / scale.
+ *  - MXFP8 (OCP MX v1.0, section 6.3): for each block of 32 elements, with amax_b = max |x| over the
+ *    block, the shared exponent is e = floor(log2(amax_b)) - emax_elem (emax_elem = 8 for E4M3,
+ *    15 for E5M2), stored as the E8M0 byte clamp(e + 127, 0, 254). Elements are fp8(x * 2^-e) with
+ *    the saturating cast above. amax_b == 0 gives byte 0 (2^-127); a block holding NaN or inf gets
+ *    the NaN byte 0xFF (the whole block then dequantizes to NaN). A partial block at the end of a
+ *    row or column (size not divisible by 32) is scaled over the elements that exist.
+ *  - Dequantize: x' = float(q) * scale_inv (per tensor) or float(q) * 2^(s - 127) (MXFP8), then
+ *    rounded to the output dtype (RNE).
+ *
+ * Inputs are fp32, fp16 or bf16 matrices (see common.h). All functions accept rows*cols == 0.
+ */
+#ifndef FUSIBLE_QUANTIZE_H_
+#define FUSIBLE_QUANTIZE_H_
+
+#include "fusible/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * Cast input [rows, cols] into out, using the scale already in out->scale (per tensor) or the
+ * OCP rule (MXFP8). Writes every non-NULL copy of out and its scale_inv, and out->amax if non-NULL.
+ * One pass over the input. out->rows/cols must equal input's.
+ */
+fus_status fus_quantize(const fus_tensor* input, fus_quantized* out, const fus_context* ctx);
+
+/* amax[0] = max |x| over input (NaN if any NaN). */
+fus_status fus_compute_amax(const fus_tensor* input, float* amax, const fus_context* ctx);
+
+/*
+ * Current scaling, per tensor: amax pass, scale = f(amax) (fallback 1), cast pass. Writes out->amax
+ * (required), out->scale (required), scale_inv and the requested copies. Two passes over the input.
+ */
+fus_status fus_quantize_current_scaling(const fus_tensor* input, fus_quantized* out, int margin,
+                                        const fus_context* ctx);
+
+/*
+ * Dequantize one copy of in into output. columnwise = 0 reads rowwise_data and writes output
+ * [rows, cols]; columnwise = 1 reads columnwise_data and writes it in its stored layout:
+ * [cols, rows] for per-tensor scaling (the transpose), [rows, cols] for MXFP8.
+ * output dtype: fp32, fp16 or bf16.
+ */
+fus_status fus_dequantize(const fus_quantized* in, int columnwise, fus_tensor* output,
+                          const fus_context* ctx);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FUSIBLE_QUANTIZE_H_ */

@@ -1,0 +1,89 @@
+#include "common/validate.h"
+
+#include <string>
+
+namespace fusible {
+
+void check_context(const char* fn, const fus_context* ctx) {
+  if (ctx == nullptr) throw Error(FUS_ERROR_INVALID_ARGUMENT, std::string(fn) + ": ctx is NULL");
+  if (ctx->device == FUS_DEVICE_CPU) return;
+  if (ctx->device == FUS_DEVICE_CUDA) {
+    if (!fus_has_cuda())
+      throw Error(FUS_ERROR_UNSUPPORTED, std::string(fn) +
+                                             ": CUDA device requested but this build of fusible "
+                                             "has no CUDA backend (built without nvcc)");
+    return;
+  }
+  throw Error(FUS_ERROR_INVALID_ARGUMENT,
+              std::string(fn) + ": ctx->device must be FUS_DEVICE_CPU or FUS_DEVICE_CUDA, got " +
+                  std::to_string(static_cast<int>(ctx->device)));
+}
+
+bool is_cuda(const fus_context* ctx) { return ctx->device == FUS_DEVICE_CUDA; }
+
+void check_matrix(const char* fn, const char* arg, const fus_tensor* t,
+                  std::initializer_list<fus_dtype> allowed) {
+  const std::string where = std::string(fn) + ": " + arg;
+  if (t == nullptr) throw Error(FUS_ERROR_INVALID_ARGUMENT, where + " is NULL");
+  if (t->rows < 0 || t->cols < 0)
+    throw Error(FUS_ERROR_INVALID_ARGUMENT, where + " has a negative dimension [" +
+                                                std::to_string(t->rows) + ", " +
+                                                std::to_string(t->cols) + "]");
+  bool ok = false;
+  std::string names;
+  for (fus_dtype d : allowed) {
+    ok = ok || d == t->dtype;
+    names += (names.empty() ? "" : ", ") + std::string(dtype_name(d));
+  }
+  if (!ok)
+    throw Error(FUS_ERROR_INVALID_ARGUMENT, where + " has dtype " + dtype_name(t->dtype) +
+                                                ", expected one of {" + names + "}");
+  if (t->rows * t->cols > 0 && t->data == nullptr)
+    throw Error(FUS_ERROR_INVALID_ARGUMENT, where + " has NULL data but " +
+                                                std::to_string(t->rows * t->cols) + " elements");
+}
+
+void check_same_shape(const char* fn, const char* arg, const fus_tensor* t, int64_t rows,
+                      int64_t cols) {
+  if (t->rows != rows || t->cols != cols)
+    throw Error(FUS_ERROR_INVALID_ARGUMENT,
+                std::string(fn) + ": " + arg + " has shape [" + std::to_string(t->rows) + ", " +
+                    std::to_string(t->cols) + "], expected [" + std::to_string(rows) + ", " +
+                    std::to_string(cols) + "]");
+}
+
+void check_quantized(const char* fn, const char* arg, const fus_quantized* q, int64_t rows,
+                     int64_t cols) {
+  const std::string where = std::string(fn) + ": " + arg;
+  if (q == nullptr) throw Error(FUS_ERROR_INVALID_ARGUMENT, where + " is NULL");
+  if (q->mode != FUS_SCALING_PER_TENSOR && q->mode != FUS_SCALING_MXFP8)
+    throw Error(FUS_ERROR_INVALID_ARGUMENT,
+                where + "->mode must be FUS_SCALING_PER_TENSOR or FUS_SCALING_MXFP8, got " +
+                    std::to_string(static_cast<int>(q->mode)));
+  if (q->dtype != FUS_FLOAT8_E4M3 && q->dtype != FUS_FLOAT8_E5M2)
+    throw Error(FUS_ERROR_INVALID_ARGUMENT, where + "->dtype is " + dtype_name(q->dtype) +
+                                                ", expected float8_e4m3 or float8_e5m2");
+  if (q->rows != rows || q->cols != cols)
+    throw Error(FUS_ERROR_INVALID_ARGUMENT,
+                where + " describes [" + std::to_string(q->rows) + ", " + std::to_string(q->cols) +
+                    "], expected [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
+  const bool empty = rows * cols == 0;
+  if (empty) return;
+  if (q->rowwise_data == nullptr && q->columnwise_data == nullptr)
+    throw Error(FUS_ERROR_INVALID_ARGUMENT,
+                where + " has neither rowwise_data nor columnwise_data; expected at least one");
+  if (q->mode == FUS_SCALING_MXFP8) {
+    if (q->rowwise_data != nullptr && q->rowwise_scale_inv == nullptr)
+      throw Error(FUS_ERROR_INVALID_ARGUMENT,
+                  where + " has rowwise_data but NULL rowwise_scale_inv (E8M0 [rows, ceil(cols/32)])");
+    if (q->columnwise_data != nullptr && q->columnwise_scale_inv == nullptr)
+      throw Error(FUS_ERROR_INVALID_ARGUMENT,
+                  where +
+                      " has columnwise_data but NULL columnwise_scale_inv (E8M0 [ceil(rows/32), cols])");
+  } else if (q->rowwise_scale_inv == nullptr) {
+    throw Error(FUS_ERROR_INVALID_ARGUMENT,
+                where + "->rowwise_scale_inv is NULL; per-tensor scaling needs float[1]");
+  }
+}
+
+}  // namespace fusible

@@ -1,0 +1,111 @@
+// C API of the quantize family: validation, then dispatch to the CPU or CUDA backend.
+#include <string>
+
+#include "common/validate.h"
+#include "fusible/quantize.h"
+#include "fusible/recipe.h"
+#include "quantize/quantize_impl.h"
+
+namespace fusible {
+namespace {
+
+constexpr std::initializer_list<fus_dtype> kHighPrecision = {FUS_FLOAT32, FUS_FLOAT16,
+                                                             FUS_BFLOAT16};
+
+void require(bool cond, const char* fn, const std::string& what) {
+  if (!cond) throw Error(FUS_ERROR_INVALID_ARGUMENT, std::string(fn) + ": " + what);
+}
+
+}  // namespace
+}  // namespace fusible
+
+using namespace fusible;
+
+extern "C" {
+
+fus_status fus_quantize(const fus_tensor* input, fus_quantized* out, const fus_context* ctx) {
+  constexpr const char* fn = "fus_quantize";
+  return guarded(fn, [&] {
+    check_context(fn, ctx);
+    check_matrix(fn, "input", input, kHighPrecision);
+    check_quantized(fn, "out", out, input->rows, input->cols);
+    if (input->rows * input->cols > 0 && out->mode == FUS_SCALING_PER_TENSOR)
+      require(out->scale != nullptr, fn, "out->scale is NULL; per-tensor scaling needs float[1]");
+    if (is_cuda(ctx)) {
+#if defined(FUSIBLE_WITH_CUDA)
+      quantize_cuda(*input, *out, *ctx);
+#endif
+    } else {
+      quantize_cpu(*input, *out);
+    }
+    return FUS_SUCCESS;
+  });
+}
+
+fus_status fus_compute_amax(const fus_tensor* input, float* amax, const fus_context* ctx) {
+  constexpr const char* fn = "fus_compute_amax";
+  return guarded(fn, [&] {
+    check_context(fn, ctx);
+    check_matrix(fn, "input", input, kHighPrecision);
+    require(amax != nullptr, fn, "amax is NULL; expected float[1]");
+    if (is_cuda(ctx)) {
+#if defined(FUSIBLE_WITH_CUDA)
+      amax_cuda(*input, amax, *ctx);
+#endif
+    } else {
+      amax_cpu(*input, amax);
+    }
+    return FUS_SUCCESS;
+  });
+}
+
+fus_status fus_quantize_current_scaling(const fus_tensor* input, fus_quantized* out, int margin,
+                                        const fus_context* ctx) {
+  constexpr const char* fn = "fus_quantize_current_scaling";
+  return guarded(fn, [&] {
+    check_context(fn, ctx);
+    check_matrix(fn, "input", input, kHighPrecision);
+    check_quantized(fn, "out", out, input->rows, input->cols);
+    require(out->mode == FUS_SCALING_PER_TENSOR, fn,
+            "out->mode must be FUS_SCALING_PER_TENSOR (current scaling is per tensor)");
+    require(out->amax != nullptr && out->scale != nullptr, fn,
+            "out->amax and out->scale must both be float[1]");
+    require(out->rowwise_scale_inv != nullptr, fn, "out->rowwise_scale_inv is NULL");
+    // Pass 1: amax. Then the scale (one scalar). Pass 2: the cast, which need not re-reduce amax.
+    fus_status st = fus_compute_amax(input, out->amax, ctx);
+    if (st != FUS_SUCCESS) return st;
+    st = fus_compute_scale(out->amax, out->scale, nullptr, fus_fp8_max(out->dtype), margin, 0, ctx);
+    if (st != FUS_SUCCESS) return st;
+    fus_quantized cast = *out;
+    cast.amax = nullptr;
+    return fus_quantize(input, &cast, ctx);
+  });
+}
+
+fus_status fus_dequantize(const fus_quantized* in, int columnwise, fus_tensor* output,
+                          const fus_context* ctx) {
+  constexpr const char* fn = "fus_dequantize";
+  return guarded(fn, [&] {
+    check_context(fn, ctx);
+    require(in != nullptr, fn, "in is NULL");
+    check_quantized(fn, "in", in, in->rows, in->cols);
+    check_matrix(fn, "output", output, kHighPrecision);
+    const bool transposed = columnwise && in->mode == FUS_SCALING_PER_TENSOR;
+    check_same_shape(fn, "output", output, transposed ? in->cols : in->rows,
+                     transposed ? in->rows : in->cols);
+    if (in->rows * in->cols > 0) {
+      require((columnwise ? in->columnwise_data : in->rowwise_data) != nullptr, fn,
+              columnwise ? "in->columnwise_data is NULL" : "in->rowwise_data is NULL");
+    }
+    if (is_cuda(ctx)) {
+#if defined(FUSIBLE_WITH_CUDA)
+      dequantize_cuda(*in, columnwise != 0, *output, *ctx);
+#endif
+    } else {
+      dequantize_cpu(*in, columnwise != 0, *output);
+    }
+    return FUS_SUCCESS;
+  });
+}
+
+}  // extern "C"
