@@ -3,25 +3,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <cstdint>
-#include <vector>
-
-#include "fusible/common.h"
-#include "fusible/quantize.h"
+#include "bindings.h"
 #include "fusible/recipe.h"
 
-namespace py = pybind11;
+using namespace fusible_bindings;
 
 namespace {
-
-void* as_ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
-
-void check(fus_status st) {
-  if (st == FUS_SUCCESS) return;
-  if (st == FUS_ERROR_INVALID_ARGUMENT) throw py::value_error(fus_last_error());
-  if (st == FUS_ERROR_UNSUPPORTED) throw py::type_error(fus_last_error());
-  throw std::runtime_error(fus_last_error());
-}
 
 fus_tensor make_tensor(uintptr_t data, int dtype, int64_t rows, int64_t cols) {
   return fus_tensor{as_ptr(data), static_cast<fus_dtype>(dtype), rows, cols};
@@ -73,30 +60,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("has_cuda", [] { return fus_has_cuda() != 0; });
   m.def("fp8_max", [](int dtype) { return fus_fp8_max(static_cast<fus_dtype>(dtype)); });
 
-  m.def("quantize", [](const fus_tensor& in, fus_quantized out, const fus_context& ctx) {
-    check(fus_quantize(&in, &out, &ctx));
-  });
-  m.def("quantize_current_scaling",
-        [](const fus_tensor& in, fus_quantized out, int margin, const fus_context& ctx) {
-          check(fus_quantize_current_scaling(&in, &out, margin, &ctx));
-        });
-  m.def("compute_amax", [](const fus_tensor& in, uintptr_t amax, const fus_context& ctx) {
-    check(fus_compute_amax(&in, static_cast<float*>(as_ptr(amax)), &ctx));
-  });
-  m.def("dequantize",
-        [](const fus_quantized& in, bool columnwise, fus_tensor out, const fus_context& ctx) {
-          check(fus_dequantize(&in, columnwise ? 1 : 0, &out, &ctx));
-        });
-  m.def("delayed_scaling_update", [](const std::vector<fus_delayed_scaling_group>& groups,
-                                     int algo, int margin, const fus_context& ctx) {
-    check(fus_delayed_scaling_update(groups.data(), static_cast<int>(groups.size()),
-                                     static_cast<fus_amax_algo>(algo), margin, &ctx));
-  });
-  m.def("compute_scale", [](uintptr_t amax, uintptr_t scale, uintptr_t scale_inv, float fp8_max,
-                            int margin, bool keep_previous, const fus_context& ctx) {
-    check(fus_compute_scale(static_cast<const float*>(as_ptr(amax)),
-                            static_cast<float*>(as_ptr(scale)),
-                            static_cast<float*>(as_ptr(scale_inv)), fp8_max, margin,
-                            keep_previous ? 1 : 0, &ctx));
-  });
+  bind_quantize(m);
+  bind_recipe(m);
+  // One line per kernel family (bind_<family>.cpp).
 }
