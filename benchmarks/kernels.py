@@ -1,0 +1,176 @@
+"""Quantize-family kernel benchmark: achieved bandwidth vs device copy bandwidth, vs torch.
+
+For each shape (bf16 input) and each kernel, measures device time (CUDA-graph replay, so Python
+dispatch is excluded for every contender alike) of fusible, of PyTorch eager doing the same work,
+and of torch.compile of that eager code. Bytes are the minimum each kernel must move: every input
+read once and every output written once.
+
+    python benchmarks/kernels.py [--shapes 16384x4096,16384x16384] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from _common import copy_bandwidth_gbs, environment, print_table, time_ms, write_json
+from fusible import _kernels as K
+
+E4M3 = torch.float8_e4m3fn
+
+
+def graphed(fn: Callable[[], Any], reps: int = 10) -> Callable[[], Any]:
+    """A callable replaying ``reps`` calls of ``fn`` captured in one CUDA graph."""
+    fn()  # warm-up / compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return g.replay
+
+
+def device_ms(fn: Callable[[], Any], reps: int = 10) -> float:
+    return time_ms(graphed(fn, reps), warmup=3, iters=20) / reps
+
+
+# ---- plain-torch versions of the same work ------------------------------------------------------
+
+
+def torch_cast_transpose(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    amax = x.abs().amax().float()
+    q = (x.float() * scale).clamp(-448, 448).to(E4M3)
+    return q, q.t().contiguous(), amax, scale.reciprocal()
+
+
+def torch_current_cast_transpose(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    amax = x.abs().amax().float()
+    scale = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax))
+    q = (x.float() * scale).clamp(-448, 448).to(E4M3)
+    return q, q.t().contiguous(), scale, amax
+
+
+def _mx_blocks(xb: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = xb.abs().amax(dim, keepdim=True)
+    e = torch.floor(torch.log2(amax)) - 8
+    s = torch.clamp(e + 127, 0, 254)
+    q = (xb * torch.exp2(127 - s)).clamp(-448, 448).to(E4M3)
+    return q, s.to(torch.uint8)
+
+
+def torch_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    r, c = x.shape
+    xf = x.float()
+    q_row, s_row = _mx_blocks(xf.view(r, c // 32, 32), 2)
+    q_col, s_col = _mx_blocks(xf.view(r // 32, 32, c), 1)
+    return q_row.view(r, c), s_row, q_col.view(r, c), s_col
+
+
+# ---- the benchmark ------------------------------------------------------------------------------
+
+
+def run(shapes: list[tuple[int, int]]) -> tuple[list[dict[str, Any]], float]:
+    dev = "cuda"
+    copy_gbs = copy_bandwidth_gbs(dev)
+    rows_out: list[dict[str, Any]] = []
+    compiled_ct = torch.compile(torch_cast_transpose)
+    compiled_cur = torch.compile(torch_current_cast_transpose)
+    compiled_mx = torch.compile(torch_mxfp8)
+    for r, c in shapes:
+        x = torch.randn(r, c, device=dev, dtype=torch.bfloat16)
+        scale = torch.tensor([2.0], device=dev)
+        n = r * c
+        cases: list[tuple[str, int, dict[str, Callable[[], Any]]]] = [
+            (
+                "fp8_cast_amax_transpose",
+                2 * n + n + n,
+                {
+                    "fusible": lambda: K.quantize_fp8(x, scale, E4M3, True, True),
+                    "torch_eager": lambda: torch_cast_transpose(x, scale),
+                    "torch_compile": lambda: compiled_ct(x, scale),
+                },
+            ),
+            (
+                "fp8_cast_amax_rowwise",
+                2 * n + n,
+                {"fusible": lambda: K.quantize_fp8(x, scale, E4M3, True, False)},
+            ),
+            (
+                "fp8_current_scaling_transpose",
+                2 * n + n + n,
+                {
+                    "fusible": lambda: K.quantize_fp8_current(x, E4M3, 0, True, True),
+                    "torch_eager": lambda: torch_current_cast_transpose(x),
+                    "torch_compile": lambda: compiled_cur(x),
+                },
+            ),
+            (
+                "mxfp8_rowwise_columnwise",
+                2 * n + 2 * n + 2 * (n // 32),
+                {
+                    "fusible": lambda: K.quantize_mxfp8(x, E4M3, True, True),
+                    "torch_eager": lambda: torch_mxfp8(x),
+                    "torch_compile": lambda: compiled_mx(x),
+                },
+            ),
+        ]
+        q = K.quantize_fp8(x, scale, E4M3, True, False)
+        mx = K.quantize_mxfp8(x, E4M3, True, False)
+        cases += [
+            (
+                "fp8_dequantize",
+                n + 2 * n,
+                {"fusible": lambda: K.dequantize_fp8(q[0], q[2], torch.bfloat16)},
+            ),
+            (
+                "mxfp8_dequantize",
+                n + n // 32 + 2 * n,
+                {"fusible": lambda: K.dequantize_mxfp8(mx[0], mx[1], False, torch.bfloat16)},
+            ),
+        ]
+        for name, nbytes, contenders in cases:
+            times = {k: device_ms(f) for k, f in contenders.items()}
+            fus = times["fusible"]
+            row: dict[str, Any] = {
+                "kernel": name,
+                "shape": f"{r}x{c}",
+                "fusible_ms": fus,
+                "GB/s": nbytes / fus / 1e6,
+                "frac_copy_bw": nbytes / fus / 1e6 / copy_gbs,
+            }
+            for k in ("torch_eager", "torch_compile"):
+                if k in times:
+                    row[f"{k}_ms"] = times[k]
+                    row[f"speedup_vs_{k}"] = times[k] / fus
+            rows_out.append(row)
+        del x
+        torch.cuda.empty_cache()
+    return rows_out, copy_gbs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", default="16384x4096,16384x16384")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    rows, copy_gbs = run(shapes)  # type: ignore[arg-type]
+    print(f"device copy bandwidth: {copy_gbs:.1f} GB/s (read + write)")
+    print_table(
+        rows,
+        ["kernel", "shape", "fusible_ms", "GB/s", "frac_copy_bw", "torch_eager_ms",
+         "torch_compile_ms", "speedup_vs_torch_compile"],
+    )  # fmt: skip
+    path = write_json(
+        "kernels", {"env": environment(), "copy_GBps": copy_gbs, "results": rows}, args.out
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

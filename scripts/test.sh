@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Sets everything up and runs all tests: lint, CTest (GoogleTest) and pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+bash scripts/setup.sh
+if [ ! -f /usr/include/gtest/gtest.h ] && [ "${FUSIBLE_OFFLINE:-0}" != 1 ]; then
+  (apt-get update -qq && apt-get install -y -qq libgtest-dev) >/dev/null
+fi
+
+echo "== lint"
+"$PY" -m ruff check python tests benchmarks examples
+"$PY" -m ruff format --check python tests benchmarks examples
+"$PY" -m mypy
+
+echo "== ctest"
+BUILD=${FUSIBLE_TEST_BUILD_DIR:-build/ctest}
+cmake -S . -B "$BUILD" -DFUSIBLE_BUILD_TESTS=ON -DFUSIBLE_BUILD_PYTHON=OFF \
+  -DFUSIBLE_CUDA="${FUSIBLE_CUDA:-AUTO}" >/dev/null
+cmake --build "$BUILD" -j"$(nproc)"
+ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
+
+echo "== pytest"
+# Run from tests/ so the installed package (with its compiled _C) is imported, not python/.
+"$PY" -m pytest -q -p no:cacheprovider tests/python "$@"

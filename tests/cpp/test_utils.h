@@ -1,0 +1,460 @@
+// Shared helpers of the fusible C++ test suites.
+//
+//  - ref::*  an independent reference of the numerics contract (fusible/quantize.h): every value is
+//            computed from bit fields with ldexp in double, and every rounding with nearbyint on an
+//            exactly scaled double, so nothing here reuses the bit tricks of common/numerics.h.
+//  - Buffers / run_cpu / run_cuda: run one C API call on the CPU backend and, when this build has
+//    the CUDA backend and a device is present, on the CUDA backend (cudaMalloc + cudaMemcpy), so
+//    tests can compare the outputs of both bit for bit.
+//  - expect_error: status + fus_last_error() checks for argument validation.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <initializer_list>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fusible/common.h"
+#include "fusible/quantize.h"
+#include "fusible/recipe.h"
+
+#if defined(FUSIBLE_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace fustest {
+
+// ---- bits ----------------------------------------------------------------------------------------
+
+inline uint32_t f2u(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float u2f(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float qnan(bool negative = false) { return u2f(negative ? 0xffc00000u : 0x7fc00000u); }
+inline float inf() { return std::numeric_limits<float>::infinity(); }
+
+inline fus_context cpu_ctx() { return fus_context{FUS_DEVICE_CPU, 0, nullptr}; }
+inline fus_context cuda_ctx() { return fus_context{FUS_DEVICE_CUDA, 0, nullptr}; }
+
+inline const char* fmt_name(fus_dtype d) {
+  switch (d) {
+    case FUS_FLOAT8_E4M3: return "E4M3";
+    case FUS_FLOAT8_E5M2: return "E5M2";
+    case FUS_FLOAT32: return "F32";
+    case FUS_FLOAT16: return "F16";
+    case FUS_BFLOAT16: return "BF16";
+    default: return "?";
+  }
+}
+
+// ---- independent reference numerics --------------------------------------------------------------
+
+namespace ref {
+
+struct Fp8Spec {
+  int mant;     // fraction bits
+  int bias;
+  int emax;     // exponent of the largest normal (OCP emax_elem)
+  double max;   // largest finite
+  uint8_t max_code;
+  bool has_inf;
+};
+
+inline Fp8Spec spec(fus_dtype d) {
+  if (d == FUS_FLOAT8_E4M3) return Fp8Spec{3, 7, 8, 448.0, 0x7e, false};
+  return Fp8Spec{2, 15, 15, 57344.0, 0x7b, true};
+}
+
+// Decode from the bit fields: sign, exponent, mantissa; ldexp in double.
+inline double fp8_decode(uint8_t code, fus_dtype d) {
+  const Fp8Spec s = spec(d);
+  const bool neg = (code & 0x80) != 0;
+  const int expbits = 7 - s.mant;
+  const int e = (code & 0x7f) >> s.mant;
+  const int m = code & ((1 << s.mant) - 1);
+  double v;
+  if (!s.has_inf && (code & 0x7f) == 0x7f) {
+    v = std::numeric_limits<double>::quiet_NaN();
+  } else if (s.has_inf && e == (1 << expbits) - 1) {
+    v = m == 0 ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
+  } else if (e == 0) {
+    v = std::ldexp(static_cast<double>(m), 1 - s.bias - s.mant);
+  } else {
+    v = std::ldexp(1.0 + std::ldexp(static_cast<double>(m), -s.mant), e - s.bias);
+  }
+  return neg ? -v : v;
+}
+
+inline bool fp8_is_nan_code(uint8_t code, fus_dtype d) { return std::isnan(fp8_decode(code, d)); }
+
+// Round a finite double to a binary format with `mant` fraction bits and minimum normal exponent
+// emin, to nearest even, with an unbounded exponent range upwards (overflow is the caller's).
+inline double round_to_format(double x, int mant, int emin) {
+  if (x == 0.0 || !std::isfinite(x)) return x;
+  int e2;
+  std::frexp(x, &e2);            // |x| = f * 2^e2, f in [0.5, 1): floor(log2|x|) = e2 - 1
+  const int exp = std::max(e2 - 1, emin);
+  const int shift = mant - exp;  // x * 2^shift is exact in double for the inputs used here
+  const double q = std::nearbyint(std::ldexp(x, shift));  // default mode: nearest even
+  return std::ldexp(q, -shift);
+}
+
+// fp8 code of float f per the contract: RNE, saturate to +-max (inf too), NaN -> 0x7F | sign.
+inline uint8_t fp8_encode(float f, fus_dtype d) {
+  const Fp8Spec s = spec(d);
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
+  if (std::isnan(f)) return static_cast<uint8_t>(sign | 0x7f);
+  double v = std::fabs(static_cast<double>(f));
+  if (std::isinf(v)) v = s.max;
+  v = std::min(round_to_format(v, s.mant, 1 - s.bias), s.max);
+  // Find the code whose value is v (the finite codes are monotone in their value).
+  int lo = 0, hi = s.max_code;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (fp8_decode(static_cast<uint8_t>(mid), d) < v) lo = mid + 1; else hi = mid;
+  }
+  EXPECT_EQ(fp8_decode(static_cast<uint8_t>(lo), d), v) << "reference encoder broken";
+  return static_cast<uint8_t>(sign | lo);
+}
+
+// IEEE binary16.
+inline double half_decode(uint16_t h) {
+  const bool neg = (h & 0x8000) != 0;
+  const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  double v;
+  if (e == 0x1f) v = m ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
+  else if (e == 0) v = std::ldexp(static_cast<double>(m), -24);
+  else v = std::ldexp(1024.0 + m, e - 25);
+  return neg ? -v : v;
+}
+
+// RNE to binary16 for non-NaN f; overflow gives inf.
+inline uint16_t half_encode(float f) {
+  const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+  double v = std::fabs(static_cast<double>(f));
+  if (std::isinf(v)) return sign | 0x7c00;
+  v = round_to_format(v, 10, -14);
+  if (v > 65504.0) return sign | 0x7c00;
+  if (v < std::ldexp(1.0, -14)) return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::ldexp(v, 24)));
+  int e2;
+  const double f2 = std::frexp(v, &e2);  // v = f2 * 2^e2, f2 in [0.5, 1)
+  const int m = static_cast<int>(std::ldexp(f2, 11)) - 1024;
+  return static_cast<uint16_t>(sign | ((e2 - 1 + 15) << 10) | m);
+}
+
+// bfloat16 = the top half of a float.
+inline double bf16_decode(uint16_t b) { return static_cast<double>(u2f(static_cast<uint32_t>(b) << 16)); }
+
+// RNE to bfloat16 for non-NaN f; overflow gives inf.
+inline uint16_t bf16_encode(float f) {
+  const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+  double v = std::fabs(static_cast<double>(f));
+  if (std::isinf(v)) return sign | 0x7f80;
+  v = round_to_format(v, 7, -126);
+  if (v > 3.3895313892515355e38) return sign | 0x7f80;
+  // v is representable in bfloat16, hence exactly as a float: take its top 16 bits.
+  return static_cast<uint16_t>(sign | (f2u(static_cast<float>(v)) >> 16));
+}
+
+// Per-tensor scale rule: ldexp(fp8_max / amax, -margin) for finite amax > 0, FLT_MAX on overflow,
+// else fallback. fp8_max / amax is one float division (as the contract says); ldexp is done in
+// double and rounded once, which is what a correctly rounded ldexpf gives.
+inline float scale_from_amax(float amax, float fp8_max, int margin, float fallback) {
+  if (!(amax > 0.0f) || !std::isfinite(amax)) return fallback;
+  const float q = fp8_max / amax;
+  if (std::isinf(q)) return FLT_MAX;
+  const double s = std::ldexp(static_cast<double>(q), -margin);
+  if (s > static_cast<double>(FLT_MAX)) {
+    // Rounds to FLT_MAX when below FLT_MAX + half an ulp, else to inf: both are FLT_MAX here.
+    return FLT_MAX;
+  }
+  return static_cast<float>(s);
+}
+
+// OCP MX E8M0 byte for a block amax: clamp(floor(log2(amax)) - emax + 127, 0, 254); 0 for amax 0,
+// 0xFF for NaN / inf.
+inline uint8_t e8m0_from_amax(double amax, fus_dtype d) {
+  if (std::isnan(amax) || std::isinf(amax)) return 0xff;
+  if (amax == 0.0) return 0;
+  int e2;
+  std::frexp(amax, &e2);
+  const int biased = (e2 - 1) - spec(d).emax + 127;
+  return static_cast<uint8_t>(std::min(254, std::max(0, biased)));
+}
+
+// 2^(s - 127) (NaN for 0xFF) as a float; exact for every s in [0, 254].
+inline float e8m0_value(uint8_t s) {
+  if (s == 0xff) return std::numeric_limits<float>::quiet_NaN();
+  return static_cast<float>(std::ldexp(1.0, static_cast<int>(s) - 127));
+}
+
+// The multiplier elements are cast with: 2^(127 - s).
+inline float e8m0_multiplier(uint8_t s) {
+  if (s == 0xff) return std::numeric_limits<float>::quiet_NaN();
+  return static_cast<float>(std::ldexp(1.0, 127 - static_cast<int>(s)));
+}
+
+}  // namespace ref
+
+// ---- element storage by dtype --------------------------------------------------------------------
+
+// Host storage for a high-precision matrix: the bits in the chosen dtype, and the float value each
+// element loads as (exact, since fp16 / bf16 widen to fp32 exactly).
+struct HostMatrix {
+  fus_dtype dtype = FUS_FLOAT32;
+  int64_t rows = 0, cols = 0;
+  std::vector<uint8_t> bytes;
+  std::vector<float> values;
+
+  HostMatrix() = default;
+  HostMatrix(fus_dtype dt, int64_t r, int64_t c, const std::vector<float>& v) : dtype(dt), rows(r), cols(c) {
+    const size_t n = static_cast<size_t>(r * c);
+    values.resize(n);
+    bytes.resize(n * fus_dtype_size(dt));
+    for (size_t i = 0; i < n; ++i) {
+      const float f = v[i];
+      if (dt == FUS_FLOAT32) {
+        std::memcpy(&bytes[4 * i], &f, 4);
+        values[i] = f;
+      } else {
+        uint16_t h;
+        if (dt == FUS_FLOAT16) {
+          h = std::isnan(f) ? static_cast<uint16_t>(std::signbit(f) ? 0xfe00 : 0x7e00) : ref::half_encode(f);
+          values[i] = static_cast<float>(ref::half_decode(h));
+        } else {
+          h = std::isnan(f) ? static_cast<uint16_t>((f2u(f) >> 16) | 0x40) : ref::bf16_encode(f);
+          values[i] = static_cast<float>(ref::bf16_decode(h));
+        }
+        if (std::isnan(f)) values[i] = f;  // keep the sign for the reference
+        std::memcpy(&bytes[2 * i], &h, 2);
+      }
+    }
+  }
+  fus_tensor tensor() { return fus_tensor{bytes.empty() ? nullptr : bytes.data(), dtype, rows, cols}; }
+};
+
+// Value of an output element stored in dtype (for dequantize outputs).
+inline double load_as_double(const std::vector<uint8_t>& bytes, fus_dtype dt, size_t i) {
+  if (dt == FUS_FLOAT32) {
+    float f;
+    std::memcpy(&f, &bytes[4 * i], 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, &bytes[2 * i], 2);
+  return dt == FUS_FLOAT16 ? ref::half_decode(h) : ref::bf16_decode(h);
+}
+
+// Expected bits of an output element: float v rounded to dt. NaN is left to the caller.
+inline uint32_t encode_output(float v, fus_dtype dt) {
+  if (dt == FUS_FLOAT32) return f2u(v);
+  if (dt == FUS_FLOAT16) return ref::half_encode(v);
+  return ref::bf16_encode(v);
+}
+inline uint32_t stored_bits(const std::vector<uint8_t>& bytes, fus_dtype dt, size_t i) {
+  if (dt == FUS_FLOAT32) {
+    uint32_t u;
+    std::memcpy(&u, &bytes[4 * i], 4);
+    return u;
+  }
+  uint16_t h;
+  std::memcpy(&h, &bytes[2 * i], 2);
+  return h;
+}
+
+// ---- random data ---------------------------------------------------------------------------------
+
+// Values spread over many binades (normal * 2^k, k in [lo_exp, hi_exp]) with some exact zeros and
+// negative zeros, so fp8 subnormal, normal and saturating ranges all occur.
+inline std::vector<float> random_values(size_t n, uint32_t seed, int lo_exp = -12, int hi_exp = 12) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_int_distribution<int> ed(lo_exp, hi_exp);
+  std::uniform_int_distribution<int> pick(0, 99);
+  std::vector<float> v(n);
+  for (auto& x : v) {
+    const int p = pick(rng);
+    if (p == 0) x = 0.0f;
+    else if (p == 1) x = -0.0f;
+    else x = std::ldexp(nd(rng), ed(rng));
+  }
+  return v;
+}
+
+// ---- running a call on both backends -------------------------------------------------------------
+
+// A list of byte buffers a call reads and writes. An empty buffer is passed as NULL.
+struct Buffers {
+  std::vector<std::vector<uint8_t>> b;
+  template <typename T>
+  int add(const std::vector<T>& v) {
+    std::vector<uint8_t> bytes(v.size() * sizeof(T));
+    if (!bytes.empty()) std::memcpy(bytes.data(), v.data(), bytes.size());
+    b.push_back(std::move(bytes));
+    return static_cast<int>(b.size() - 1);
+  }
+  int add_bytes(std::vector<uint8_t> v) {
+    b.push_back(std::move(v));
+    return static_cast<int>(b.size() - 1);
+  }
+  // n bytes of a fill pattern, so that an element a backend forgets to write differs from the other.
+  int add_filled(size_t n, uint8_t fill = 0xA5) { return add_bytes(std::vector<uint8_t>(n, fill)); }
+  template <typename T>
+  std::vector<T> get(int i) const {
+    std::vector<T> v(b[i].size() / sizeof(T));
+    if (!v.empty()) std::memcpy(v.data(), b[i].data(), v.size() * sizeof(T));
+    return v;
+  }
+};
+
+// The call: given one pointer per buffer (host or device) and the context, issue the C API call.
+using ApiCall = std::function<fus_status(const std::vector<void*>& ptrs, const fus_context& ctx)>;
+
+inline fus_status run_cpu(Buffers& bufs, const ApiCall& call) {
+  std::vector<void*> ptrs;
+  for (auto& v : bufs.b) ptrs.push_back(v.empty() ? nullptr : v.data());
+  const fus_context ctx = cpu_ctx();
+  return call(ptrs, ctx);
+}
+
+// Whether a CUDA device can run the CUDA backend here.
+inline bool cuda_device_present() {
+#if defined(FUSIBLE_WITH_CUDA)
+  static const bool present = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return n > 0;
+  }();
+  return present;
+#else
+  return false;
+#endif
+}
+
+#define FUSTEST_REQUIRE_CUDA()                                                       \
+  do {                                                                               \
+    if (!::fustest::cuda_device_present())                                           \
+      GTEST_SKIP() << (fus_has_cuda() ? "no CUDA device present"                     \
+                                      : "this build has no CUDA backend");           \
+  } while (0)
+
+// Copies bufs to the device, runs the call with a CUDA context (legacy default stream),
+// synchronises and copies every buffer back into bufs. Returns the call's status; a CUDA runtime
+// failure in the harness itself is reported as a test failure and FUS_ERROR_CUDA.
+inline fus_status run_cuda(Buffers& bufs, const ApiCall& call) {
+#if defined(FUSIBLE_WITH_CUDA)
+  std::vector<void*> ptrs(bufs.b.size(), nullptr);
+  auto cleanup = [&] {
+    for (void* p : ptrs)
+      if (p) cudaFree(p);
+  };
+  for (size_t i = 0; i < bufs.b.size(); ++i) {
+    if (bufs.b[i].empty()) continue;
+    cudaError_t e = cudaMalloc(&ptrs[i], bufs.b[i].size());
+    if (e == cudaSuccess)
+      e = cudaMemcpy(ptrs[i], bufs.b[i].data(), bufs.b[i].size(), cudaMemcpyHostToDevice);
+    if (e != cudaSuccess) {
+      ADD_FAILURE() << "harness: cudaMalloc/cudaMemcpy failed: " << cudaGetErrorString(e);
+      cleanup();
+      return FUS_ERROR_CUDA;
+    }
+  }
+  const fus_context ctx = cuda_ctx();
+  const fus_status st = call(ptrs, ctx);
+  cudaError_t e = cudaDeviceSynchronize();
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    ADD_FAILURE() << "CUDA error after the call: " << cudaGetErrorString(e);
+    cleanup();
+    return FUS_ERROR_CUDA;
+  }
+  for (size_t i = 0; i < bufs.b.size(); ++i) {
+    if (bufs.b[i].empty()) continue;
+    e = cudaMemcpy(bufs.b[i].data(), ptrs[i], bufs.b[i].size(), cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess) {
+      ADD_FAILURE() << "harness: cudaMemcpy back failed: " << cudaGetErrorString(e);
+      cleanup();
+      return FUS_ERROR_CUDA;
+    }
+  }
+  cleanup();
+  return st;
+#else
+  (void)bufs;
+  (void)call;
+  ADD_FAILURE() << "run_cuda called in a build without the CUDA backend";
+  return FUS_ERROR_UNSUPPORTED;
+#endif
+}
+
+// Runs the call on both backends from the same initial buffers.
+struct DualResult {
+  Buffers cpu, cuda;
+  fus_status cpu_status = FUS_ERROR_INTERNAL, cuda_status = FUS_ERROR_INTERNAL;
+};
+inline DualResult run_both(const Buffers& init, const ApiCall& call) {
+  DualResult r;
+  r.cpu = init;
+  r.cuda = init;
+  r.cpu_status = run_cpu(r.cpu, call);
+  r.cuda_status = run_cuda(r.cuda, call);
+  return r;
+}
+
+// Bitwise comparison of one buffer; reports the first few differing elements of width T.
+template <typename T>
+::testing::AssertionResult same_bits(const Buffers& a, const Buffers& b, int idx, const char* what) {
+  if (a.b[idx].size() != b.b[idx].size())
+    return ::testing::AssertionFailure() << what << ": sizes differ";
+  const std::vector<T> x = a.get<T>(idx), y = b.get<T>(idx);
+  size_t bad = 0;
+  ::testing::AssertionResult res = ::testing::AssertionFailure();
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::memcmp(&x[i], &y[i], sizeof(T)) != 0) {
+      if (bad < 8) {
+        uint64_t ux = 0, uy = 0;
+        std::memcpy(&ux, &x[i], sizeof(T));
+        std::memcpy(&uy, &y[i], sizeof(T));
+        res << "\n  " << what << "[" << i << "]: cpu 0x" << std::hex << ux << " cuda 0x" << uy << std::dec;
+      }
+      ++bad;
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return res << "\n  " << what << ": " << bad << " of " << x.size() << " elements differ";
+}
+
+// ---- errors --------------------------------------------------------------------------------------
+
+// status == expected, and fus_last_error() names every word in `words`.
+inline ::testing::AssertionResult is_error(fus_status st, fus_status expected,
+                                           std::initializer_list<const char*> words) {
+  const std::string msg = fus_last_error();
+  if (st != expected)
+    return ::testing::AssertionFailure() << "status " << st << ", expected " << expected
+                                         << " (message: \"" << msg << "\")";
+  for (const char* w : words)
+    if (msg.find(w) == std::string::npos)
+      return ::testing::AssertionFailure() << "message \"" << msg << "\" does not mention \"" << w << "\"";
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace fustest
