@@ -1,0 +1,52 @@
+"""Fusible operations: basic ops, fused ops, the fuser and ``Sequential``."""
+
+from fusible.ops import fused as _fused  # noqa: F401  (registers the built-in fusions)
+from fusible.ops.basic import (
+    GEGLU,
+    GELU,
+    AddExtraInput,
+    BasicLinear,
+    Bias,
+    ConstantScale,
+    Dropout,
+    Identity,
+    LayerNorm,
+    MakeExtraOutput,
+    Quantize,
+    ReLU,
+    Reshape,
+    RMSNorm,
+    SiLU,
+    SwiGLU,
+)
+from fusible.ops.linear import Linear
+from fusible.ops.op import BasicOperation, FusedOperation, OpContext
+from fusible.ops.registry import FusionRule, register_fusion, unregister_fusion
+from fusible.ops.sequential import Sequential
+
+__all__ = [
+    "GEGLU",
+    "GELU",
+    "AddExtraInput",
+    "BasicLinear",
+    "BasicOperation",
+    "Bias",
+    "ConstantScale",
+    "Dropout",
+    "FusedOperation",
+    "FusionRule",
+    "Identity",
+    "LayerNorm",
+    "Linear",
+    "MakeExtraOutput",
+    "OpContext",
+    "Quantize",
+    "RMSNorm",
+    "ReLU",
+    "Reshape",
+    "Sequential",
+    "SiLU",
+    "SwiGLU",
+    "register_fusion",
+    "unregister_fusion",
+]

@@ -1,0 +1,33 @@
+"""Basic operations."""
+
+from fusible.ops.basic.activation import GEGLU, GELU, ReLU, SiLU, SwiGLU
+from fusible.ops.basic.linear import BasicLinear, Bias
+from fusible.ops.basic.misc import (
+    AddExtraInput,
+    ConstantScale,
+    Dropout,
+    Identity,
+    MakeExtraOutput,
+    Quantize,
+    Reshape,
+)
+from fusible.ops.basic.normalization import LayerNorm, RMSNorm
+
+__all__ = [
+    "GEGLU",
+    "GELU",
+    "AddExtraInput",
+    "BasicLinear",
+    "Bias",
+    "ConstantScale",
+    "Dropout",
+    "Identity",
+    "LayerNorm",
+    "MakeExtraOutput",
+    "Quantize",
+    "RMSNorm",
+    "ReLU",
+    "Reshape",
+    "SiLU",
+    "SwiGLU",
+]

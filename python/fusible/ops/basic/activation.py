@@ -1,0 +1,102 @@
+"""Activations (GELU, ReLU, SiLU, SwiGLU, GEGLU), with quantized output / gradient fused."""
+
+from __future__ import annotations
+
+import torch
+
+from fusible import _kernels as K
+from fusible.ops import _compute as C
+from fusible.ops.op import BasicOperation, OpContext
+from fusible.quantization.quantizers import Quantizer
+
+__all__ = ["GEGLU", "GELU", "ReLU", "SiLU", "SwiGLU", "activation_backward"]
+
+
+def _act(x: torch.Tensor, kind: str, glu: bool, q: Quantizer | None) -> object:
+    """act(x), written quantized by ``q`` when that fuses into the kernel."""
+    fused = C.fused_quant_args(q)
+    if fused is None:
+        y, *_ = K.act_fwd(x, kind, x.dtype, "none", torch.float8_e4m3fn, None, True, False)
+        return y
+    quant, fp8_dtype, scale = fused
+    colwise = bool(getattr(q, "columnwise", False))
+    y, d, d2, s, s2, amax = K.act_fwd(x, kind, None, quant, fp8_dtype, scale, True, colwise)
+    shape = torch.Size((*x.shape[:-1], x.shape[-1] // 2 if glu else x.shape[-1]))
+    return C.wrap_quantized(q, (d, d2, s, s2, amax), shape, x.dtype)
+
+
+def activation_backward(
+    kind: str, ctx: OpContext, dy: object, q: Quantizer | None, with_dbias: bool
+) -> tuple[object, torch.Tensor | None]:
+    """(dx, dbias): dact, optionally the bias gradient (column sums of dx) and dx quantized by
+    ``q`` (the preceding op's grad-output quantizer), in one kernel where the quantizer allows."""
+    (x,) = ctx.saved
+    dy = C.dequantize(dy).contiguous()
+    fused = C.fused_quant_args(q)
+    if fused is None:
+        dx, *_, dbias = K.act_bwd(dy, x, kind, x.dtype, "none", torch.float8_e4m3fn, None, True,
+                                  False, with_dbias)  # fmt: skip
+        return dx, (dbias if with_dbias else None)
+    quant, fp8_dtype, scale = fused
+    colwise = bool(getattr(q, "columnwise", False))
+    _, d, d2, s, s2, amax, dbias = K.act_bwd(dy, x, kind, None, quant, fp8_dtype, scale, True,
+                                             colwise, with_dbias)  # fmt: skip
+    dx = C.wrap_quantized(q, (d, d2, s, s2, amax), x.shape, x.dtype)
+    return dx, (dbias if with_dbias else None)
+
+
+class _Activation(BasicOperation):
+    kind: str = ""
+    glu: bool = False
+
+    def extra_repr_kernels(self) -> str:
+        return f"act_fwd({self.kind}); backward: act_bwd({self.kind})"
+
+    def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
+        x = C.dequantize(x).contiguous()
+        if self.glu and x.shape[-1] % 2:
+            raise ValueError(
+                f"{type(self).__name__}: input feature size must be even (gate and linear halves), "
+                f"got {x.shape[-1]}"
+            )
+        ctx.saved = [x]
+        return _act(x, self.kind, self.glu, next_input_quantizer), []
+
+    def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
+        dx, _ = activation_backward(self.kind, ctx, dy, prev_grad_quantizer, False)
+        return dx, [], []
+
+
+class GELU(_Activation):
+    """GELU; ``approximate="tanh"`` (default, the form cuBLASLt's GEMM epilogue computes, so it
+    can fuse into the preceding Linear) or ``"none"`` (erf)."""
+
+    def __init__(self, approximate: str = "tanh", *, name: str | None = None) -> None:
+        super().__init__(name=name)
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"GELU: approximate must be 'tanh' or 'none', got {approximate!r}")
+        self.approximate = approximate
+        self.kind = "gelu" if approximate == "tanh" else "gelu_erf"
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class ReLU(_Activation):
+    kind = "relu"
+
+
+class SiLU(_Activation):
+    kind = "silu"
+
+
+class SwiGLU(_Activation):
+    """``silu(x[..., :h]) * x[..., h:]``; output has half the input's features."""
+
+    kind, glu = "swiglu", True
+
+
+class GEGLU(_Activation):
+    """``gelu_tanh(x[..., :h]) * x[..., h:]``."""
+
+    kind, glu = "geglu", True

@@ -1,0 +1,60 @@
+"""Forward: BasicLinear + Bias (+ GELU) as one GEMM with a bias (+ GELU-aux) epilogue."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fusible.ops import _compute as C
+from fusible.ops.basic import GELU, BasicLinear, Bias
+from fusible.ops.op import BasicOperation, FusedOperation
+
+__all__ = ["ForwardLinearBiasActivation", "accepts"]
+
+
+def accepts(ops: Sequence[BasicOperation], recipe: Any) -> str | None:
+    """Fusion rule. Rejections:
+    - GELU with approximate="none": cuBLASLt's GELU epilogue computes the tanh form only;
+    - a Bias whose size differs from the Linear's output (the unfused path reports the error)."""
+    linear, bias = ops[0], ops[1]
+    assert isinstance(linear, BasicLinear) and isinstance(bias, Bias)
+    if bias.features != linear.out_features:
+        return "bias size differs from out_features"
+    if len(ops) == 3 and isinstance(ops[2], GELU) and ops[2].approximate != "tanh":
+        return "GELU(approximate='none') has no GEMM epilogue (only the tanh form)"
+    return None
+
+
+class ForwardLinearBiasActivation(FusedOperation):
+    name = "linear_bias_activation"
+    forward, backward = True, False
+
+    def kernels(self) -> list[str]:
+        epi = "bias_gelu_aux" if len(self.ops) == 3 else "bias"
+        return [f"gemm(fprop, epilogue={epi})"]
+
+    def fuser_forward(self, ctxs, x, params, *, next_input_quantizer, extra_inputs):
+        linear: BasicLinear = self.ops[0]  # type: ignore[assignment]
+        linear.check_input(x)
+        (w,), (b,) = params[0], params[1]
+        out_dtype = C.hp_dtype(x)
+        lead = x.shape[:-1]
+        xq, wq = linear.quantize_operands(ctxs[0], x, w)
+        gelu = len(self.ops) == 3
+        y, aux, _ = C.gemm_fprop(
+            xq, wq, out_dtype, bias=b.to(out_dtype), epilogue="bias_gelu_aux" if gelu else "bias"
+        )
+        n = linear.out_features
+        ctxs[0].saved = [xq if ctxs[0].attrs["need_wgrad"] else None,
+                         wq if ctxs[0].attrs["need_dgrad"] else None]  # fmt: skip
+        ctxs[0].attrs["dtype"], ctxs[0].attrs["w_dtype"] = out_dtype, w.dtype
+        ctxs[1].attrs["dtype"] = b.dtype
+        y = y.view(*lead, n)
+        if gelu:
+            ctxs[2].saved = [aux.view(*lead, n)]  # GELU backward needs the pre-activation
+        if next_input_quantizer is not None:
+            y = C.quantize(next_input_quantizer, y, rowwise=True,
+                           columnwise=bool(getattr(next_input_quantizer, "columnwise", False)))  # fmt: skip
+        return y, [[] for _ in self.ops]

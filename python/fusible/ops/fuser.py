@@ -1,0 +1,216 @@
+"""The fuser: turns a run of basic ops into forward and backward plans and runs them.
+
+A plan is a list of units (a basic op, or a fused op covering adjacent basic ops). Plans are
+cached per (ops, recipe kind, dtype, device, requires-grad pattern, registry version). One
+``torch.autograd.Function`` runs a plan; its arguments are tensors and plain constants (an integer
+plan key), never a module, so ``torch.compile`` traces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fusible.ops import registry
+from fusible.ops.op import BasicOperation, FusedOperation, OpContext
+from fusible.quantization import autocast as _autocast
+
+__all__ = ["Plan", "Unit", "build_plan", "run_plan"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One step of a plan: ``ops[start:stop]`` run by ``fused`` (or by the single basic op)."""
+
+    start: int
+    stop: int
+    fused: FusedOperation | None = None
+    rule: str | None = None
+
+    def label(self, ops: Sequence[BasicOperation]) -> str:
+        names = " + ".join(type(op).__name__ for op in ops[self.start : self.stop])
+        return f"{self.fused.name}[{names}]" if self.fused is not None else names
+
+
+@dataclass
+class Plan:
+    ops: list[BasicOperation]
+    forward_units: list[Unit]
+    backward_units: list[Unit]
+    # Fusions whose op types matched but whose predicate said no: (plan, ops range, rule, reason).
+    rejected: list[tuple[str, int, int, str, str]] = field(default_factory=list)
+    recipe: Any = None
+    param_counts: list[int] = field(default_factory=list)
+
+
+def _build_units(
+    ops: list[BasicOperation], recipe: Any, forward: bool, rejected: list[Any]
+) -> list[Unit]:
+    units: list[Unit] = []
+    i = 0
+    candidates = registry.rules(forward)
+    while i < len(ops):
+        chosen: Unit | None = None
+        for rule in candidates:
+            window = ops[i : i + len(rule.pattern)]
+            if not rule.matches_types(window):
+                continue
+            reason = rule.check(window, recipe)
+            if reason is None:
+                chosen = Unit(i, i + len(window), rule.factory(list(window)), rule.name)
+                break
+            rejected.append(("forward" if forward else "backward", i, i + len(window), rule.name, reason))
+        if chosen is None:
+            chosen = Unit(i, i + 1)
+        units.append(chosen)
+        i = chosen.stop
+    return units
+
+
+def build_plan(ops: list[BasicOperation], recipe: Any) -> Plan:
+    rejected: list[Any] = []
+    fwd = _build_units(ops, recipe, True, rejected)
+    bwd = _build_units(ops, recipe, False, rejected)
+    counts = [len(list(op.parameters(recurse=False))) for op in ops]
+    return Plan(ops, fwd, bwd, rejected, recipe, counts)
+
+
+# ---- running a plan -----------------------------------------------------------------------------
+
+# Plans are looked up by an integer key so the autograd function's arguments stay constants.
+_PLANS: dict[int, Plan] = {}
+
+
+def register_plan(plan: Plan) -> int:
+    key = id(plan)
+    _PLANS[key] = plan
+    return key
+
+
+def forget_plan(key: int) -> None:
+    _PLANS.pop(key, None)
+
+
+def _split(flat: Sequence[Any], counts: Sequence[int]) -> list[list[Any]]:
+    out, pos = [], 0
+    for c in counts:
+        out.append(list(flat[pos : pos + c]))
+        pos += c
+    return out
+
+
+def _forward_units(plan: Plan, ctxs: list[OpContext], x: Any, params: list[list[torch.Tensor]],
+                   extra_in: list[list[torch.Tensor]]) -> tuple[Any, list[list[torch.Tensor]]]:
+    ops = plan.ops
+    extra_out: list[list[torch.Tensor]] = [[] for _ in ops]
+    for u in plan.forward_units:
+        nxt = ops[u.stop].input_quantizer() if u.stop < len(ops) else None
+        if u.fused is None:
+            x, eo = ops[u.start].op_forward(
+                ctxs[u.start], x, params[u.start],
+                next_input_quantizer=nxt, extra_inputs=extra_in[u.start],
+            )  # fmt: skip
+            extra_out[u.start] = eo
+        else:
+            x, eos = u.fused.fuser_forward(
+                ctxs[u.start : u.stop], x, params[u.start : u.stop],
+                next_input_quantizer=nxt, extra_inputs=extra_in[u.start : u.stop],
+            )  # fmt: skip
+            for k, eo in enumerate(eos):
+                extra_out[u.start + k] = eo
+    return x, extra_out
+
+
+def _backward_units(
+    plan: Plan, ctxs: list[OpContext], dy: Any, extra_out_grads: list[list[torch.Tensor | None]]
+) -> tuple[Any, list[list[Any]], list[list[Any]]]:
+    ops = plan.ops
+    param_grads: list[list[Any]] = [[None] * n for n in plan.param_counts]
+    extra_in_grads: list[list[Any]] = [[None] * op.num_extra_inputs for op in ops]
+    for u in reversed(plan.backward_units):
+        if not any(c.input_requires_grad or any(c.params_requires_grad) for c in ctxs[u.start : u.stop]):
+            break  # nothing at or before this unit needs a gradient
+        prev = ops[u.start - 1].grad_output_quantizer() if u.start > 0 else None
+        if u.fused is None:
+            dy, pg, eg = ops[u.start].op_backward(
+                ctxs[u.start], dy, prev_grad_quantizer=prev,
+                extra_output_grads=extra_out_grads[u.start],
+            )  # fmt: skip
+            param_grads[u.start], extra_in_grads[u.start] = pg, eg
+        else:
+            dy, pgs, egs = u.fused.fuser_backward(
+                ctxs[u.start : u.stop], dy, prev_grad_quantizer=prev,
+                extra_output_grads=extra_out_grads[u.start : u.stop],
+            )  # fmt: skip
+            for k in range(u.stop - u.start):
+                param_grads[u.start + k], extra_in_grads[u.start + k] = pgs[k], egs[k]
+    return dy, param_grads, extra_in_grads
+
+
+def _dequantize_if_needed(x: Any) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else x.dequantize()
+
+
+class _PlanFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plan_key: int, x: torch.Tensor, *args: torch.Tensor) -> Any:  # type: ignore[override]
+        plan = _PLANS[plan_key]
+        ops = plan.ops
+        n_extra = sum(op.num_extra_inputs for op in ops)
+        extra_flat, param_flat = args[:n_extra], args[n_extra:]
+        extra_in = _split(extra_flat, [op.num_extra_inputs for op in ops])
+        params = _split(param_flat, plan.param_counts)
+        ctxs = [OpContext() for _ in ops]
+        # An op's input needs a gradient if the plan input does, or an earlier op has trainable
+        # parameters or extra inputs; backward stops at the first op where neither holds.
+        upstream = x.requires_grad
+        for c, op_params, op_extra in zip(ctxs, params, extra_in, strict=True):
+            c.params_requires_grad = tuple(p.requires_grad for p in op_params)
+            c.input_requires_grad = upstream
+            upstream = upstream or any(c.params_requires_grad) or any(
+                t.requires_grad for t in op_extra
+            )
+        y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
+        y = _dequantize_if_needed(y)
+        # Save every tensor the ops kept through save_for_backward (what torch.compile expects);
+        # the rest of each OpContext is constants.
+        leaves, spec = pytree.tree_flatten([c.saved for c in ctxs])
+        is_t = [isinstance(v, torch.Tensor) for v in leaves]
+        ctx.save_for_backward(*[v for v, t in zip(leaves, is_t, strict=True) if t])
+        ctx.fusible = (
+            plan_key, spec, is_t, [v for v, t in zip(leaves, is_t, strict=True) if not t],
+            [c.attrs for c in ctxs], [(c.params_requires_grad, c.input_requires_grad) for c in ctxs],
+        )  # fmt: skip
+        flat_out = [t for eo in extra_out for t in eo]
+        return (y, *flat_out)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor | None, *extra_out_grads: torch.Tensor | None) -> Any:  # type: ignore[override]
+        plan_key, spec, is_t, consts, attrs, flags = ctx.fusible
+        plan = _PLANS[plan_key]
+        ops = plan.ops
+        saved_t = iter(ctx.saved_tensors)
+        consts_it = iter(consts)
+        leaves = [next(saved_t) if t else next(consts_it) for t in is_t]
+        saved_lists = pytree.tree_unflatten(leaves, spec)
+        ctxs = [
+            OpContext(saved=s, attrs=a, params_requires_grad=f[0], input_requires_grad=f[1])
+            for s, a, f in zip(saved_lists, attrs, flags, strict=True)
+        ]
+        eog = _split(list(extra_out_grads), [op.num_extra_outputs for op in ops])
+        dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
+        _autocast.after_backward([op.recipe_state(False) for op in ops])
+        dx = _dequantize_if_needed(dx) if dx is not None and ctx.needs_input_grad[1] else None
+        flat_eg = [g for eg in extra_in_grads for g in eg]
+        flat_pg = [g for pg in param_grads for g in pg]
+        return (None, dx, *flat_eg, *flat_pg)
+
+
+def run_plan(plan_key: int, plan: Plan, x: torch.Tensor, extra_inputs: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    params = [p for op in plan.ops for p in op.parameters(recurse=False)]
+    outs = _PlanFunction.apply(plan_key, x, *extra_inputs, *params)
+    return outs[0], list(outs[1:])

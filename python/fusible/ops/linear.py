@@ -1,0 +1,41 @@
+"""``ops.Linear``: BasicLinear followed by an optional Bias (flattened into the enclosing
+Sequential, so the fuser sees both)."""
+
+from __future__ import annotations
+
+import torch
+
+from fusible.ops.basic import BasicLinear, Bias
+from fusible.ops.sequential import Sequential
+
+__all__ = ["Linear"]
+
+
+class Linear(Sequential):
+    """``y = x @ weight.T + bias``; ``weight`` is ``[out_features, in_features]``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        name: str | None = None,
+    ) -> None:
+        ops: list[torch.nn.Module] = [
+            BasicLinear(in_features, out_features, device=device, dtype=dtype, name=name)
+        ]
+        if bias:
+            ops.append(Bias(out_features, device=device, dtype=dtype, name=name))
+        super().__init__(*ops)
+        self.in_features, self.out_features = in_features, out_features
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self[0].weight  # type: ignore[return-value]
+
+    @property
+    def bias(self) -> torch.nn.Parameter | None:
+        return self[1].bias if len(self) > 1 else None  # type: ignore[return-value]

@@ -1,0 +1,192 @@
+"""Operation base classes: BasicOperation (owns parameters and quantizers) and FusedOperation.
+
+Execution model. A ``Sequential`` hands runs of operations to the fuser, which builds a forward
+plan and a backward plan: lists of units, each a basic op or a fused op covering adjacent basic ops.
+One autograd function runs a plan. Every basic op gets its own ``OpContext`` per call, filled by
+whichever unit ran it forward, so forward and backward plans may group ops differently.
+
+Data between units is a tensor or, when a unit quantized its output for the next op (quantizer
+hand-off), a ``QuantizedData`` value (plain tensors plus metadata, never a tensor subclass).
+Parameters reach ops as arguments (``params``), never through ``self``, so the autograd function
+only ever sees tensors and constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from fusible.quantization import QuantizerRole, RecipeState
+from fusible.quantization.quantizers import Quantizer
+
+__all__ = ["BasicOperation", "FusedOperation", "OpContext"]
+
+
+@dataclass
+class OpContext:
+    """Per-call state of one basic op between its forward and its backward."""
+
+    saved: list[Any] = field(default_factory=list)
+    attrs: dict[str, Any] = field(default_factory=dict)
+    # Which params need gradients, and whether the op's input does.
+    params_requires_grad: tuple[bool, ...] = ()
+    input_requires_grad: bool = True
+
+
+class BasicOperation(torch.nn.Module):
+    """One operation, e.g. LayerNorm or Linear. Subclasses implement ``op_forward`` and
+    ``op_backward`` and, if they quantize, ``get_quantizer_roles``.
+
+    ``num_extra_inputs`` / ``num_extra_outputs`` let an op take a tensor from outside the chain
+    (``AddExtraInput``: a residual) or emit one (``MakeExtraOutput``: a branch).
+    """
+
+    num_extra_inputs: ClassVar[int] = 0
+    num_extra_outputs: ClassVar[int] = 0
+    # Scope of the op's quantizer roles (e.g. "linear"); modules may re-scope.
+    role_scope: ClassVar[str] = ""
+
+    def __init__(self, *, name: str | None = None) -> None:
+        super().__init__()
+        self.quantizer_name = name
+        self._role_scope_override: str | None = None
+        self._recipe_states: dict[str, RecipeState | None] = {"forward": None, "backward": None}
+        self._recipe_key: Any = None
+
+    # ---- quantizers ------------------------------------------------------------------------
+
+    @property
+    def scope(self) -> str:
+        return self._role_scope_override or self.role_scope
+
+    def set_role_scope(self, scope: str, name: str | None = None) -> None:
+        """Re-scope this op's roles (used by modules, e.g. ``layernorm_mlp`` with name ``fc1``)."""
+        self._role_scope_override = scope
+        if name is not None:
+            self.quantizer_name = name
+        self._recipe_key = None
+
+    def get_quantizer_roles(self, fwd: bool) -> list[QuantizerRole]:
+        """Roles of the quantizers this op owns, in slot order (none by default)."""
+        return []
+
+    def num_quantizers(self, fwd: bool) -> int:
+        return len(self.get_quantizer_roles(fwd))
+
+    def reset_recipe_state(self, recipe: Any | None) -> None:
+        """(Re)build the forward/backward RecipeStates for ``recipe`` (None: high precision)."""
+        for mode, fwd in (("forward", True), ("backward", False)):
+            roles = self.get_quantizer_roles(fwd)
+            if recipe is None or not roles:
+                self._recipe_states[mode] = None
+                continue
+            self._recipe_states[mode] = RecipeState.create(
+                recipe, mode=mode, num_quantizers=len(roles), roles=roles
+            )
+        self._recipe_key = _recipe_key(recipe)
+
+    def ensure_recipe_state(self, recipe: Any | None) -> None:
+        if self._recipe_key != _recipe_key(recipe) or (
+            recipe is not None and self._recipe_states["forward"] is None and self.role_scope
+        ):
+            self.reset_recipe_state(recipe)
+
+    def recipe_state(self, fwd: bool) -> RecipeState | None:
+        return self._recipe_states["forward" if fwd else "backward"]
+
+    def get_quantizer(self, fwd: bool, role_bucket: str) -> Quantizer | None:
+        """The quantizer of this op for a role bucket ("input", "grad_output", ...), or None."""
+        state = self.recipe_state(fwd)
+        if state is None:
+            return None
+        for role, q in zip(state.roles, state.quantizers, strict=True):
+            if role.bucket == role_bucket:
+                return q
+        return None
+
+    def input_quantizer(self) -> Quantizer | None:
+        """What this op wants its input quantized with (offered to the previous op)."""
+        return None
+
+    def grad_output_quantizer(self) -> Quantizer | None:
+        """What this op wants its output gradient quantized with (offered to the next op's
+        backward)."""
+        return None
+
+    # ---- execution -------------------------------------------------------------------------
+
+    def op_forward(
+        self,
+        ctx: OpContext,
+        x: Any,
+        params: list[torch.Tensor],
+        *,
+        next_input_quantizer: Quantizer | None,
+        extra_inputs: list[torch.Tensor],
+    ) -> tuple[Any, list[torch.Tensor]]:
+        """Return ``(y, extra_outputs)``. ``y`` may be quantized with ``next_input_quantizer``."""
+        raise NotImplementedError
+
+    def op_backward(
+        self,
+        ctx: OpContext,
+        dy: Any,
+        *,
+        prev_grad_quantizer: Quantizer | None,
+        extra_output_grads: list[torch.Tensor | None],
+    ) -> tuple[Any, list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Return ``(dx, param_grads, extra_input_grads)``. Parameters are not passed: an op saves
+        in ``ctx.saved`` what its backward needs (e.g. the quantized transposed weight)."""
+        raise NotImplementedError
+
+    def extra_repr_kernels(self) -> str:
+        return ""
+
+
+def _recipe_key(recipe: Any | None) -> Any:
+    return None if recipe is None else (type(recipe), recipe)
+
+
+class FusedOperation:
+    """A unit covering adjacent basic ops, running them with fused kernels.
+
+    Owns no parameters: it reads its basic ops' parameters from ``params`` (one list per basic op)
+    and fills each basic op's ``OpContext`` exactly as the basic ops would, so a fused forward can
+    pair with an unfused backward and vice versa.
+    """
+
+    #: Human-readable name shown by ``explain()``.
+    name: ClassVar[str] = "fused"
+    #: Which plan(s) this unit can appear in.
+    forward: ClassVar[bool] = True
+    backward: ClassVar[bool] = False
+
+    def __init__(self, ops: list[BasicOperation]) -> None:
+        self.ops = ops
+
+    def kernels(self) -> list[str]:
+        """Kernels this unit launches (for ``explain()``)."""
+        return []
+
+    def fuser_forward(
+        self,
+        ctxs: list[OpContext],
+        x: Any,
+        params: list[list[torch.Tensor]],
+        *,
+        next_input_quantizer: Quantizer | None,
+        extra_inputs: list[list[torch.Tensor]],
+    ) -> tuple[Any, list[list[torch.Tensor]]]:
+        raise NotImplementedError
+
+    def fuser_backward(
+        self,
+        ctxs: list[OpContext],
+        dy: Any,
+        *,
+        prev_grad_quantizer: Quantizer | None,
+        extra_output_grads: list[list[torch.Tensor | None]],
+    ) -> tuple[Any, list[list[torch.Tensor | None]], list[list[torch.Tensor | None]]]:
+        raise NotImplementedError

@@ -1,0 +1,164 @@
+"""``Sequential``: an ``nn.Sequential``-like container whose runs of basic ops are fused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from fusible.ops import fuser, registry
+from fusible.ops.op import BasicOperation
+from fusible.quantization import autocast as _autocast
+
+__all__ = ["Sequential"]
+
+
+class Sequential(torch.nn.Module):
+    """A chain of ops. Nested ``Sequential``s are flattened; a plain ``nn.Module`` splits fusion.
+
+    ``forward(x, *extra_inputs)`` returns ``y``, or ``(y, *extra_outputs)`` when the chain holds
+    ``MakeExtraOutput`` ops. Extra inputs are consumed by ``AddExtraInput`` ops in order.
+    """
+
+    def __init__(self, *modules: torch.nn.Module) -> None:
+        super().__init__()
+        for m in self._flatten(modules):
+            self.add_module(str(len(self._modules)), m)
+        self._plans: dict[Any, tuple[int, fuser.Plan]] = {}
+
+    @staticmethod
+    def _flatten(modules: Any) -> Iterator[torch.nn.Module]:
+        for m in modules:
+            if isinstance(m, Sequential):
+                yield from m._modules.values()  # type: ignore[misc]
+            elif isinstance(m, torch.nn.Module):
+                yield m
+            else:
+                raise TypeError(
+                    f"Sequential: arguments must be torch.nn.Module instances, got {type(m).__name__}"
+                )
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, i: int) -> torch.nn.Module:
+        return list(self._modules.values())[i]  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[torch.nn.Module]:
+        return iter(self._modules.values())  # type: ignore[arg-type]
+
+    def append(self, module: torch.nn.Module) -> Sequential:
+        for m in self._flatten([module]):
+            self.add_module(str(len(self._modules)), m)
+        self._plans.clear()
+        return self
+
+    # ---- planning --------------------------------------------------------------------------
+
+    def _runs(self) -> list[list[torch.nn.Module]]:
+        """Maximal runs of basic ops; each plain module is a run of its own."""
+        runs: list[list[torch.nn.Module]] = []
+        for m in self:
+            if isinstance(m, BasicOperation) and runs and isinstance(runs[-1][0], BasicOperation):
+                runs[-1].append(m)
+            else:
+                runs.append([m])
+        return runs
+
+    def _plan_for(self, ops: list[BasicOperation], x: torch.Tensor, recipe: Any) -> tuple[int, fuser.Plan]:
+        key = (
+            tuple(id(op) for op in ops),
+            None if recipe is None else (type(recipe), recipe),
+            x.dtype,
+            x.device.type,
+            x.requires_grad,
+            tuple(p.requires_grad for op in ops for p in op.parameters(recurse=False)),
+            tuple(op.training for op in ops),
+            registry.version(),
+        )
+        hit = self._plans.get(key)
+        if hit is None:
+            plan = fuser.build_plan(ops, recipe)
+            hit = (fuser.register_plan(plan), plan)
+            self._plans[key] = hit
+        return hit
+
+    # ---- execution -------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor) -> Any:
+        recipe = _autocast.get_recipe()
+        pending = list(extra_inputs)
+        extra_outputs: list[torch.Tensor] = []
+        for run in self._runs():
+            if not isinstance(run[0], BasicOperation):
+                x = run[0](x)
+                continue
+            ops: list[BasicOperation] = run  # type: ignore[assignment]
+            n_in = sum(op.num_extra_inputs for op in ops)
+            if n_in > len(pending):
+                raise ValueError(
+                    f"Sequential.forward: the ops need {sum(op.num_extra_inputs for op in self if isinstance(op, BasicOperation))} "
+                    f"extra input(s) (AddExtraInput), got {len(extra_inputs)}"
+                )
+            for op in ops:
+                op.ensure_recipe_state(recipe)
+            key, plan = self._plan_for(ops, x, recipe)
+            x, outs = fuser.run_plan(key, plan, x, pending[:n_in])
+            pending = pending[n_in:]
+            extra_outputs.extend(outs)
+            _autocast.after_forward([op.recipe_state(True) for op in ops])
+        if pending:
+            raise ValueError(
+                f"Sequential.forward: got {len(extra_inputs)} extra input(s) but the ops consume "
+                f"{len(extra_inputs) - len(pending)}"
+            )
+        return (x, *extra_outputs) if extra_outputs else x
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def explain(self, dtype: torch.dtype = torch.float32, device: str = "cpu") -> str:
+        """The forward and backward plans under the current autocast recipe: units, kernels,
+        each quantizer's role and recipe, and fusions that did not apply (with the reason)."""
+        recipe = _autocast.get_recipe()
+        lines = [f"recipe: {recipe!r}" if recipe is not None else "recipe: none (high precision)"]
+        probe = torch.empty(0, dtype=dtype, device=device, requires_grad=True)
+        for r, run in enumerate(self._runs()):
+            if not isinstance(run[0], BasicOperation):
+                lines.append(f"run {r}: plain module {type(run[0]).__name__} (splits fusion)")
+                continue
+            ops: list[BasicOperation] = run  # type: ignore[assignment]
+            for op in ops:
+                op.ensure_recipe_state(recipe)
+            _, plan = self._plan_for(ops, probe, recipe)
+            lines.append(f"run {r}:")
+            for title, units in (("forward", plan.forward_units), ("backward", plan.backward_units)):
+                lines.append(f"  {title} plan:")
+                for u in units:
+                    kernels = (
+                        u.fused.kernels() if u.fused is not None else
+                        [k for k in [ops[u.start].extra_repr_kernels()] if k]
+                    )  # fmt: skip
+                    tag = f" (rule '{u.rule}')" if u.rule else ""
+                    lines.append(f"    - {u.label(ops)}{tag}")
+                    if kernels:
+                        lines.append(f"        kernels: {', '.join(kernels)}")
+            lines.append("  quantizers:")
+            any_q = False
+            for i, op in enumerate(ops):
+                for fwd in (True, False):
+                    state = op.recipe_state(fwd)
+                    if state is None:
+                        continue
+                    for role, q in zip(state.roles, state.quantizers, strict=True):
+                        any_q = True
+                        what = "high precision" if q is None else repr(q)
+                        lines.append(f"    op {i} {type(op).__name__}: {role.qualified}: {what}")
+            if not any_q:
+                lines.append("    (none)")
+            if plan.rejected:
+                lines.append("  fusions not applied:")
+                for which, a, b, name, reason in plan.rejected:
+                    names = " + ".join(type(op).__name__ for op in ops[a:b])
+                    lines.append(f"    {which} '{name}' on [{names}]: {reason}")
+        return "\n".join(lines)
