@@ -1,0 +1,112 @@
+"""fusible.quantization: recipes, semantic roles, quantizers, quantized data, RecipeState, autocast.
+
+Import direction inside the package: ``roles``, ``recipe`` <- ``quantizers`` <- ``state`` <-
+``autocast``. The user guide is ``docs/quantization.md``.
+
+``fusible.quantization.autocast`` is the *module* (query functions, update points); the context
+manager is ``fusible.autocast`` (also ``fusible.quantization.autocast.autocast``).
+"""
+
+from fusible.quantization.autocast import (
+    DEFAULT_GROUP,
+    DEFAULT_RECIPE,
+    AutocastState,
+    end_backward_pass,
+    end_forward_pass,
+    get_amax_reduction_group,
+    get_autocast_state,
+    get_recipe,
+    is_fp8_enabled,
+    pending_recipe_states,
+)
+from fusible.quantization.quantizers import (
+    Float8CurrentScalingQuantizer,
+    Float8Data,
+    Float8Quantizer,
+    Float8Tensor,
+    MXFP8Data,
+    MXFP8Quantizer,
+    MXFP8Tensor,
+    QuantizedData,
+    QuantizedTensor,
+    Quantizer,
+    ScalingBuffers,
+    quantizer_for_recipe,
+)
+from fusible.quantization.recipe import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    Recipe,
+    RoleRules,
+)
+from fusible.quantization.roles import (
+    BACKWARD_BUCKETS,
+    FORWARD_BUCKETS,
+    STANDARD_BUCKETS,
+    QuantizerRole,
+    as_role,
+    as_roles,
+    backward_roles,
+    forward_roles,
+)
+from fusible.quantization.state import (
+    CustomRecipeState,
+    DelayedScalingRecipeState,
+    Float8CurrentScalingRecipeState,
+    MXFP8BlockScalingRecipeState,
+    RecipeState,
+    load_recipe_state,
+    recipe_state_to_dict,
+    update_delayed_scaling,
+)
+
+__all__ = [
+    "BACKWARD_BUCKETS",
+    "DEFAULT_GROUP",
+    "DEFAULT_RECIPE",
+    "FORWARD_BUCKETS",
+    "STANDARD_BUCKETS",
+    "AutocastState",
+    "CustomRecipe",
+    "CustomRecipeState",
+    "DelayedScaling",
+    "DelayedScalingRecipeState",
+    "Float8CurrentScaling",
+    "Float8CurrentScalingQuantizer",
+    "Float8CurrentScalingRecipeState",
+    "Float8Data",
+    "Float8Quantizer",
+    "Float8Tensor",
+    "Format",
+    "MXFP8BlockScaling",
+    "MXFP8BlockScalingRecipeState",
+    "MXFP8Data",
+    "MXFP8Quantizer",
+    "MXFP8Tensor",
+    "QuantizedData",
+    "QuantizedTensor",
+    "Quantizer",
+    "QuantizerRole",
+    "Recipe",
+    "RecipeState",
+    "RoleRules",
+    "ScalingBuffers",
+    "as_role",
+    "as_roles",
+    "backward_roles",
+    "end_backward_pass",
+    "end_forward_pass",
+    "forward_roles",
+    "get_amax_reduction_group",
+    "get_autocast_state",
+    "get_recipe",
+    "is_fp8_enabled",
+    "load_recipe_state",
+    "pending_recipe_states",
+    "quantizer_for_recipe",
+    "recipe_state_to_dict",
+    "update_delayed_scaling",
+]

@@ -1,0 +1,633 @@
+"""Quantizers and quantized data.
+
+A quantizer is a plain Python object (not an ``nn.Module``, not a tensor) that casts a
+high-precision tensor into a *quantized data container* holding plain tensors:
+
+* :class:`Float8Data` -- per-tensor FP8: ``data`` (``x``'s shape), ``data_t`` (the transposed
+  matrix ``[k, rows]``, what a GEMM needs for the other operand layout), ``scale_inv``;
+* :class:`MXFP8Data` -- MXFP8: rowwise ``data`` + E8M0 ``scale`` ``[rows, ceil(k/32)]`` and
+  columnwise ``col_data`` (``x``'s shape, blocks run down columns) + ``col_scale``
+  ``[ceil(rows/32), k]``.
+
+Inside the framework these containers (or their tensors) flow, which keeps tracing simple. For a
+user who holds quantized tensors (e.g. FP8 weights), :class:`QuantizedTensor` wraps a container in
+a ``torch.Tensor`` subclass that dequantizes for any op it does not know.
+
+Usage flags: ``rowwise`` / ``columnwise`` say which copies :meth:`Quantizer.quantize` produces;
+they are attributes (``set_usage``) and can be overridden per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch.utils._pytree import tree_map
+
+import fusible._kernels  # noqa: F401  (registers torch.ops.fusible.*)
+from fusible._kernels import FP8_DTYPES, HIGH_PRECISION_DTYPES
+from fusible.quantization.recipe import Float8CurrentScaling, MXFP8BlockScaling, Recipe
+from fusible.quantization.roles import QuantizerRole, as_role
+
+__all__ = [
+    "Float8CurrentScalingQuantizer",
+    "Float8Data",
+    "Float8Quantizer",
+    "Float8Tensor",
+    "MXFP8Data",
+    "MXFP8Quantizer",
+    "MXFP8Tensor",
+    "QuantizedData",
+    "QuantizedTensor",
+    "Quantizer",
+    "ScalingBuffers",
+    "quantizer_for_recipe",
+]
+
+_ops = torch.ops.fusible
+
+
+def _nbytes(*ts: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _check_fp8_dtype(owner: str, dtype: object) -> None:
+    if dtype not in FP8_DTYPES:
+        raise TypeError(
+            f"{owner}: 'dtype' must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}"
+        )
+
+
+def _check_out_dtype(owner: str, dtype: object) -> None:
+    if dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"{owner}: 'dtype' must be torch.float32, torch.float16 or torch.bfloat16, "
+            f"got {dtype!r}"
+        )
+
+
+# ---- quantized data containers ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Float8Data:
+    """Per-tensor FP8 data: ``x ~= float(data) * scale_inv``.
+
+    ``data``: rowwise copy with the original ``shape`` (None if not produced); ``data_t``: the
+    transposed matrix ``[k, rows]`` where ``x`` is viewed as ``[rows, k]`` (None if not produced);
+    ``scale_inv``: float32 ``(1,)``; ``fp8_dtype``: the FP8 dtype of both copies.
+    """
+
+    data: torch.Tensor | None
+    data_t: torch.Tensor | None
+    scale_inv: torch.Tensor
+    fp8_dtype: torch.dtype
+    shape: torch.Size
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", torch.Size(self.shape))
+        if self.data is None and self.data_t is None:
+            raise ValueError("Float8Data: at least one of 'data' and 'data_t' must be given")
+        for name in ("data", "data_t"):
+            t = getattr(self, name)
+            if t is not None and t.dtype != self.fp8_dtype:
+                raise ValueError(
+                    f"Float8Data: '{name}' has dtype {t.dtype}, expected fp8_dtype {self.fp8_dtype}"
+                )
+
+    @property
+    def device(self) -> torch.device:
+        return self.scale_inv.device
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self.data is not None
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self.data_t is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all tensors of this container (its memory footprint)."""
+        return _nbytes(self.data, self.data_t, self.scale_inv)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Exact dequantization ``float(q) * scale_inv`` rounded to ``dtype``, in ``shape``."""
+        _check_out_dtype("Float8Data.dequantize", dtype)
+        if self.data is not None:
+            return _ops.dequantize_fp8(self.data, self.scale_inv, dtype)
+        assert self.data_t is not None
+        out_t = _ops.dequantize_fp8(self.data_t, self.scale_inv, dtype)
+        return out_t.t().reshape(self.shape)
+
+    def _map(self, fn: Any) -> Float8Data:
+        return replace(
+            self,
+            data=None if self.data is None else fn(self.data),
+            data_t=None if self.data_t is None else fn(self.data_t),
+            scale_inv=fn(self.scale_inv),
+        )
+
+    def to(self, device: torch.device | str) -> Float8Data:
+        return self._map(lambda t: t.to(device))
+
+    def detach(self) -> Float8Data:
+        return self._map(lambda t: t.detach())
+
+    def clone(self) -> Float8Data:
+        return self._map(lambda t: t.clone())
+
+
+@dataclass(frozen=True, eq=False)
+class MXFP8Data:
+    """MXFP8 data: ``x ~= float(q) * 2**(s - 127)`` per 32-element block.
+
+    ``data`` / ``scale``: rowwise copy (``x``'s shape) and its E8M0 scales ``[rows, ceil(k/32)]``
+    (uint8); ``col_data`` / ``col_scale``: columnwise copy (also ``x``'s shape) and its scales
+    ``[ceil(rows/32), k]``. Either pair may be None.
+    """
+
+    data: torch.Tensor | None
+    scale: torch.Tensor | None
+    col_data: torch.Tensor | None
+    col_scale: torch.Tensor | None
+    fp8_dtype: torch.dtype
+    shape: torch.Size
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", torch.Size(self.shape))
+        if (self.data is None) != (self.scale is None) or (self.col_data is None) != (
+            self.col_scale is None
+        ):
+            raise ValueError("MXFP8Data: each copy needs both its data and its scale")
+        if self.data is None and self.col_data is None:
+            raise ValueError("MXFP8Data: at least one of 'data' and 'col_data' must be given")
+        for name in ("data", "col_data"):
+            t = getattr(self, name)
+            if t is not None and t.dtype != self.fp8_dtype:
+                raise ValueError(
+                    f"MXFP8Data: '{name}' has dtype {t.dtype}, expected fp8_dtype {self.fp8_dtype}"
+                )
+
+    @property
+    def device(self) -> torch.device:
+        t = self.data if self.data is not None else self.col_data
+        assert t is not None
+        return t.device
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self.data is not None
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self.col_data is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all tensors of this container (its memory footprint)."""
+        return _nbytes(self.data, self.scale, self.col_data, self.col_scale)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Exact dequantization of the rowwise copy (else the columnwise one), to ``dtype``."""
+        _check_out_dtype("MXFP8Data.dequantize", dtype)
+        if self.data is not None:
+            assert self.scale is not None
+            return _ops.dequantize_mxfp8(self.data, self.scale, False, dtype)
+        assert self.col_data is not None and self.col_scale is not None
+        return _ops.dequantize_mxfp8(self.col_data, self.col_scale, True, dtype)
+
+    def _map(self, fn: Any) -> MXFP8Data:
+        def f(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return replace(
+            self,
+            data=f(self.data),
+            scale=f(self.scale),
+            col_data=f(self.col_data),
+            col_scale=f(self.col_scale),
+        )
+
+    def to(self, device: torch.device | str) -> MXFP8Data:
+        return self._map(lambda t: t.to(device))
+
+    def detach(self) -> MXFP8Data:
+        return self._map(lambda t: t.detach())
+
+    def clone(self) -> MXFP8Data:
+        return self._map(lambda t: t.clone())
+
+
+QuantizedData = Float8Data | MXFP8Data
+
+
+# ---- quantizers ---------------------------------------------------------------------------------
+
+
+class Quantizer:
+    """Base class: casts high-precision tensors into a quantized data container.
+
+    ``dtype``: the FP8 dtype; ``rowwise`` / ``columnwise``: which copies to produce (settable,
+    and overridable per :meth:`quantize` call); ``role``: the slot's role when built by a
+    RecipeState (informational).
+    """
+
+    scaling: ClassVar[str] = "none"
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        role: QuantizerRole | str | None = None,
+    ) -> None:
+        _check_fp8_dtype(type(self).__name__, dtype)
+        self.dtype = dtype
+        self.rowwise = bool(rowwise)
+        self.columnwise = bool(columnwise)
+        self.role: QuantizerRole | None = None if role is None else as_role(role)
+
+    def set_usage(
+        self, *, rowwise: bool | None = None, columnwise: bool | None = None
+    ) -> Quantizer:
+        """Set which copies later ``quantize`` calls produce; returns ``self``."""
+        if rowwise is not None:
+            self.rowwise = bool(rowwise)
+        if columnwise is not None:
+            self.columnwise = bool(columnwise)
+        return self
+
+    def _usage(self, rowwise: bool | None, columnwise: bool | None) -> tuple[bool, bool]:
+        r = self.rowwise if rowwise is None else bool(rowwise)
+        c = self.columnwise if columnwise is None else bool(columnwise)
+        if not (r or c):
+            raise ValueError(
+                f"{type(self).__name__}.quantize: at least one of 'rowwise' and 'columnwise' "
+                "must be True"
+            )
+        return r, c
+
+    def _check_input(self, x: object) -> torch.Tensor:
+        name = type(self).__name__
+        if not isinstance(x, torch.Tensor) or isinstance(x, QuantizedTensor):
+            raise TypeError(f"{name}.quantize: 'x' must be a plain torch.Tensor, got {type(x)}")
+        if x.dtype not in HIGH_PRECISION_DTYPES:
+            raise TypeError(
+                f"{name}.quantize: 'x' must be float32, float16 or bfloat16, got {x.dtype}"
+            )
+        if x.dim() == 0:
+            raise ValueError(f"{name}.quantize: 'x' must have at least one dimension, got a scalar")
+        return x.contiguous()
+
+    def quantize(
+        self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None
+    ) -> QuantizedData:
+        """Quantize ``x`` (fp32/fp16/bf16, CPU or CUDA) into a plain data container."""
+        raise NotImplementedError
+
+    def quantize_tensor(
+        self,
+        x: torch.Tensor,
+        *,
+        rowwise: bool | None = None,
+        columnwise: bool | None = None,
+        requires_grad: bool = False,
+    ) -> QuantizedTensor:
+        """Quantize ``x`` into a user-facing :class:`QuantizedTensor` (nominal dtype x.dtype)."""
+        q = self.quantize(x, rowwise=rowwise, columnwise=columnwise)
+        return QuantizedTensor.wrap(q, dtype=x.dtype, quantizer=self, requires_grad=requires_grad)
+
+    def _repr_extra(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        role = "" if self.role is None else f", role={self.role.qualified!r}"
+        return (
+            f"{type(self).__name__}(dtype={self.dtype}, rowwise={self.rowwise}, "
+            f"columnwise={self.columnwise}{self._repr_extra()}{role})"
+        )
+
+
+class ScalingBuffers(Protocol):
+    """What a :class:`Float8Quantizer` reads and writes: a delayed-scaling state's buffers."""
+
+    amax_history: torch.Tensor  # float32 [history_len, n]
+    scale: torch.Tensor  # float32 [n]
+
+
+class _OwnBuffers:
+    def __init__(self, amax_history: torch.Tensor, scale: torch.Tensor) -> None:
+        self.amax_history = amax_history
+        self.scale = scale
+
+
+class Float8Quantizer(Quantizer):
+    """Delayed-scaling FP8 quantizer of slot ``slot`` of a delayed-scaling state.
+
+    Casts with ``buffers.scale[slot]`` (the scale computed at the last update) and records the
+    tensor's amax into ``buffers.amax_history[0, slot]`` as a running max (so a quantizer used
+    several times before an update records the largest amax; NaN propagates). ``buffers`` is
+    read at every call, so moving or reloading the state is seen by its quantizers.
+    """
+
+    scaling = "delayed"
+
+    def __init__(
+        self,
+        buffers: ScalingBuffers,
+        slot: int,
+        dtype: torch.dtype,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        role: QuantizerRole | str | None = None,
+    ) -> None:
+        super().__init__(dtype, rowwise=rowwise, columnwise=columnwise, role=role)
+        n = buffers.scale.shape[0]
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < n:
+            raise ValueError(f"Float8Quantizer: 'slot' must be an int in [0, {n}), got {slot!r}")
+        self.buffers = buffers
+        self.slot = slot
+
+    @classmethod
+    def standalone(
+        cls,
+        dtype: torch.dtype,
+        *,
+        scale: float = 1.0,
+        amax_history_len: int = 1,
+        device: torch.device | str | None = None,
+        **kwargs: Any,
+    ) -> Float8Quantizer:
+        """A quantizer with its own one-slot buffers (for tests and manual scaling)."""
+        buffers = _OwnBuffers(
+            torch.zeros(amax_history_len, 1, dtype=torch.float32, device=device),
+            torch.full((1,), scale, dtype=torch.float32, device=device),
+        )
+        return cls(buffers, 0, dtype, **kwargs)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """This slot's current scale, a float32 ``(1,)`` view into the state's buffer."""
+        return self.buffers.scale[self.slot : self.slot + 1]
+
+    def quantize(
+        self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None
+    ) -> Float8Data:
+        x = self._check_input(x)
+        r, c = self._usage(rowwise, columnwise)
+        data, data_t, scale_inv, amax = _ops.quantize_fp8(x, self.scale, self.dtype, r, c)
+        self.record_amax(amax)
+        return Float8Data(
+            data if r else None, data_t if c else None, scale_inv, self.dtype, x.shape
+        )
+
+    def record_amax(self, amax: torch.Tensor) -> None:
+        """Fold ``amax`` (float32, one element) into this step's running max,
+        ``amax_history[0, slot]`` -- for casts done by fused kernels with :attr:`scale`."""
+        seen = self.buffers.amax_history[0, self.slot : self.slot + 1]
+        seen.copy_(torch.maximum(seen, amax.reshape(1).to(seen)))
+
+    def _repr_extra(self) -> str:
+        return f", slot={self.slot}"
+
+
+class Float8CurrentScalingQuantizer(Quantizer):
+    """Current-scaling FP8 quantizer: ``scale = fp8_max / amax(x) / 2**margin`` per call."""
+
+    scaling = "current"
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        *,
+        margin: int = 0,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        role: QuantizerRole | str | None = None,
+    ) -> None:
+        super().__init__(dtype, rowwise=rowwise, columnwise=columnwise, role=role)
+        if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+            raise ValueError(
+                f"Float8CurrentScalingQuantizer: 'margin' must be an int >= 0, got {margin!r}"
+            )
+        self.margin = margin
+
+    def quantize(
+        self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None
+    ) -> Float8Data:
+        x = self._check_input(x)
+        r, c = self._usage(rowwise, columnwise)
+        data, data_t, _scale, scale_inv, _amax = _ops.quantize_fp8_current(
+            x, self.dtype, self.margin, r, c
+        )
+        return Float8Data(
+            data if r else None, data_t if c else None, scale_inv, self.dtype, x.shape
+        )
+
+    def _repr_extra(self) -> str:
+        return f", margin={self.margin}"
+
+
+class MXFP8Quantizer(Quantizer):
+    """MXFP8 quantizer (OCP MX v1.0, 32-element blocks, E8M0 scales); stateless."""
+
+    scaling = "mxfp8"
+
+    def quantize(
+        self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None
+    ) -> MXFP8Data:
+        x = self._check_input(x)
+        r, c = self._usage(rowwise, columnwise)
+        data, scale, col, col_scale = _ops.quantize_mxfp8(x, self.dtype, r, c)
+        if not r:
+            data = scale = None
+        if not c:
+            col = col_scale = None
+        return MXFP8Data(data, scale, col, col_scale, self.dtype, x.shape)
+
+
+def quantizer_for_recipe(
+    recipe: Recipe, role: QuantizerRole | str, *, mode: str | None = None
+) -> Quantizer:
+    """A quantizer of a *stateless* recipe for ``role`` (handy inside quantizer factories).
+
+    The FP8 dtype follows the recipe's format for ``mode`` (``"forward"`` / ``"backward"``);
+    without ``mode``, gradient roles (``grad_*``) are backward and all others forward.
+    ``DelayedScaling`` needs a RecipeState and raises ``ValueError``.
+    """
+    role = as_role(role)
+    if mode is None:
+        mode = "backward" if role.is_gradient else "forward"
+    if isinstance(recipe, Float8CurrentScaling):
+        return Float8CurrentScalingQuantizer(
+            recipe.fp8_format.dtype(mode), margin=recipe.margin, role=role
+        )
+    if isinstance(recipe, MXFP8BlockScaling):
+        return MXFP8Quantizer(recipe.fp8_format.dtype(mode), role=role)
+    raise ValueError(
+        f"quantizer_for_recipe: expected a stateless recipe (Float8CurrentScaling or "
+        f"MXFP8BlockScaling), got {type(recipe).__name__}; stateful recipes need "
+        "RecipeState.create"
+    )
+
+
+# ---- user-facing tensor subclass ----------------------------------------------------------------
+
+_aten = torch.ops.aten
+
+
+class QuantizedTensor(torch.Tensor):
+    """A ``torch.Tensor`` subclass wrapping quantized data, for tensors a *user* holds.
+
+    Its nominal ``dtype`` (the high-precision dtype it stands for) and ``shape`` are those of the
+    original tensor. ``detach()``, ``clone()`` and ``.to(device)`` keep it quantized; ``.to(dtype)``
+    to another dtype, and every other op, see the exactly dequantized tensor (a plain tensor comes
+    back). ``copy_(src)`` re-quantizes ``src`` with the quantizer that made it. Other in-place ops
+    raise ``RuntimeError``. Use :func:`QuantizedTensor.wrap` (or ``Quantizer.quantize_tensor``).
+    """
+
+    _qdata: QuantizedData
+    _quantizer: Quantizer | None
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @staticmethod
+    def __new__(
+        cls,
+        qdata: QuantizedData,
+        *,
+        dtype: torch.dtype = torch.float32,
+        quantizer: Quantizer | None = None,
+        requires_grad: bool = False,
+    ) -> QuantizedTensor:
+        expected = {Float8Tensor: Float8Data, MXFP8Tensor: MXFP8Data}.get(cls)
+        if expected is None or not isinstance(qdata, expected):
+            raise TypeError(
+                f"{cls.__name__}: expected {getattr(expected, '__name__', 'quantized data')}, "
+                f"got {type(qdata).__name__}; use QuantizedTensor.wrap"
+            )
+        _check_out_dtype(cls.__name__, dtype)
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, qdata.shape, dtype=dtype, device=qdata.device, requires_grad=requires_grad
+        )
+        self._qdata = qdata
+        self._quantizer = quantizer
+        return self
+
+    @staticmethod
+    def wrap(
+        qdata: QuantizedData,
+        *,
+        dtype: torch.dtype = torch.float32,
+        quantizer: Quantizer | None = None,
+        requires_grad: bool = False,
+    ) -> QuantizedTensor:
+        """Wrap a container: a :class:`Float8Tensor` or an :class:`MXFP8Tensor`."""
+        if isinstance(qdata, Float8Data):
+            return Float8Tensor(
+                qdata, dtype=dtype, quantizer=quantizer, requires_grad=requires_grad
+            )
+        if isinstance(qdata, MXFP8Data):
+            return MXFP8Tensor(qdata, dtype=dtype, quantizer=quantizer, requires_grad=requires_grad)
+        raise TypeError(
+            f"QuantizedTensor.wrap: expected Float8Data or MXFP8Data, got {type(qdata).__name__}"
+        )
+
+    @property
+    def qdata(self) -> QuantizedData:
+        """The wrapped plain-tensor container."""
+        return self._qdata
+
+    @property
+    def quantizer(self) -> Quantizer | None:
+        return self._quantizer
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
+        """A plain tensor, exactly dequantized to ``dtype`` (default: the nominal dtype)."""
+        return self._qdata.dequantize(self.dtype if dtype is None else dtype)
+
+    def memory_footprint(self) -> int:
+        """Bytes actually held (quantized copies and scales)."""
+        return self._qdata.nbytes
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return (
+            f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"fp8_dtype={self._qdata.fp8_dtype}, device={self.device}, "
+            f"rowwise={self._qdata.has_rowwise}, columnwise={self._qdata.has_columnwise})"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (_rebuild_quantized_tensor, (self._qdata, self.dtype, self.requires_grad))
+
+    def _same(self, qdata: QuantizedData, dtype: torch.dtype | None = None) -> QuantizedTensor:
+        return QuantizedTensor.wrap(
+            qdata, dtype=self.dtype if dtype is None else dtype, quantizer=self._quantizer
+        )
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        src = args[0] if args else None
+        if isinstance(src, QuantizedTensor):
+            if func is _aten.detach.default:
+                return src._same(src._qdata.detach())
+            if func is _aten.clone.default:
+                return src._same(src._qdata.clone())
+            if func is _aten._to_copy.default:
+                dtype = kwargs.get("dtype")
+                device = kwargs.get("device")
+                if dtype is None or dtype == src.dtype:
+                    moved = src._qdata if device is None else src._qdata.to(device)
+                    return src._same(moved)
+                out = src.dequantize(dtype)
+                return out if device is None else out.to(device)
+            if func is _aten.copy_.default:
+                if src._quantizer is None:
+                    raise RuntimeError(
+                        f"{type(src).__name__}.copy_: this tensor has no quantizer to re-quantize "
+                        "with (wrap it with quantizer=...)"
+                    )
+                value = args[1]
+                if isinstance(value, QuantizedTensor):
+                    value = value.dequantize()
+                value = value.to(device=src.device, dtype=src.dtype).expand(src.shape)
+                q = src._qdata
+                src._qdata = src._quantizer.quantize(
+                    value, rowwise=q.has_rowwise, columnwise=q.has_columnwise
+                )
+                return src
+        schema = getattr(func, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            for a, arg in zip(schema.arguments, args, strict=False):
+                if a.is_write and isinstance(arg, QuantizedTensor):
+                    raise RuntimeError(
+                        f"{type(arg).__name__}: in-place op {func} is not supported on quantized "
+                        "tensors; dequantize() first, or assign with copy_()"
+                    )
+
+        def unwrap(t: Any) -> Any:
+            return t.dequantize() if isinstance(t, QuantizedTensor) else t
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+class Float8Tensor(QuantizedTensor):
+    """User-held per-tensor FP8 tensor (wraps :class:`Float8Data`)."""
+
+
+class MXFP8Tensor(QuantizedTensor):
+    """User-held MXFP8 tensor (wraps :class:`MXFP8Data`)."""
+
+
+def _rebuild_quantized_tensor(
+    qdata: QuantizedData, dtype: torch.dtype, requires_grad: bool
+) -> QuantizedTensor:
+    return QuantizedTensor.wrap(qdata, dtype=dtype, requires_grad=requires_grad)

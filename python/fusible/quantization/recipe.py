@@ -1,0 +1,243 @@
+"""Recipes: frozen, validated descriptions of how to quantize.
+
+A recipe says *how* tensors are quantized; a :class:`~fusible.quantization.RecipeState` built
+from it (per op, per pass) holds the quantizers and any scaling state. Recipes are immutable and
+hashable, so ops can cache on them. Construction validates every field and raises ``ValueError``
+naming the class and the field. No environment variable changes a default.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from fusible.quantization.roles import QuantizerRole, as_role
+
+__all__ = [
+    "CustomRecipe",
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "Format",
+    "MXFP8BlockScaling",
+    "Recipe",
+    "RoleRules",
+]
+
+
+class Format(enum.Enum):
+    """FP8 format of a recipe: which FP8 dtype forward and backward tensors use.
+
+    * ``E4M3``: E4M3 everywhere (max 448).
+    * ``HYBRID``: E4M3 in forward (inputs, weights, outputs), E5M2 (max 57344) for gradients.
+    * ``E5M2``: E5M2 everywhere.
+    """
+
+    E4M3 = "E4M3"
+    HYBRID = "HYBRID"
+    E5M2 = "E5M2"
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self is Format.E5M2 else torch.float8_e4m3fn
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
+
+    def dtype(self, mode: str) -> torch.dtype:
+        """FP8 dtype for a ``"forward"`` or ``"backward"`` RecipeState."""
+        if mode == "forward":
+            return self.fwd_dtype
+        if mode == "backward":
+            return self.bwd_dtype
+        raise ValueError(f"Format.dtype: mode must be 'forward' or 'backward', got {mode!r}")
+
+
+def _fail(cls: object, fld: str, expected: str, got: object) -> ValueError:
+    return ValueError(f"{type(cls).__name__}: '{fld}' must be {expected}, got {got!r}")
+
+
+def _check_format(obj: object, value: object) -> None:
+    if not isinstance(value, Format):
+        raise _fail(obj, "fp8_format", "a fusible.recipe.Format (E4M3, HYBRID or E5M2)", value)
+
+
+def _check_margin(obj: object, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _fail(obj, "margin", "an int >= 0", value)
+
+
+class Recipe:
+    """Base class of all recipes."""
+
+    def delayed(self) -> bool:
+        return isinstance(self, DelayedScaling)
+
+    def float8_current_scaling(self) -> bool:
+        return isinstance(self, Float8CurrentScaling)
+
+    def mxfp8(self) -> bool:
+        return isinstance(self, MXFP8BlockScaling)
+
+    def custom(self) -> bool:
+        return isinstance(self, CustomRecipe)
+
+
+@dataclass(frozen=True)
+class DelayedScaling(Recipe):
+    """Per-tensor FP8 scaling from the amax *history* of previous steps.
+
+    Each quantizer casts with the scale held in its RecipeState and records the tensor's amax
+    (a running max, so a quantizer used several times in one step records the largest).
+    At the update point (see ``docs/quantization.md``), for every quantizer::
+
+        amax  = max(amax_history)          (amax_compute_algo="max")
+              = amax_history[0]            (amax_compute_algo="most_recent", this step's amax)
+        scale = fp8_max / amax / 2**margin (scale unchanged if amax is 0, inf or NaN)
+
+    then the history rolls by one step. ``reduce_amax``: reduce this step's amaxes with
+    ``all_reduce(MAX)`` over ``autocast(amax_reduction_group=...)`` before the update.
+    """
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        _check_margin(self, self.margin)
+        _check_format(self, self.fp8_format)
+        h = self.amax_history_len
+        if isinstance(h, bool) or not isinstance(h, int) or h < 1:
+            raise _fail(self, "amax_history_len", "an int >= 1", h)
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise _fail(self, "amax_compute_algo", "'max' or 'most_recent'", self.amax_compute_algo)
+        if not isinstance(self.reduce_amax, bool):
+            raise _fail(self, "reduce_amax", "a bool", self.reduce_amax)
+
+
+@dataclass(frozen=True)
+class Float8CurrentScaling(Recipe):
+    """Per-tensor FP8 scaling from the tensor itself: ``scale = fp8_max / amax(x) / 2**margin``
+    (scale 1 if the amax is 0 or non-finite). Two passes over the input; no state."""
+
+    fp8_format: Format = Format.HYBRID
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        _check_format(self, self.fp8_format)
+        _check_margin(self, self.margin)
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8 (OCP MX v1.0): one E8M0 power-of-two scale per 32-element block, rowwise and
+    columnwise copies. The block rule is documented in ``docs/quantization.md``. No state."""
+
+    fp8_format: Format = Format.E4M3
+
+    def __post_init__(self) -> None:
+        _check_format(self, self.fp8_format)
+
+
+#: What a rule maps a role to: a recipe, a quantizer factory ``role -> quantizer | None``, or
+#: None (high precision).
+RuleValue = Any
+
+
+@dataclass(frozen=True)
+class RoleRules:
+    """Ordered glob rules routing roles to recipes / factories / high precision.
+
+    ``rules`` maps fnmatch patterns to values; a pattern is matched (case-sensitively) against
+    ``str(role)`` (``"bucket:scope"``) and against ``role.qualified`` (``"bucket:scope:name"``);
+    the first matching rule wins. A value is
+
+    * a :class:`Recipe` -- the role gets that recipe's quantizer (slots routed to one recipe share
+      one sub-RecipeState, so a ``DelayedScaling`` value keeps its amax history and is updated
+      with the parent state),
+    * a callable ``factory(role) -> quantizer | None`` -- called once per routed slot,
+    * ``None`` -- the slot stays in high precision.
+
+    A role that matches no rule raises ``ValueError`` (add ``"*": None`` for a catch-all).
+    Accepts a mapping (insertion order) or a sequence of ``(pattern, value)`` pairs.
+    """
+
+    rules: tuple[tuple[str, RuleValue], ...] = field(default=())
+
+    def __init__(
+        self, rules: Mapping[str, RuleValue] | Iterable[tuple[str, RuleValue]] = ()
+    ) -> None:
+        items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+        checked = []
+        for i, item in enumerate(items):
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise ValueError(
+                    f"RoleRules: rules[{i}] must be a (pattern, value) pair, got {item!r}"
+                )
+            pattern, value = item
+            if not isinstance(pattern, str) or not pattern:
+                raise ValueError(
+                    f"RoleRules: pattern of rules[{i}] must be a non-empty glob string, "
+                    f"got {pattern!r}"
+                )
+            if not (value is None or isinstance(value, Recipe) or callable(value)):
+                raise ValueError(
+                    f"RoleRules: value of rule {pattern!r} must be a Recipe, a quantizer factory "
+                    f"(callable role -> quantizer | None) or None, got {value!r}"
+                )
+            checked.append((pattern, value))
+        if not checked:
+            raise ValueError("RoleRules: 'rules' must hold at least one (pattern, value) rule")
+        object.__setattr__(self, "rules", tuple(checked))
+
+    def match(self, role: QuantizerRole | str) -> tuple[str, RuleValue]:
+        """The first ``(pattern, value)`` rule matching ``role``; ``ValueError`` if none does."""
+        role = as_role(role)
+        for pattern, value in self.rules:
+            if role.matches(pattern):
+                return pattern, value
+        patterns = ", ".join(repr(p) for p, _ in self.rules)
+        raise ValueError(
+            f"RoleRules: no rule matches role {role.qualified!r} (patterns: {patterns}); "
+            "add a catch-all rule such as '*': None"
+        )
+
+
+@dataclass(frozen=True)
+class CustomRecipe(Recipe):
+    """A recipe defined by a quantizer factory called once per quantizer slot.
+
+    ``qfactory(role) -> quantizer | None`` receives the slot's :class:`QuantizerRole` and returns a
+    quantizer (a :class:`fusible.quantization.Quantizer`) or None to keep that slot in high
+    precision. ``qfactory`` may also be a :class:`RoleRules`; see :meth:`from_rules`.
+    """
+
+    qfactory: Callable[[QuantizerRole], Any] | RoleRules | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.qfactory, RoleRules) or callable(self.qfactory)):
+            raise _fail(
+                self, "qfactory", "a callable role -> quantizer | None (or a RoleRules)",
+                self.qfactory,
+            )  # fmt: skip
+
+    @classmethod
+    def from_rules(
+        cls, rules: Mapping[str, RuleValue] | Iterable[tuple[str, RuleValue]] | RoleRules
+    ) -> CustomRecipe:
+        """A CustomRecipe routing roles by ordered glob rules (see :class:`RoleRules`), e.g.::
+
+        CustomRecipe.from_rules({
+            "weight:*": MXFP8BlockScaling(),
+            "grad_*:*": Float8CurrentScaling(fp8_format=Format.E5M2),
+            "*:*:fc2": None,            # the op named fc2 stays in high precision
+            "*": Float8CurrentScaling(),
+        })
+        """
+        return cls(qfactory=rules if isinstance(rules, RoleRules) else RoleRules(rules))
