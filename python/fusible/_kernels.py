@@ -79,7 +79,9 @@ def _check_tensor(
         raise TypeError(f"fusible.{op}: argument '{name}' must be a torch.Tensor, got {type(t)}")
     if dtypes is not None and t.dtype not in dtypes:
         names = ", ".join(str(d) for d in dtypes)
-        raise TypeError(f"fusible.{op}: argument '{name}' must have dtype in ({names}), got {t.dtype}")
+        raise TypeError(
+            f"fusible.{op}: argument '{name}' must have dtype in ({names}), got {t.dtype}"
+        )
     if t.device.type not in ("cpu", "cuda", "meta"):
         raise ValueError(
             f"fusible.{op}: argument '{name}' is on {t.device}; expected a CPU or CUDA tensor"
@@ -117,10 +119,27 @@ def _check_fp8_dtype(op: str, dtype: torch.dtype) -> None:
         )
 
 
-def _matrix_shape(op: str, x: torch.Tensor) -> tuple[int, int]:
+def _matrix_shape(op: str, x: torch.Tensor, name: str = "x") -> tuple[int, int]:
     if x.dim() == 0:
-        raise ValueError(f"fusible.{op}: argument 'x' must have at least one dimension, got a scalar")
+        raise ValueError(
+            f"fusible.{op}: argument '{name}' must have at least one dimension, got a scalar"
+        )
     return math.prod(x.shape[:-1]), x.shape[-1]
+
+
+def _check_same_device(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
+    # Also called by the fake kernels: a mix of meta and real tensors dispatches to them, and they
+    # must not hand back uninitialised real tensors.
+    if t.device != device:
+        raise ValueError(
+            f"fusible.{op}: argument '{name}' is on {t.device}, expected the input's device "
+            f"{device}"
+        )
+
+
+def _check_margin(op: str, margin: int) -> None:
+    if not -(2**31) <= margin < 2**31:
+        raise ValueError(f"fusible.{op}: argument 'margin' must fit in int32, got {margin}")
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -147,9 +166,9 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _fp8_outputs(
-    x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
+    op: str, x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = _matrix_shape("quantize", x)
+    rows, cols = _matrix_shape(op, x)
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if rowwise else None
     data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=x.device) if columnwise else None
     e = torch.empty(0, dtype=fp8_dtype, device=x.device)
@@ -180,7 +199,7 @@ def quantize_fp8(
     _check_fp8_dtype(op, fp8_dtype)
     _require_a_copy(op, rowwise, columnwise)
     rows, cols = _matrix_shape(op, x)
-    data, data_t = _fp8_outputs(x, fp8_dtype, rowwise, columnwise)
+    data, data_t = _fp8_outputs(op, x, fp8_dtype, rowwise, columnwise)
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
     amax = torch.empty(1, dtype=torch.float32, device=x.device)
     q = _C.Quantized(
@@ -193,7 +212,8 @@ def quantize_fp8(
 
 @quantize_fp8.register_fake
 def _(x, scale, fp8_dtype, rowwise, columnwise):
-    data, data_t = _fp8_outputs(x, fp8_dtype, rowwise, columnwise)
+    _check_same_device("quantize_fp8", "scale", scale, x.device)
+    data, data_t = _fp8_outputs("quantize_fp8", x, fp8_dtype, rowwise, columnwise)
     return data, data_t, scale.new_empty(1), scale.new_empty(1)
 
 
@@ -209,8 +229,9 @@ def quantize_fp8_current(
     _check_tensor(op, "x", x, HIGH_PRECISION_DTYPES)
     _check_fp8_dtype(op, fp8_dtype)
     _require_a_copy(op, rowwise, columnwise)
+    _check_margin(op, margin)
     rows, cols = _matrix_shape(op, x)
-    data, data_t = _fp8_outputs(x, fp8_dtype, rowwise, columnwise)
+    data, data_t = _fp8_outputs(op, x, fp8_dtype, rowwise, columnwise)
     scale, scale_inv, amax = (torch.ones(1, dtype=torch.float32, device=x.device) for _ in range(3))
     q = _C.Quantized(
         _SCALING_PER_TENSOR, _CODE[fp8_dtype], rows, cols,
@@ -222,7 +243,7 @@ def quantize_fp8_current(
 
 @quantize_fp8_current.register_fake
 def _(x, fp8_dtype, margin, rowwise, columnwise):
-    data, data_t = _fp8_outputs(x, fp8_dtype, rowwise, columnwise)
+    data, data_t = _fp8_outputs("quantize_fp8_current", x, fp8_dtype, rowwise, columnwise)
     one = torch.empty(1, dtype=torch.float32, device=x.device)
     return data, data_t, one, one.clone(), one.clone()
 
@@ -236,7 +257,7 @@ def dequantize_fp8(
     _check_tensor(op, "data", data, FP8_DTYPES)
     _check_scalar(op, "scale_inv", scale_inv, data.device)
     _check_out_dtype(op, out_dtype)
-    rows, cols = _matrix_shape(op, data)
+    rows, cols = _matrix_shape(op, data, "data")
     out = torch.empty(data.shape, dtype=out_dtype, device=data.device)
     q = _C.Quantized(
         _SCALING_PER_TENSOR, _CODE[data.dtype], rows, cols,
@@ -248,6 +269,7 @@ def dequantize_fp8(
 
 @dequantize_fp8.register_fake
 def _(data, scale_inv, out_dtype):
+    _check_same_device("dequantize_fp8", "scale_inv", scale_inv, data.device)
     return torch.empty(data.shape, dtype=out_dtype, device=data.device)
 
 
@@ -280,6 +302,7 @@ def compute_scale(
     """Per-tensor ``(scale, scale_inv)`` from ``amax`` (scale 1 where amax is 0 or non-finite)."""
     _check_scalar("compute_scale", "amax", amax, amax.device)
     _check_fp8_dtype("compute_scale", fp8_dtype)
+    _check_margin("compute_scale", margin)
     scale = torch.ones(1, dtype=torch.float32, device=amax.device)
     scale_inv = torch.empty(1, dtype=torch.float32, device=amax.device)
     _C.compute_scale(
@@ -357,7 +380,7 @@ def dequantize_mxfp8(
     _check_tensor(op, "data", data, FP8_DTYPES)
     _check_tensor(op, "scale", scale, (torch.uint8,), data.device)
     _check_out_dtype(op, out_dtype)
-    rows, cols = _matrix_shape(op, data)
+    rows, cols = _matrix_shape(op, data, "data")
     expected = (
         (_ceil_div(rows, MXFP8_BLOCK), cols) if columnwise else (rows, _ceil_div(cols, MXFP8_BLOCK))
     )
@@ -379,6 +402,7 @@ def dequantize_mxfp8(
 
 @dequantize_mxfp8.register_fake
 def _(data, scale, columnwise, out_dtype):
+    _check_same_device("dequantize_mxfp8", "scale", scale, data.device)
     return torch.empty(data.shape, dtype=out_dtype, device=data.device)
 
 
@@ -407,6 +431,7 @@ def delayed_scaling_update(
         )
     if algo not in _ALGO:
         raise ValueError(f"fusible.{op}: algo must be 'max' or 'most_recent', got {algo!r}")
+    _check_margin(op, margin)
     if not amax_histories:
         return
     device = amax_histories[0].device
@@ -419,10 +444,20 @@ def delayed_scaling_update(
                 f"fusible.{op}: amax_histories[{g}] must be [history_len >= 1, n] and scales[{g}] "
                 f"[n], got {tuple(h.shape)} and {tuple(s.shape)}"
             )
+        if not m > 0:
+            raise ValueError(
+                f"fusible.{op}: argument 'fp8_maxes[{g}]' must be > 0 (448 for E4M3, 57344 for "
+                f"E5M2), got {m}"
+            )
         groups.append(_C.DelayedScalingGroup(_ptr(h), _ptr(s), h.shape[0], h.shape[1], float(m)))
     _C.delayed_scaling_update(groups, _ALGO[algo], int(margin), _ctx(amax_histories[0]))
 
 
 @delayed_scaling_update.register_fake
 def _(amax_histories, scales, fp8_maxes, algo, margin):
+    for g, (h, s) in enumerate(zip(amax_histories, scales, strict=False)):
+        _check_same_device(
+            "delayed_scaling_update", f"amax_histories[{g}]", h, amax_histories[0].device
+        )
+        _check_same_device("delayed_scaling_update", f"scales[{g}]", s, amax_histories[0].device)
     return None
