@@ -36,7 +36,7 @@ def _x(shape, dtype, seed):
 
 
 def _bits(t):
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def _same(a, b):
