@@ -15,10 +15,13 @@
  *    block, the shared exponent is e = floor(log2(amax_b)) - emax_elem (emax_elem = 8 for E4M3,
  *    15 for E5M2), stored as the E8M0 byte clamp(e + 127, 0, 254). Elements are fp8(x * 2^-e) with
  *    the saturating cast above. amax_b == 0 gives byte 0 (2^-127); a block holding NaN or inf gets
- *    the NaN byte 0xFF (the whole block then dequantizes to NaN). A partial block at the end of a
+ *    the NaN byte 0xFF (the whole block then dequantizes to NaN); in such a block a NaN
+ *    element is stored as 0x7F | sign(x) and every other element as 0x7F. A partial block at the end of a
  *    row or column (size not divisible by 32) is scaled over the elements that exist.
- *  - Dequantize: x' = float(q) * scale_inv (per tensor) or float(q) * 2^(s - 127) (MXFP8), then
- *    rounded to the output dtype (RNE).
+ *  - Dequantize: x' = fp32(float(q) * scale_inv) (per tensor) or float(q) * 2^(s - 127) (MXFP8),
+ *    the product rounded to fp32 first and then to the output dtype (RNE); for fp16/bf16 outputs
+ *    that is two roundings, deliberately: it is what a GEMM consuming fp32-dequantized operands
+ *    sees. (MXFP8 products are exact in fp32, so there it is one rounding.)
  *
  * Inputs are fp32, fp16 or bf16 matrices (see common.h). All functions accept rows*cols == 0.
  */

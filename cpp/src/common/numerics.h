@@ -57,10 +57,8 @@ FUS_HD uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// Software on both sides: the device's __half2float drops the sign of NaN, and the bits must match.
 FUS_HD float half_to_float(uint16_t h) {
-#if defined(__CUDA_ARCH__)
-  return __half2float(__ushort_as_half(h));
-#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   const uint32_t man = h & 0x3ffu;
@@ -71,7 +69,6 @@ FUS_HD float half_to_float(uint16_t h) {
     return sign ? -v : v;
   }
   return bits_as_float(sign | ((exp + 112u) << 23) | (man << 13));
-#endif
 }
 
 FUS_HD uint16_t float_to_half(float f) {
@@ -231,6 +228,14 @@ FUS_HD float e8m0_inverse(uint8_t s) {
   if (s == kE8M0Nan) return bits_as_float(0x7fc00000u);
   if (s == 254) return bits_as_float(0x00400000u);
   return bits_as_float(static_cast<uint32_t>(254 - s) << 23);
+}
+
+// x * s before a cast, with a defined NaN result: a NaN x keeps its sign; otherwise a NaN s (an
+// MXFP8 block scale 0xFF, or a NaN per-tensor scale) gives +NaN. (x * NaN alone leaves the sign
+// to whichever operand the compiler puts first, so host and device could differ.)
+FUS_HD float scale_element(float x, float s) {
+  if (is_nan_bits(float_as_bits(x))) return x;
+  return is_nan_bits(float_as_bits(s)) ? bits_as_float(0x7fc00000u) : x * s;
 }
 
 // ---- element loads / stores by dtype code (fusible/common.h values) -----------------------------

@@ -26,7 +26,7 @@ void quantize_per_tensor(const fus_tensor& in, const fus_quantized& out) {
         for (int64_t c = c0; c < c1; ++c) {
           const float v = Element<T>::load(x, r * cols + c);
           amax = std::max(amax, abs_bits(v));
-          const uint8_t q = float_to_fp8<F>(v * scale);
+          const uint8_t q = float_to_fp8<F>(scale_element(v, scale));
           if (row) row[r * cols + c] = q;
           if (col) col[c * rows + r] = q;
         }
@@ -58,7 +58,7 @@ void quantize_mxfp8(const fus_tensor& in, const fus_quantized& out) {
         const float mult = e8m0_inverse(e);
         s[r * nb + b] = e;
         for (int64_t c = c0; c < c1; ++c)
-          q[r * cols + c] = float_to_fp8<F>(Element<T>::load(x, r * cols + c) * mult);
+          q[r * cols + c] = float_to_fp8<F>(scale_element(Element<T>::load(x, r * cols + c), mult));
       }
     }
   }
@@ -81,7 +81,7 @@ void quantize_mxfp8(const fus_tensor& in, const fus_quantized& out) {
       }
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = 0; c < cols; ++c)
-          q[r * cols + c] = float_to_fp8<F>(Element<T>::load(x, r * cols + c) * mult[c]);
+          q[r * cols + c] = float_to_fp8<F>(scale_element(Element<T>::load(x, r * cols + c), mult[c]));
     }
   }
   if (out.amax) *out.amax = bits_as_float(amax);

@@ -203,7 +203,7 @@ class _PlanFunction(torch.autograd.Function):
         ]
         eog = _split(list(extra_out_grads), [op.num_extra_outputs for op in ops])
         dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
-        _autocast.after_backward([op.recipe_state(False) for op in ops])
+        _autocast.end_backward_pass([op.recipe_state(False) for op in ops])
         dx = _dequantize_if_needed(dx) if dx is not None and ctx.needs_input_grad[1] else None
         flat_eg = [g for eg in extra_in_grads for g in eg]
         flat_pg = [g for pg in param_grads for g in pg]

@@ -107,7 +107,7 @@ class Sequential(torch.nn.Module):
             x, outs = fuser.run_plan(key, plan, x, pending[:n_in])
             pending = pending[n_in:]
             extra_outputs.extend(outs)
-            _autocast.after_forward([op.recipe_state(True) for op in ops])
+            _autocast.end_forward_pass([op.recipe_state(True) for op in ops])
         if pending:
             raise ValueError(
                 f"Sequential.forward: got {len(extra_inputs)} extra input(s) but the ops consume "
