@@ -17,6 +17,12 @@ import torch.utils._pytree as pytree
 
 from fusible.ops import registry
 from fusible.ops.op import BasicOperation, FusedOperation, OpContext
+from fusible.ops.workspace import (
+    flatten_workspace,
+    unflatten_workspace,
+    workspace_len,
+    workspace_meta,
+)
 from fusible.quantization import autocast as _autocast
 
 __all__ = ["Plan", "Unit", "build_plan", "run_plan"]
@@ -156,15 +162,31 @@ def _dequantize_if_needed(x: Any) -> torch.Tensor:
 
 
 class _PlanFunction(torch.autograd.Function):
+    """Runs a plan. Arguments: the plan key and the workspace descriptions (constants), then
+    tensors: the input, the extra inputs, every op's parameters, and the cached weight workspaces
+    (flattened). Outputs: the output, the extra outputs, then the new workspaces (flattened, not
+    differentiable)."""
+
     @staticmethod
-    def forward(ctx: Any, plan_key: int, x: torch.Tensor, *args: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, plan_key: int, ws_meta: tuple[Any, ...], ws_update: tuple[bool, ...],
+        x: torch.Tensor, *args: torch.Tensor,
+    ) -> Any:  # fmt: skip
         plan = _PLANS[plan_key]
         ops = plan.ops
         n_extra = sum(op.num_extra_inputs for op in ops)
-        extra_flat, param_flat = args[:n_extra], args[n_extra:]
+        n_param = sum(plan.param_counts)
+        extra_flat, param_flat = args[:n_extra], args[n_extra : n_extra + n_param]
+        ws_flat = args[n_extra + n_param :]
         extra_in = _split(extra_flat, [op.num_extra_inputs for op in ops])
         params = _split(param_flat, plan.param_counts)
         ctxs = [OpContext() for _ in ops]
+        pos = 0
+        for c, meta, upd in zip(ctxs, ws_meta, ws_update, strict=True):
+            n = workspace_len(meta)
+            c.workspace = unflatten_workspace(list(ws_flat[pos : pos + n]), meta)
+            c.cache_weight = upd
+            pos += n
         # An op's input needs a gradient if the plan input does, or an earlier op has trainable
         # parameters or extra inputs; backward stops at the first op where neither holds.
         upstream = x.requires_grad
@@ -181,15 +203,21 @@ class _PlanFunction(torch.autograd.Function):
         leaves, spec = pytree.tree_flatten([c.saved for c in ctxs])
         is_t = [isinstance(v, torch.Tensor) for v in leaves]
         ctx.save_for_backward(*[v for v, t in zip(leaves, is_t, strict=True) if t])
+        ctx.fusible_n_ws = len(ws_flat)
         ctx.fusible = (
             plan_key, spec, is_t, [v for v, t in zip(leaves, is_t, strict=True) if not t],
             [c.attrs for c in ctxs], [(c.params_requires_grad, c.input_requires_grad) for c in ctxs],
         )  # fmt: skip
         flat_out = [t for eo in extra_out for t in eo]
-        return (y, *flat_out)
+        new_ws: list[torch.Tensor] = []
+        for c, upd in zip(ctxs, ws_update, strict=True):
+            if upd:
+                new_ws.extend(flatten_workspace(c.new_workspace)[0])  # type: ignore[arg-type]
+        ctx.mark_non_differentiable(*new_ws)
+        return (y, *flat_out, *new_ws)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor | None, *extra_out_grads: torch.Tensor | None) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor | None, *out_grads: torch.Tensor | None) -> Any:  # type: ignore[override]
         plan_key, spec, is_t, consts, attrs, flags = ctx.fusible
         plan = _PLANS[plan_key]
         ops = plan.ops
@@ -201,16 +229,49 @@ class _PlanFunction(torch.autograd.Function):
             OpContext(saved=s, attrs=a, params_requires_grad=f[0], input_requires_grad=f[1])
             for s, a, f in zip(saved_lists, attrs, flags, strict=True)
         ]
-        eog = _split(list(extra_out_grads), [op.num_extra_outputs for op in ops])
+        n_extra_out = sum(op.num_extra_outputs for op in ops)
+        eog = _split(list(out_grads[:n_extra_out]), [op.num_extra_outputs for op in ops])
         dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
         _autocast.end_backward_pass([op.recipe_state(False) for op in ops])
         dx = _dequantize_if_needed(dx) if dx is not None and ctx.needs_input_grad[1] else None
         flat_eg = [g for eg in extra_in_grads for g in eg]
         flat_pg = [g for pg in param_grads for g in pg]
-        return (None, dx, *flat_eg, *flat_pg)
+        n_ws = ctx.fusible_n_ws
+        return (None, None, None, dx, *flat_eg, *flat_pg, *([None] * n_ws))
 
 
-def run_plan(plan_key: int, plan: Plan, x: torch.Tensor, extra_inputs: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    params = [p for op in plan.ops for p in op.parameters(recurse=False)]
-    outs = _PlanFunction.apply(plan_key, x, *extra_inputs, *params)
-    return outs[0], list(outs[1:])
+def run_plan(
+    plan_key: int,
+    plan: Plan,
+    x: torch.Tensor,
+    extra_inputs: list[torch.Tensor],
+    is_first_microbatch: bool | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Run ``plan`` on ``x``; weight workspaces are looked up before and stored after the
+    autograd function (see ops/workspace.py for the ``is_first_microbatch`` semantics)."""
+    ops = plan.ops
+    params = [p for op in ops for p in op.parameters(recurse=False)]
+    metas: list[Any] = []
+    updates: list[bool] = []
+    ws_flat: list[torch.Tensor | None] = []
+    specs = [op.workspace_spec() for op in ops]
+    for op, spec in zip(ops, specs, strict=True):
+        ws, update = None, False
+        if spec is not None and is_first_microbatch is not None:
+            weight, q = spec
+            ws = None if is_first_microbatch else op.workspace_cache.lookup(weight, q)  # type: ignore[attr-defined]
+            update = ws is None  # first micro-batch, or an invalid cache: quantize and cache
+        tensors, meta = flatten_workspace(ws)
+        metas.append(meta)
+        updates.append(update)
+        ws_flat.extend(tensors)
+    outs = _PlanFunction.apply(plan_key, tuple(metas), tuple(updates), x, *extra_inputs, *params, *ws_flat)
+    n_out = 1 + sum(op.num_extra_outputs for op in ops)
+    new_ws = list(outs[n_out:])
+    for op, spec, update in zip(ops, specs, updates, strict=True):
+        if update and spec is not None:
+            weight, q = spec
+            n = workspace_len(workspace_meta(q, weight))
+            op.workspace_cache.store(weight, q, unflatten_workspace(new_ws[:n], workspace_meta(q, weight)))  # type: ignore[attr-defined]
+            new_ws = new_ws[n:]
+    return outs[0], list(outs[1:n_out])

@@ -33,6 +33,11 @@ class OpContext:
     # Which params need gradients, and whether the op's input does.
     params_requires_grad: tuple[bool, ...] = ()
     input_requires_grad: bool = True
+    # Forward only (never saved): the cached weight workspace handed in, whether to produce a new
+    # one, and the one produced (see ops/workspace.py).
+    workspace: Any = None
+    cache_weight: bool = False
+    new_workspace: Any = None
 
 
 class BasicOperation(torch.nn.Module):
@@ -106,6 +111,10 @@ class BasicOperation(torch.nn.Module):
                 return q
         return None
 
+    def workspace_spec(self) -> tuple[torch.Tensor, Quantizer] | None:
+        """``(weight, quantizer)`` if this op keeps a quantized weight workspace, else None."""
+        return None
+
     def input_quantizer(self) -> Quantizer | None:
         """What this op wants its input quantized with (offered to the previous op)."""
         return None
@@ -141,8 +150,9 @@ class BasicOperation(torch.nn.Module):
         in ``ctx.saved`` what its backward needs (e.g. the quantized transposed weight)."""
         raise NotImplementedError
 
-    def extra_repr_kernels(self) -> str:
-        return ""
+    def kernels(self, fwd: bool) -> list[str]:
+        """Kernels this op launches in its forward / backward (for ``explain()``)."""
+        return []
 
 
 def _recipe_key(recipe: Any | None) -> Any:
@@ -166,8 +176,8 @@ class FusedOperation:
     def __init__(self, ops: list[BasicOperation]) -> None:
         self.ops = ops
 
-    def kernels(self) -> list[str]:
-        """Kernels this unit launches (for ``explain()``)."""
+    def kernels(self, fwd: bool) -> list[str]:
+        """Kernels this unit launches in the given pass (for ``explain()``)."""
         return []
 
     def fuser_forward(

@@ -17,8 +17,10 @@ __all__ = ["Sequential"]
 class Sequential(torch.nn.Module):
     """A chain of ops. Nested ``Sequential``s are flattened; a plain ``nn.Module`` splits fusion.
 
-    ``forward(x, *extra_inputs)`` returns ``y``, or ``(y, *extra_outputs)`` when the chain holds
-    ``MakeExtraOutput`` ops. Extra inputs are consumed by ``AddExtraInput`` ops in order.
+    ``forward(x, *extra_inputs, is_first_microbatch=None)`` returns ``y``, or
+    ``(y, *extra_outputs)`` when the chain holds ``MakeExtraOutput`` ops. Extra inputs are consumed
+    by ``AddExtraInput`` ops in order. ``is_first_microbatch`` controls the quantized weight
+    workspace cache of Linear ops (see ``fusible.ops.workspace``).
     """
 
     def __init__(self, *modules: torch.nn.Module) -> None:
@@ -86,7 +88,9 @@ class Sequential(torch.nn.Module):
 
     # ---- execution -------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor) -> Any:
+    def forward(
+        self, x: torch.Tensor, *extra_inputs: torch.Tensor, is_first_microbatch: bool | None = None
+    ) -> Any:
         recipe = _autocast.get_recipe()
         pending = list(extra_inputs)
         extra_outputs: list[torch.Tensor] = []
@@ -104,7 +108,7 @@ class Sequential(torch.nn.Module):
             for op in ops:
                 op.ensure_recipe_state(recipe)
             key, plan = self._plan_for(ops, x, recipe)
-            x, outs = fuser.run_plan(key, plan, x, pending[:n_in])
+            x, outs = fuser.run_plan(key, plan, x, pending[:n_in], is_first_microbatch)
             pending = pending[n_in:]
             extra_outputs.extend(outs)
             _autocast.end_forward_pass([op.recipe_state(True) for op in ops])
@@ -135,10 +139,9 @@ class Sequential(torch.nn.Module):
             for title, units in (("forward", plan.forward_units), ("backward", plan.backward_units)):
                 lines.append(f"  {title} plan:")
                 for u in units:
-                    kernels = (
-                        u.fused.kernels() if u.fused is not None else
-                        [k for k in [ops[u.start].extra_repr_kernels()] if k]
-                    )  # fmt: skip
+                    fwd = title == "forward"
+                    unit = u.fused if u.fused is not None else ops[u.start]
+                    kernels = unit.kernels(fwd)
                     tag = f" (rule '{u.rule}')" if u.rule else ""
                     lines.append(f"    - {u.label(ops)}{tag}")
                     if kernels:

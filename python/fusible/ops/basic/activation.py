@@ -49,8 +49,8 @@ class _Activation(BasicOperation):
     kind: str = ""
     glu: bool = False
 
-    def extra_repr_kernels(self) -> str:
-        return f"act_fwd({self.kind}); backward: act_bwd({self.kind})"
+    def kernels(self, fwd: bool) -> list[str]:
+        return [f"act_fwd({self.kind}, + quantize for the next op when its quantizer allows)"] if fwd else [f"act_bwd({self.kind})"]
 
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
         x = C.dequantize(x).contiguous()

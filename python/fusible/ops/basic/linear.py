@@ -9,8 +9,9 @@ import torch
 
 from fusible.ops import _compute as C
 from fusible.ops.op import BasicOperation, OpContext
+from fusible.ops.workspace import WorkspaceCache, quantize_weight
 from fusible.quantization import QuantizerRole
-from fusible.quantization.quantizers import Quantizer
+from fusible.quantization.quantizers import MXFP8Quantizer, Quantizer
 
 __all__ = ["BasicLinear", "Bias"]
 
@@ -45,6 +46,7 @@ class BasicLinear(BasicOperation):
         self.weight = torch.nn.Parameter(
             torch.empty(out_features, in_features, device=device, dtype=dtype)
         )
+        self.workspace_cache = WorkspaceCache()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -61,11 +63,17 @@ class BasicLinear(BasicOperation):
     def input_quantizer(self) -> Quantizer | None:
         return self.get_quantizer(True, "input")
 
+    def workspace_spec(self) -> tuple[torch.Tensor, Quantizer] | None:
+        q = self.get_quantizer(True, "weight")
+        return None if q is None else (self.weight, q)
+
     def grad_output_quantizer(self) -> Quantizer | None:
         return self.get_quantizer(False, "grad_output")
 
-    def extra_repr_kernels(self) -> str:
-        return "gemm(fprop); backward: gemm(dgrad), gemm(wgrad)"
+    def kernels(self, fwd: bool) -> list[str]:
+        mx = isinstance(self.get_quantizer(True, "weight"), MXFP8Quantizer)
+        how = " on dequantized MXFP8 operands (no native MXFP8 GEMM on this path)" if mx else ""
+        return [f"gemm(fprop){how}"] if fwd else [f"gemm(dgrad){how}", f"gemm(wgrad){how}"]
 
     def check_input(self, x: Any) -> None:
         k = x.shape[-1]
@@ -84,7 +92,9 @@ class BasicLinear(BasicOperation):
         if qx is not None:
             x = C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
         if qw is not None:
-            w = C.quantize(qw, w, rowwise=True, columnwise=need_dgrad)
+            w, ctx.new_workspace = quantize_weight(
+                w, qw, ctx.workspace, ctx.cache_weight, columnwise=need_dgrad
+            )
         ctx.attrs["need_wgrad"], ctx.attrs["need_dgrad"] = need_wgrad, need_dgrad
         return x, w
 

@@ -39,8 +39,8 @@ class _Norm(BasicOperation):
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
 
-    def extra_repr_kernels(self) -> str:
-        return f"norm_fwd({self.kind}); backward: norm_bwd"
+    def kernels(self, fwd: bool) -> list[str]:
+        return [f"norm_fwd({self.kind}, + quantize for the next op when its quantizer allows)"] if fwd else [f"norm_bwd({self.kind})"]
 
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
         x = C.dequantize(x)

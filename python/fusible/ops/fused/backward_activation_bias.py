@@ -24,7 +24,7 @@ class BackwardActivationBias(FusedOperation):
     name = "dact_dbias_quantize"
     forward, backward = False, True
 
-    def kernels(self) -> list[str]:
+    def kernels(self, fwd: bool) -> list[str]:
         act: _Activation = self.ops[1]  # type: ignore[assignment]
         return [f"act_bwd({act.kind}, dbias, quantized grad for the preceding op)"]
 

@@ -22,7 +22,7 @@ class BackwardLinearAdd(FusedOperation):
     name = "linear_dgrad_add"
     forward, backward = False, True
 
-    def kernels(self) -> list[str]:
+    def kernels(self, fwd: bool) -> list[str]:
         return ["gemm(dgrad, beta=1 accumulate the branch gradient)", "gemm(wgrad)"]
 
     def fuser_backward(self, ctxs, dy, *, prev_grad_quantizer, extra_output_grads):

@@ -31,7 +31,7 @@ class ForwardLinearBiasActivation(FusedOperation):
     name = "linear_bias_activation"
     forward, backward = True, False
 
-    def kernels(self) -> list[str]:
+    def kernels(self, fwd: bool) -> list[str]:
         epi = "bias_gelu_aux" if len(self.ops) == 3 else "bias"
         return [f"gemm(fprop, epilogue={epi})"]
 

@@ -26,7 +26,7 @@ class ForwardLinearBiasAdd(FusedOperation):
     name = "linear_bias_add"
     forward, backward = True, False
 
-    def kernels(self) -> list[str]:
+    def kernels(self, fwd: bool) -> list[str]:
         epi = "bias" if isinstance(self.ops[1], Bias) else "none"
         return [f"gemm(fprop, epilogue={epi}, beta=1 accumulate into the extra input)"]
 

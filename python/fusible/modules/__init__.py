@@ -1,0 +1,7 @@
+"""Modules: thin compositions of ops (one implementation of the math, no second code path)."""
+
+from fusible.modules.layernorm_linear import LayerNormLinear
+from fusible.modules.layernorm_mlp import LayerNormMLP
+from fusible.modules.linear import Linear
+
+__all__ = ["LayerNormLinear", "LayerNormMLP", "Linear"]

@@ -1,0 +1,63 @@
+"""``fusible.LayerNormMLP``: norm, fc1, activation, fc2, as ops."""
+
+from __future__ import annotations
+
+import torch
+
+from fusible.modules._common import GLU, make_activation, make_norm
+from fusible.ops import BasicLinear, Bias, Sequential
+
+__all__ = ["LayerNormMLP"]
+
+
+class LayerNormMLP(Sequential):
+    """``fc2(act(fc1(Norm(x))))``; roles ``...:layernorm_mlp`` with names ``fc1`` / ``fc2``.
+
+    ``activation``: ``gelu`` (tanh), ``relu``, ``silu``, ``swiglu`` or ``geglu`` (gated: fc1
+    produces ``2 * ffn_hidden_size`` features).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        bias: bool = True,
+        *,
+        activation: str = "gelu",
+        eps: float = 1e-5,
+        normalization: str = "LayerNorm",
+        zero_centered_gamma: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        norm = make_norm(normalization, hidden_size, eps, zero_centered_gamma, device, dtype,
+                         "LayerNormMLP")  # fmt: skip
+        act = make_activation(activation, "LayerNormMLP")
+        fc1_out = 2 * ffn_hidden_size if activation in GLU else ffn_hidden_size
+        fc1 = BasicLinear(hidden_size, fc1_out, device=device, dtype=dtype)
+        fc2 = BasicLinear(ffn_hidden_size, hidden_size, device=device, dtype=dtype)
+        fc1.set_role_scope("layernorm_mlp", "fc1")
+        fc2.set_role_scope("layernorm_mlp", "fc2")
+        ops: list[torch.nn.Module] = [norm, fc1]
+        if bias:
+            ops.append(Bias(fc1_out, device=device, dtype=dtype))
+        ops += [act, fc2]
+        if bias:
+            ops.append(Bias(hidden_size, device=device, dtype=dtype))
+        super().__init__(*ops)
+        self.hidden_size, self.ffn_hidden_size, self.activation = (
+            hidden_size, ffn_hidden_size, activation,
+        )  # fmt: skip
+        # Indices, not attributes: assigning a module attribute would register it twice.
+        self._fc1_index, self._fc2_index = 1, len(ops) - (2 if bias else 1)
+
+    @property
+    def fc1(self) -> BasicLinear:
+        return self[self._fc1_index]  # type: ignore[return-value]
+
+    @property
+    def fc2(self) -> BasicLinear:
+        return self[self._fc2_index]  # type: ignore[return-value]
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}"

@@ -1,0 +1,107 @@
+"""Quantized weight workspaces, cached across micro-batches outside the autograd function.
+
+The cache lives on the op (``BasicLinear``); what crosses the autograd function is tensors: the
+cached workspace goes in as tensors, the new one comes out as tensors, and ``Sequential`` updates
+the cache afterwards. So no module is an argument of the function and ``torch.compile`` traces it.
+
+``is_first_microbatch``: ``True`` quantizes the weight and caches the result; ``False`` reuses
+the cache (no weight quantization kernel runs) unless it is invalid; ``None`` never caches.
+A cache is invalid when the weight was modified in place (its version counter moved), replaced
+(another tensor), or the quantizer changed (recipe kind, format, or the state was rebuilt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fusible.quantization.quantizers import Float8Data, MXFP8Data, MXFP8Quantizer, Quantizer
+
+__all__ = [
+    "WorkspaceCache",
+    "flatten_workspace",
+    "quantize_weight",
+    "unflatten_workspace",
+    "workspace_len",
+    "workspace_meta",
+]
+
+QuantizedData = Float8Data | MXFP8Data
+
+
+def quantize_weight(
+    weight: torch.Tensor,
+    quantizer: Quantizer,
+    workspace: QuantizedData | None,
+    update: bool,
+    *,
+    columnwise: bool = True,
+) -> tuple[QuantizedData, QuantizedData | None]:
+    """``(weight_q, new_workspace)``: the one place of cache hit / miss logic.
+
+    ``workspace`` given and not ``update``: a hit, returned as is (no kernel runs).
+    Otherwise the weight is quantized and returned as the new workspace when ``update`` (then with
+    both copies, so any later GEMM can use the cache), else not kept (``None``; the transposed
+    copy only if ``columnwise``: dgrad needs it).
+    """
+    if workspace is not None and not update:
+        return workspace, workspace
+    q = quantizer.quantize(weight, rowwise=True, columnwise=columnwise or update)
+    return q, (q if update else None)
+
+
+def flatten_workspace(ws: QuantizedData | None) -> tuple[list[torch.Tensor | None], Any]:
+    """Tensors (to pass through the autograd function) and a hashable description."""
+    if ws is None:
+        return [], None
+    if isinstance(ws, Float8Data):
+        return [ws.data, ws.data_t, ws.scale_inv], ("fp8", ws.fp8_dtype, tuple(ws.shape))
+    return [ws.data, ws.scale, ws.col_data, ws.col_scale], ("mx", ws.fp8_dtype, tuple(ws.shape))
+
+
+def workspace_len(meta: Any) -> int:
+    """Number of tensors ``flatten_workspace`` produces for a description."""
+    return 0 if meta is None else (3 if meta[0] == "fp8" else 4)
+
+
+def workspace_meta(quantizer: Quantizer, weight: torch.Tensor) -> Any:
+    """The description of the workspace ``quantize_weight`` makes for ``weight``."""
+    kind = "mx" if isinstance(quantizer, MXFP8Quantizer) else "fp8"
+    return (kind, quantizer.dtype, tuple(weight.shape))
+
+
+def unflatten_workspace(tensors: list[torch.Tensor | None], meta: Any) -> QuantizedData | None:
+    if meta is None:
+        return None
+    kind, fp8_dtype, shape = meta
+    if kind == "fp8":
+        return Float8Data(tensors[0], tensors[1], tensors[2], fp8_dtype, torch.Size(shape))  # type: ignore[arg-type]
+    return MXFP8Data(*tensors, fp8_dtype, torch.Size(shape))
+
+
+@dataclass
+class WorkspaceCache:
+    """One op's cached workspace and what it was made from."""
+
+    workspace: QuantizedData | None = None
+    key: Any = None
+
+    @staticmethod
+    def key_for(weight: torch.Tensor, quantizer: Quantizer) -> Any:
+        return (id(weight), weight._version, weight.device, id(quantizer), type(quantizer),
+                quantizer.dtype)  # fmt: skip
+
+    def lookup(self, weight: torch.Tensor, quantizer: Quantizer) -> QuantizedData | None:
+        """The cached workspace if still valid for this weight and quantizer, else None."""
+        if self.workspace is not None and self.key == self.key_for(weight, quantizer):
+            return self.workspace
+        return None
+
+    def store(self, weight: torch.Tensor, quantizer: Quantizer, ws: QuantizedData | None) -> None:
+        self.workspace = ws
+        self.key = None if ws is None else self.key_for(weight, quantizer)
+
+    def clear(self) -> None:
+        self.workspace, self.key = None, None
