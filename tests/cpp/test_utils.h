@@ -15,6 +15,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <initializer_list>
@@ -444,7 +445,10 @@ template <typename T>
         uint64_t ux = 0, uy = 0;
         std::memcpy(&ux, &x[i], sizeof(T));
         std::memcpy(&uy, &y[i], sizeof(T));
-        res << "\n  " << what << "[" << i << "]: cpu 0x" << std::hex << ux << " cuda 0x" << uy << std::dec;
+        char buf[96];
+        std::snprintf(buf, sizeof(buf), "]: cpu 0x%llx cuda 0x%llx", static_cast<unsigned long long>(ux),
+                      static_cast<unsigned long long>(uy));
+        res << "\n  " << what << "[" << i << buf;
       }
       ++bad;
     }
