@@ -72,13 +72,15 @@ FUS_HD float half_to_float(uint16_t h) {
 }
 
 FUS_HD uint16_t float_to_half(float f) {
-#if defined(__CUDA_ARCH__)
-  return __half_as_ushort(__float2half_rn(f));
-#else
   const uint32_t u = float_as_bits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7fffffffu;
+  // NaN on both sides in software: the device's __float2half_rn returns the canonical 0x7FFF,
+  // dropping the sign and payload the host keeps.
   if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(f));
+#else
   if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
   if (a < 0x38800000u) {
     // below the smallest normal half (2^-14): subnormal quantum 2^-24
