@@ -5,6 +5,8 @@
  *  - FP8 cast: y = fp8(float(x) * scale), rounded to nearest even, saturated to the finite range
  *    (+-448 for E4M3, +-57344 for E5M2; inf saturates too); NaN becomes NaN with x's sign bit
  *    (0x7F | sign), the bits torch.Tensor.to(torch.float8_*) gives for NaN.
+ *  - NaN rule of every scaled product (casts and dequantize): a NaN operand x keeps its sign; any
+ *    other NaN product (NaN scale, inf * 0) is +NaN. (common/numerics.h: scale_element.)
  *  - amax = max |x| over the whole input, NaN if any element is NaN.
  *  - Per-tensor scale from amax (current scaling and delayed scaling alike):
  *      amax finite and > 0:  scale = ldexp(fp8_max / amax, -margin)   (FLT_MAX if that overflows)

@@ -232,12 +232,14 @@ FUS_HD float e8m0_inverse(uint8_t s) {
   return bits_as_float(static_cast<uint32_t>(254 - s) << 23);
 }
 
-// x * s before a cast, with a defined NaN result: a NaN x keeps its sign; otherwise a NaN s (an
-// MXFP8 block scale 0xFF, or a NaN per-tensor scale) gives +NaN. (x * NaN alone leaves the sign
-// to whichever operand the compiler puts first, so host and device could differ.)
+// x * s with a defined NaN result, for every scaled cast and every dequantize: a NaN x keeps its
+// sign; any other NaN product (a NaN scale such as the MXFP8 block scale 0xFF, or inf * 0) is +NaN.
+// (x * s alone leaves the NaN's sign to the operand order the compiler picks, so the two backends,
+// or two builds of one, could differ.)
 FUS_HD float scale_element(float x, float s) {
   if (is_nan_bits(float_as_bits(x))) return x;
-  return is_nan_bits(float_as_bits(s)) ? bits_as_float(0x7fc00000u) : x * s;
+  const float p = x * s;
+  return is_nan_bits(float_as_bits(p)) ? bits_as_float(0x7fc00000u) : p;
 }
 
 // ---- element loads / stores by dtype code (fusible/common.h values) -----------------------------

@@ -95,7 +95,7 @@ void dequantize_impl(const fus_quantized& in, bool columnwise, const fus_tensor&
   if (in.mode == FUS_SCALING_PER_TENSOR) {
     const float scale_inv = static_cast<const float*>(in.rowwise_scale_inv)[0];
     for (int64_t i = 0; i < rows * cols; ++i)
-      Element<T>::store(y, i, fp8_to_float<F>(q[i]) * scale_inv);
+      Element<T>::store(y, i, scale_element(fp8_to_float<F>(q[i]), scale_inv));
     return;
   }
   constexpr int64_t B = FUS_MXFP8_BLOCK;
@@ -105,7 +105,7 @@ void dequantize_impl(const fus_quantized& in, bool columnwise, const fus_tensor&
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const uint8_t e = columnwise ? s[(r / B) * cols + c] : s[r * nb + c / B];
-      Element<T>::store(y, r * cols + c, fp8_to_float<F>(q[r * cols + c]) * e8m0_to_float(e));
+      Element<T>::store(y, r * cols + c, scale_element(fp8_to_float<F>(q[r * cols + c]), e8m0_to_float(e)));
     }
   }
 }
