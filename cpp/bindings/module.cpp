@@ -62,5 +62,6 @@ PYBIND11_MODULE(_C, m) {
 
   bind_quantize(m);
   bind_recipe(m);
+  bind_gemm(m);
   // One line per kernel family (bind_<family>.cpp).
 }

@@ -461,3 +461,300 @@ def _(amax_histories, scales, fp8_maxes, algo, margin):
         )
         _check_same_device("delayed_scaling_update", f"scales[{g}]", s, amax_histories[0].device)
     return None
+
+
+# ---- gemm ---------------------------------------------------------------------------------------
+# The gemm family (cpp/include/fusible/gemm.h holds the contract: numerics, epilogues, dtype rules,
+# the FP8 "TN" layout, and the CUDA backend's cuBLASLt constraints).
+
+GEMM_EPILOGUES = (
+    "none",
+    "bias",
+    "gelu",
+    "gelu_aux",
+    "bias_gelu",
+    "bias_gelu_aux",
+    "dgelu",
+    "dgelu_bgrad",
+)
+_GEMM_EPILOGUE_CODE = {name: code for code, name in enumerate(GEMM_EPILOGUES)}  # fus_gemm_epilogue
+_GEMM_USES_BIAS = frozenset({"bias", "bias_gelu", "bias_gelu_aux"})
+_GEMM_WRITES_AUX = frozenset({"gelu_aux", "bias_gelu_aux"})
+_GEMM_READS_AUX = frozenset({"dgelu", "dgelu_bgrad"})
+_GEMM_DTYPES = HIGH_PRECISION_DTYPES + FP8_DTYPES
+_ABSENT = _C.Tensor(0, 0, 0, 0)  # an absent optional tensor of the C API (all zero)
+
+__all__ += ["GEMM_EPILOGUES", "gemm", "gemm_epilogue_supported", "gemm_has_cublaslt"]
+
+
+def gemm_has_cublaslt() -> bool:
+    """True if CUDA GEMMs are available (CUDA backend built with cuBLASLt)."""
+    return bool(_C.gemm_has_cublaslt())
+
+
+def gemm_epilogue_supported(
+    a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype, epilogue: str
+) -> bool:
+    """Whether ``fusible.gemm`` serves this combination of operand dtypes, output dtype and
+    epilogue (on every backend; see gemm.h). High-precision GEMMs (``a_dtype == b_dtype``, output
+    ``a_dtype`` or float32) support every epilogue. FP8 GEMMs have no kernel for: E5M2 x E5M2; an
+    E5M2 output from E4M3 x E4M3; a float32 output with ``bias_gelu_aux`` / ``dgelu_bgrad``; an FP8
+    output with ``dgelu`` / ``dgelu_bgrad``. Fusions use this to choose between an epilogue and
+    separate kernels."""
+    if epilogue not in _GEMM_EPILOGUE_CODE:
+        return False
+    if a_dtype in HIGH_PRECISION_DTYPES:
+        return b_dtype == a_dtype and out_dtype in (a_dtype, torch.float32)
+    if a_dtype not in FP8_DTYPES or b_dtype not in FP8_DTYPES or out_dtype not in _GEMM_DTYPES:
+        return False
+    e5m2 = torch.float8_e5m2
+    if a_dtype == e5m2 and b_dtype == e5m2:
+        return False
+    if out_dtype == e5m2 and e5m2 not in (a_dtype, b_dtype):
+        return False
+    if out_dtype == torch.float32 and epilogue in ("bias_gelu_aux", "dgelu_bgrad"):
+        return False
+    return not (out_dtype in FP8_DTYPES and epilogue in _GEMM_READS_AUX)
+
+
+def _gemm_dims(
+    a: torch.Tensor, b: torch.Tensor, transa: bool, transb: bool
+) -> tuple[int, int, int, tuple[int, ...]]:
+    """(M, N, K, shape of d). a and b are matrices [prod(shape[:-1]), shape[-1]]."""
+    op = "gemm"
+    rows_a, cols_a = _matrix_shape(op, a, "a")
+    rows_b, cols_b = _matrix_shape(op, b, "b")
+    m, k = (cols_a, rows_a) if transa else (rows_a, cols_a)
+    kb, n = (cols_b, rows_b) if transb else (rows_b, cols_b)
+    if k != kb:
+        raise ValueError(
+            f"fusible.{op}: arguments 'a' and 'b' disagree on K: op(a) is [{m}, {k}] (a of shape "
+            f"{tuple(a.shape)}, transa={transa}) but op(b) is [{kb}, {n}] (b of shape "
+            f"{tuple(b.shape)}, transb={transb})"
+        )
+    d_shape = (m, n) if transa else (*a.shape[:-1], n)
+    return m, n, k, d_shape
+
+
+def _gemm_epilogue_dtype(out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.dtype:
+    """dtype of aux / dbias: the output's, or for an FP8 output the bias's (bf16 without one)."""
+    if out_dtype in HIGH_PRECISION_DTYPES:
+        return out_dtype
+    return bias.dtype if bias is not None else torch.bfloat16
+
+
+def _gemm_outputs(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    transa: bool,
+    transb: bool,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    epilogue: str,
+    aux: torch.Tensor | None,
+    want_amax: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, n, _, d_shape = _gemm_dims(a, b, transa, transb)
+    dev = a.device
+    vec = _gemm_epilogue_dtype(out_dtype, bias)
+    if epilogue in _GEMM_READS_AUX and aux is not None and out_dtype in FP8_DTYPES:
+        vec = aux.dtype
+    d = torch.empty(d_shape, dtype=out_dtype, device=dev)
+    aux_out = (
+        torch.empty(d_shape, dtype=vec, device=dev)
+        if epilogue in _GEMM_WRITES_AUX
+        else torch.empty(0, dtype=vec, device=dev)
+    )
+    dbias = torch.empty(n if epilogue == "dgelu_bgrad" else 0, dtype=vec, device=dev)
+    amax = torch.empty(1 if want_amax else 0, dtype=torch.float32, device=dev)
+    return d, aux_out, dbias, amax
+
+
+def _gemm_check_mn(name: str, t: torch.Tensor, m: int, n: int) -> None:
+    if t.dim() == 0 or t.shape[-1] != n or t.numel() != m * n:
+        raise ValueError(
+            f"fusible.gemm: argument '{name}' has shape {tuple(t.shape)}; expected a tensor "
+            f"viewable as [M, N] = [{m}, {n}] (last dimension {n}, {m * n} elements)"
+        )
+
+
+@torch.library.custom_op("fusible::gemm", mutates_args=())
+def gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    transa: bool,
+    transb: bool,
+    a_scale_inv: torch.Tensor | None,
+    b_scale_inv: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    epilogue: str,
+    aux: torch.Tensor | None,
+    c: torch.Tensor | None,
+    alpha: float,
+    beta: float,
+    out_scale: torch.Tensor | None,
+    want_amax: bool,
+    fast_accum: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``d = epilogue(alpha * s * op(a) @ op(b) + beta * c)``, FP32 accumulation (gemm.h).
+
+    ``a`` is viewed as the matrix ``[prod(a.shape[:-1]), a.shape[-1]]``, which is op(a) = [M, K]
+    (``transa=False``) or its transpose [K, M]; ``b`` likewise is [K, N] or, with ``transb``,
+    [N, K]. Operands are both high precision (same dtype) or both FP8 with per-tensor
+    ``a_scale_inv`` / ``b_scale_inv`` (float32, one element; ``s`` is their product). FP8 GEMMs
+    must be ``transa=False, transb=True`` (both operands K-contiguous: pass the transposed FP8
+    copy of the second operand).
+
+    ``epilogue`` is one of :data:`GEMM_EPILOGUES`: ``bias`` adds ``bias`` [N]; ``gelu*`` apply
+    the tanh GELU, ``*_aux`` also return its input; ``dgelu`` multiplies by gelu'(``aux``) (the
+    forward's aux, [M, N]); ``dgelu_bgrad`` also returns ``dbias``, the column sums of ``d``.
+    ``c`` [M, N] is read when ``beta != 0`` (epilogues ``none`` and ``bias`` only) and never
+    modified: ``d`` is a new tensor. An FP8 ``out_dtype`` needs ``out_scale``
+    (``d = fp8(r * out_scale)``); ``want_amax`` then returns ``max|r|``. ``fast_accum`` allows
+    cuBLASLt's faster, less accurate FP8 accumulation (and TF32 for float32) on CUDA.
+
+    Returns ``(d, aux_out, dbias, amax)``; ``d`` has shape ``(*a.shape[:-1], N)`` (``(M, N)`` when
+    ``transa``); outputs not requested are empty.
+    """
+    op = "gemm"
+    if epilogue not in _GEMM_EPILOGUE_CODE:
+        raise ValueError(
+            f"fusible.{op}: argument 'epilogue' must be one of {GEMM_EPILOGUES}, got {epilogue!r}"
+        )
+    _check_tensor(op, "a", a, _GEMM_DTYPES)
+    _check_tensor(op, "b", b, _GEMM_DTYPES, a.device)
+    if out_dtype not in _GEMM_DTYPES:
+        raise TypeError(
+            f"fusible.{op}: argument 'out_dtype' must be float32, float16, bfloat16, "
+            f"float8_e4m3fn or float8_e5m2, got {out_dtype}"
+        )
+    m, n, _, _ = _gemm_dims(a, b, transa, transb)
+    fp8 = a.dtype in FP8_DTYPES
+    if not fp8 and b.dtype == a.dtype and out_dtype not in (a.dtype, torch.float32):
+        raise ValueError(
+            f"fusible.{op}: argument 'out_dtype' must be {a.dtype} or torch.float32 for "
+            f"{a.dtype} operands, got {out_dtype}"
+        )
+    for name, s in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
+        operand = name[0]
+        if fp8 and s is None:
+            raise ValueError(
+                f"fusible.{op}: argument '{name}' is required for FP8 operand '{operand}'"
+            )
+        if not fp8 and s is not None:
+            raise ValueError(
+                f"fusible.{op}: argument '{name}' must be None for high-precision operands"
+            )
+        if s is not None:
+            _check_scalar(op, name, s, a.device)
+    out_fp8 = out_dtype in FP8_DTYPES
+    if out_fp8:
+        if out_scale is None:
+            raise ValueError(
+                f"fusible.{op}: argument 'out_scale' is required for an FP8 out_dtype {out_dtype}"
+            )
+        _check_scalar(op, "out_scale", out_scale, a.device)
+    else:
+        if out_scale is not None:
+            raise ValueError(
+                f"fusible.{op}: argument 'out_scale' must be None for out_dtype {out_dtype}"
+            )
+        if want_amax:
+            raise ValueError(
+                f"fusible.{op}: argument 'want_amax' needs an FP8 out_dtype, got {out_dtype}"
+            )
+    if (bias is not None) != (epilogue in _GEMM_USES_BIAS):
+        raise ValueError(
+            f"fusible.{op}: argument 'bias' is "
+            + ("required" if bias is None else "not used")
+            + f" by epilogue {epilogue!r}"
+        )
+    if bias is not None:
+        _check_tensor(op, "bias", bias, HIGH_PRECISION_DTYPES, a.device)
+        if tuple(bias.shape) != (n,):
+            raise ValueError(
+                f"fusible.{op}: argument 'bias' has shape {tuple(bias.shape)}, expected ({n},)"
+            )
+    if (aux is not None) != (epilogue in _GEMM_READS_AUX):
+        raise ValueError(
+            f"fusible.{op}: argument 'aux' (the GELU input, for dgelu) is "
+            + ("required" if aux is None else "not used")
+            + f" by epilogue {epilogue!r}"
+        )
+    if aux is not None:
+        _check_tensor(op, "aux", aux, HIGH_PRECISION_DTYPES, a.device)
+        _gemm_check_mn("aux", aux, m, n)
+    if beta != 0.0:
+        if c is None:
+            raise ValueError(f"fusible.{op}: argument 'c' is required when beta != 0 ({beta})")
+        _check_tensor(op, "c", c, _GEMM_DTYPES, a.device)
+        _gemm_check_mn("c", c, m, n)
+    d, aux_out, dbias, amax = _gemm_outputs(
+        a, b, transa, transb, out_dtype, bias, epilogue, aux, want_amax
+    )
+    try:
+        _C.gemm(
+            a=_mat(a, *_matrix_shape(op, a, "a")),
+            b=_mat(b, *_matrix_shape(op, b, "b")),
+            transa=transa,
+            transb=transb,
+            a_scale_inv=_ptr(a_scale_inv),
+            b_scale_inv=_ptr(b_scale_inv),
+            d=_mat(d, m, n),
+            d_scale=_ptr(out_scale),
+            d_amax=_ptr(amax),
+            c=_mat(c, m, n) if beta != 0.0 and c is not None else _ABSENT,
+            alpha=float(alpha),
+            beta=float(beta),
+            epilogue=_GEMM_EPILOGUE_CODE[epilogue],
+            bias=_mat(bias, 1, n) if bias is not None else _ABSENT,
+            aux=(
+                _mat(aux_out, m, n)
+                if epilogue in _GEMM_WRITES_AUX
+                else (_mat(aux, m, n) if aux is not None else _ABSENT)
+            ),
+            dbias=_mat(dbias, 1, n) if epilogue == "dgelu_bgrad" else _ABSENT,
+            use_fast_accum=bool(fast_accum),
+            ctx=_ctx(a),
+        )
+    except (ValueError, TypeError) as e:  # the C API's message names the argument
+        raise type(e)(f"fusible.{op}: {e}") from None
+    return d, aux_out, dbias, amax
+
+
+@gemm.register_fake
+def _(
+    a,
+    b,
+    transa,
+    transb,
+    a_scale_inv,
+    b_scale_inv,
+    out_dtype,
+    bias,
+    epilogue,
+    aux,
+    c,
+    alpha,
+    beta,
+    out_scale,
+    want_amax,
+    fast_accum=False,
+):
+    if epilogue not in _GEMM_EPILOGUE_CODE:
+        raise ValueError(
+            f"fusible.gemm: argument 'epilogue' must be one of {GEMM_EPILOGUES}, got {epilogue!r}"
+        )
+    for name, t in (
+        ("b", b),
+        ("a_scale_inv", a_scale_inv),
+        ("b_scale_inv", b_scale_inv),
+        ("bias", bias),
+        ("aux", aux),
+        ("c", c),
+        ("out_scale", out_scale),
+    ):
+        if t is not None:
+            _check_same_device("gemm", name, t, a.device)
+    return _gemm_outputs(a, b, transa, transb, out_dtype, bias, epilogue, aux, want_amax)
