@@ -63,5 +63,7 @@ PYBIND11_MODULE(_C, m) {
   bind_quantize(m);
   bind_recipe(m);
   bind_gemm(m);
+  bind_normalization(m);
+  bind_activation(m);
   // One line per kernel family (bind_<family>.cpp).
 }

@@ -758,3 +758,518 @@ def _(
         if t is not None:
             _check_same_device("gemm", name, t, a.device)
     return _gemm_outputs(a, b, transa, transb, out_dtype, bias, epilogue, aux, want_amax)
+
+
+# ---- normalization and activations --------------------------------------------------------------
+# cpp/include/fusible/normalization.h and activation.h hold the contract: fp32 math, the fixed
+# reduction order (CPU and CUDA agree bit for bit), and the rule that a quantized output is the
+# cast of the high-precision result rounded to ``out_dtype`` (or, without one, to the input's
+# dtype), so it equals quantize_fp8 / quantize_mxfp8 of that output bit for bit.
+#
+# Quantized outputs come in the layouts of quantize_fp8 / quantize_mxfp8, as four tensors
+# ``(q_data, q_data_t_or_col, q_scale_inv_or_mx_scale, q_col_scale)``:
+#   quant="fp8":   data (output's shape), data_t [k, rows], scale_inv (1,), empty
+#   quant="mxfp8": data (output's shape), col data (output's shape), E8M0 scale [rows, ceil(k/32)],
+#                  E8M0 col scale [ceil(rows/32), k]
+#   quant="none":  four empty tensors
+# plus ``amax`` (1,) float32 (empty for quant="none"). Unrequested copies are empty.
+
+NORM_KINDS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu")
+QUANT_MODES = ("none", "fp8", "mxfp8")
+_NORM_CODE = {name: code for code, name in enumerate(NORM_KINDS)}  # fus_norm_kind
+_ACT_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}  # fus_activation
+_GATED = frozenset({"swiglu", "geglu"})
+
+__all__ += [
+    "ACTIVATIONS",
+    "NORM_KINDS",
+    "QUANT_MODES",
+    "act_bwd",
+    "act_fwd",
+    "norm_bwd",
+    "norm_fwd",
+]
+
+
+def _c_call(op: str, fn: object, *args: object) -> None:
+    """Calls the C API; its message (naming the C function and argument) gets the op's prefix."""
+    try:
+        fn(*args)  # type: ignore[operator]
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"fusible.{op}: {e}") from None
+
+
+def _check_choice(op: str, name: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"fusible.{op}: argument '{name}' must be one of {choices}, got {value!r}")
+
+
+def _check_opt_out_dtype(op: str, dtype: torch.dtype | None) -> None:
+    if dtype is not None and dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"fusible.{op}: argument 'out_dtype' must be None, float32, float16 or bfloat16, "
+            f"got {dtype}"
+        )
+
+
+def _check_quant_args(
+    op: str,
+    quant: str,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    rowwise: bool,
+    columnwise: bool,
+    device: torch.device,
+) -> None:
+    _check_choice(op, "quant", quant, QUANT_MODES)
+    if quant == "none":
+        return
+    _check_fp8_dtype(op, fp8_dtype)
+    _require_a_copy(op, rowwise, columnwise)
+    if quant == "fp8":
+        if scale is None:
+            raise ValueError(
+                f"fusible.{op}: argument 'scale' is required for quant='fp8' (float32, one value)"
+            )
+        _check_scalar(op, "scale", scale, device)
+
+
+def _quant_outputs(
+    shape: Sequence[int],
+    device: torch.device,
+    quant: str,
+    fp8_dtype: torch.dtype,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data, data_t_or_col, scale_inv_or_mx_scale, col_scale, amax) for an output of `shape`."""
+    shape = tuple(shape)
+    rows = math.prod(shape[:-1]) if len(shape) else 1
+    cols = shape[-1] if len(shape) else 1
+    u8 = torch.uint8
+    if quant == "none":
+        e = torch.empty(0, dtype=u8, device=device)
+        f = torch.empty(0, dtype=torch.float32, device=device)
+        return e, e.clone(), f, e.clone(), f.clone()
+    e8 = torch.empty(0, dtype=fp8_dtype, device=device)
+    e0 = torch.empty(0, dtype=u8, device=device)
+    amax = torch.empty(1, dtype=torch.float32, device=device)
+    data = torch.empty(shape, dtype=fp8_dtype, device=device) if rowwise else e8
+    if quant == "fp8":
+        data_t = (
+            torch.empty((cols, rows), dtype=fp8_dtype, device=device) if columnwise else e8.clone()
+        )
+        return data, data_t, torch.empty(1, dtype=torch.float32, device=device), e0, amax
+    col = torch.empty(shape, dtype=fp8_dtype, device=device) if columnwise else e8.clone()
+    s = (
+        torch.empty((rows, _ceil_div(cols, MXFP8_BLOCK)), dtype=u8, device=device)
+        if rowwise
+        else e0
+    )
+    cs = (
+        torch.empty((_ceil_div(rows, MXFP8_BLOCK), cols), dtype=u8, device=device)
+        if columnwise
+        else e0.clone()
+    )
+    return data, col, s, cs, amax
+
+
+def _quantized_struct(
+    quant: str,
+    fp8_dtype: torch.dtype,
+    rows: int,
+    cols: int,
+    outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: torch.Tensor | None,
+) -> _C.Quantized | None:
+    if quant == "none":
+        return None
+    data, data2, s, cs, amax = outs
+    if quant == "fp8":
+        return _C.Quantized(
+            _SCALING_PER_TENSOR, _CODE[fp8_dtype], rows, cols,
+            _ptr(data), _ptr(data2), s.data_ptr(), 0, _ptr(scale), amax.data_ptr(),
+        )  # fmt: skip
+    return _C.Quantized(
+        _SCALING_MXFP8, _CODE[fp8_dtype], rows, cols,
+        _ptr(data), _ptr(data2), _ptr(s), _ptr(cs), 0, amax.data_ptr(),
+    )  # fmt: skip
+
+
+def _check_vector(op: str, name: str, t: torch.Tensor, n: int, device: torch.device) -> None:
+    _check_tensor(op, name, t, HIGH_PRECISION_DTYPES, device)
+    if tuple(t.shape) != (n,):
+        raise ValueError(
+            f"fusible.{op}: argument '{name}' must have shape ({n},) (the last dimension of the "
+            f"input), got {tuple(t.shape)}"
+        )
+
+
+def _check_stats(op: str, name: str, t: torch.Tensor, rows: int, device: torch.device) -> None:
+    _check_tensor(op, name, t, (torch.float32,), device)
+    if t.numel() != rows:
+        raise ValueError(
+            f"fusible.{op}: argument '{name}' must hold {rows} float32 values (one per row, as "
+            f"norm_fwd returns it), got shape {tuple(t.shape)}"
+        )
+
+
+# ---- norm_fwd / norm_bwd ------------------------------------------------------------------------
+
+
+def _norm_fwd_outputs(
+    x: torch.Tensor,
+    kind: str,
+    out_dtype: torch.dtype | None,
+    quant: str,
+    fp8_dtype: torch.dtype,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor, ...]:
+    rows = math.prod(x.shape[:-1])
+    dev = x.device
+    y = (
+        torch.empty(x.shape, dtype=out_dtype, device=dev)
+        if out_dtype is not None
+        else torch.empty(0, dtype=x.dtype, device=dev)
+    )
+    q = _quant_outputs(x.shape, dev, quant, fp8_dtype, rowwise, columnwise)
+    mean = torch.empty(rows if kind == "layernorm" else 0, dtype=torch.float32, device=dev)
+    rstd = torch.empty(rows, dtype=torch.float32, device=dev)
+    return (y, *q, mean, rstd)
+
+
+def _norm_fwd_checks(
+    op: str,
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    beta: torch.Tensor | None,
+    eps: float,
+    kind: str,
+    out_dtype: torch.dtype | None,
+    quant: str,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[int, int]:
+    _check_tensor(op, "x", x, HIGH_PRECISION_DTYPES)
+    rows, cols = _matrix_shape(op, x)
+    _check_choice(op, "kind", kind, NORM_KINDS)
+    _check_vector(op, "gamma", gamma, cols, x.device)
+    if beta is not None:
+        if kind != "layernorm":
+            raise ValueError(f"fusible.{op}: argument 'beta' must be None for kind='rmsnorm'")
+        _check_vector(op, "beta", beta, cols, x.device)
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"fusible.{op}: argument 'eps' must be finite and >= 0, got {eps}")
+    if cols == 0:
+        raise ValueError(f"fusible.{op}: argument 'x' must have a non-empty last dimension")
+    _check_opt_out_dtype(op, out_dtype)
+    _check_quant_args(op, quant, fp8_dtype, scale, rowwise, columnwise, x.device)
+    return rows, cols
+
+
+@torch.library.custom_op("fusible::norm_fwd", mutates_args=())
+def norm_fwd(
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    beta: torch.Tensor | None,
+    eps: float,
+    kind: str,
+    zero_centered_gamma: bool,
+    out_dtype: torch.dtype | None,
+    quant: str,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """LayerNorm / RMSNorm over the last dimension with optional high-precision and quantized
+    outputs, in one pass (normalization.h).
+
+    ``y = (x - mean) * rstd * w + beta`` (LayerNorm) or ``x * rstd * w`` (RMSNorm), with
+    ``w = 1 + gamma`` if ``zero_centered_gamma`` else ``gamma``; statistics in fp32.
+    Returns ``(y, q_data, q_data_t_or_col, q_scale_inv_or_mx_scale, q_col_scale, amax, mean,
+    rstd)``: ``y`` in ``out_dtype`` (empty if None), the quantized output (see above; computed from
+    ``y`` rounded to ``out_dtype``, or to ``x.dtype`` when ``out_dtype`` is None), ``mean``
+    (LayerNorm; empty for RMSNorm) and ``rstd`` float32 of shape ``(rows,)``.
+    """
+    op = "norm_fwd"
+    rows, cols = _norm_fwd_checks(
+        op, x, gamma, beta, eps, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise
+    )
+    outs = _norm_fwd_outputs(x, kind, out_dtype, quant, fp8_dtype, rowwise, columnwise)
+    y, mean, rstd = outs[0], outs[6], outs[7]
+    q = _quantized_struct(quant, fp8_dtype, rows, cols, outs[1:6], scale)
+    _c_call(
+        op, _C.norm_forward, _NORM_CODE[kind], _mat(x, rows, cols), _mat(gamma, 1, cols),
+        None if beta is None else _mat(beta, 1, cols), float(eps), bool(zero_centered_gamma),
+        None if out_dtype is None else _mat(y, rows, cols), q, _ptr(mean), _ptr(rstd), _ctx(x),
+    )  # fmt: skip
+    return outs  # type: ignore[return-value]
+
+
+@norm_fwd.register_fake
+def _(
+    x,
+    gamma,
+    beta,
+    eps,
+    kind,
+    zero_centered_gamma,
+    out_dtype,
+    quant,
+    fp8_dtype,
+    scale,
+    rowwise,
+    columnwise,
+):
+    for name, t in (("gamma", gamma), ("beta", beta), ("scale", scale)):
+        if t is not None:
+            _check_same_device("norm_fwd", name, t, x.device)
+    _check_choice("norm_fwd", "kind", kind, NORM_KINDS)
+    _check_choice("norm_fwd", "quant", quant, QUANT_MODES)
+    return _norm_fwd_outputs(x, kind, out_dtype, quant, fp8_dtype, rowwise, columnwise)
+
+
+def _norm_bwd_outputs(
+    dy: torch.Tensor, gamma: torch.Tensor, kind: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
+    dgamma = torch.empty(gamma.shape, dtype=gamma.dtype, device=dy.device)
+    dbeta = torch.empty(
+        gamma.shape if kind == "layernorm" else (0,), dtype=gamma.dtype, device=dy.device
+    )
+    return dx, dgamma, dbeta
+
+
+@torch.library.custom_op("fusible::norm_bwd", mutates_args=())
+def norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    gamma: torch.Tensor,
+    kind: str,
+    zero_centered_gamma: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of norm_fwd: ``(dx, dgamma, dbeta)``. ``dx`` has ``dy``'s dtype; ``dgamma`` and
+    ``dbeta`` (LayerNorm; empty for RMSNorm) have ``gamma``'s, accumulated in fp32. ``mean`` and
+    ``rstd`` are norm_fwd's (``mean`` is ignored for RMSNorm)."""
+    op = "norm_bwd"
+    _check_tensor(op, "dy", dy, HIGH_PRECISION_DTYPES)
+    rows, cols = _matrix_shape(op, dy, "dy")
+    _check_tensor(op, "x", x, HIGH_PRECISION_DTYPES, dy.device)
+    if x.shape != dy.shape:
+        raise ValueError(
+            f"fusible.{op}: argument 'x' has shape {tuple(x.shape)}, expected dy's "
+            f"{tuple(dy.shape)}"
+        )
+    _check_choice(op, "kind", kind, NORM_KINDS)
+    if cols == 0:
+        raise ValueError(f"fusible.{op}: argument 'dy' must have a non-empty last dimension")
+    _check_vector(op, "gamma", gamma, cols, dy.device)
+    if kind == "layernorm":
+        _check_stats(op, "mean", mean, rows, dy.device)
+    _check_stats(op, "rstd", rstd, rows, dy.device)
+    dx, dgamma, dbeta = _norm_bwd_outputs(dy, gamma, kind)
+    ctx = _ctx(dy)
+    ws_bytes = _C.norm_backward_workspace_size(rows, cols, ctx)
+    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dy.device)
+    _c_call(
+        op, _C.norm_backward, _NORM_CODE[kind], _mat(dy, rows, cols), _mat(x, rows, cols),
+        _ptr(mean) if kind == "layernorm" else 0, _ptr(rstd), _mat(gamma, 1, cols),
+        bool(zero_centered_gamma), _mat(dx, rows, cols), _mat(dgamma, 1, cols),
+        _mat(dbeta, 1, cols) if kind == "layernorm" else None, _ptr(ws), ws_bytes, ctx,
+    )  # fmt: skip
+    return dx, dgamma, dbeta
+
+
+@norm_bwd.register_fake
+def _(dy, x, mean, rstd, gamma, kind, zero_centered_gamma):
+    for name, t in (("x", x), ("mean", mean), ("rstd", rstd), ("gamma", gamma)):
+        _check_same_device("norm_bwd", name, t, dy.device)
+    _check_choice("norm_bwd", "kind", kind, NORM_KINDS)
+    return _norm_bwd_outputs(dy, gamma, kind)
+
+
+# ---- act_fwd / act_bwd --------------------------------------------------------------------------
+
+
+def _act_out_shape(op: str, x: torch.Tensor, kind: str) -> tuple[int, ...]:
+    """Forward output shape: x's, with the last dimension halved for the gated kinds."""
+    if x.dim() == 0:
+        raise ValueError(f"fusible.{op}: argument 'x' must have at least one dimension")
+    k = x.shape[-1]
+    if kind in _GATED:
+        if k % 2 or k == 0:
+            raise ValueError(
+                f"fusible.{op}: argument 'x' must have an even, non-zero last dimension for "
+                f"kind={kind!r} ([a | b] = 2H), got {k}"
+            )
+        return (*x.shape[:-1], k // 2)
+    return tuple(x.shape)
+
+
+def _act_fwd_outputs(
+    x: torch.Tensor,
+    kind: str,
+    out_dtype: torch.dtype | None,
+    quant: str,
+    fp8_dtype: torch.dtype,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor, ...]:
+    shape = _act_out_shape("act_fwd", x, kind)
+    y = (
+        torch.empty(shape, dtype=out_dtype, device=x.device)
+        if out_dtype is not None
+        else torch.empty(0, dtype=x.dtype, device=x.device)
+    )
+    return (y, *_quant_outputs(shape, x.device, quant, fp8_dtype, rowwise, columnwise))
+
+
+@torch.library.custom_op("fusible::act_fwd", mutates_args=())
+def act_fwd(
+    x: torch.Tensor,
+    kind: str,
+    out_dtype: torch.dtype | None,
+    quant: str,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activation forward with optional high-precision and quantized outputs, one pass
+    (activation.h). ``kind``: gelu (tanh approximation), gelu_erf, relu, silu, swiglu
+    (``silu(a) * b``), geglu (``gelu(a) * b``), where ``x = [a | b]`` along the last dimension for
+    the gated kinds. Returns ``(y, q_data, q_data_t_or_col, q_scale_inv_or_mx_scale, q_col_scale,
+    amax)``; the quantized output is computed from ``y`` rounded to ``out_dtype`` (or to
+    ``x.dtype`` when ``out_dtype`` is None)."""
+    op = "act_fwd"
+    _check_tensor(op, "x", x, HIGH_PRECISION_DTYPES)
+    _check_choice(op, "kind", kind, ACTIVATIONS)
+    shape = _act_out_shape(op, x, kind)
+    _check_opt_out_dtype(op, out_dtype)
+    _check_quant_args(op, quant, fp8_dtype, scale, rowwise, columnwise, x.device)
+    if out_dtype is None and quant == "none":
+        raise ValueError(f"fusible.{op}: nothing to compute: out_dtype is None and quant='none'")
+    if x.shape[-1] == 0:
+        raise ValueError(f"fusible.{op}: argument 'x' must have a non-empty last dimension")
+    rows, k = _matrix_shape(op, x)
+    h = shape[-1]
+    outs = _act_fwd_outputs(x, kind, out_dtype, quant, fp8_dtype, rowwise, columnwise)
+    q = _quantized_struct(quant, fp8_dtype, rows, h, outs[1:6], scale)
+    _c_call(
+        op, _C.activation_forward, _ACT_CODE[kind], _mat(x, rows, k),
+        None if out_dtype is None else _mat(outs[0], rows, h), q, _ctx(x),
+    )  # fmt: skip
+    return outs  # type: ignore[return-value]
+
+
+@act_fwd.register_fake
+def _(x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise):
+    if scale is not None:
+        _check_same_device("act_fwd", "scale", scale, x.device)
+    _check_choice("act_fwd", "kind", kind, ACTIVATIONS)
+    _check_choice("act_fwd", "quant", quant, QUANT_MODES)
+    return _act_fwd_outputs(x, kind, out_dtype, quant, fp8_dtype, rowwise, columnwise)
+
+
+def _act_bwd_outputs(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    out_dtype: torch.dtype | None,
+    quant: str,
+    fp8_dtype: torch.dtype,
+    rowwise: bool,
+    columnwise: bool,
+    with_dbias: bool,
+) -> tuple[torch.Tensor, ...]:
+    dev = x.device
+    dt = out_dtype if out_dtype is not None else grad.dtype
+    dx = (
+        torch.empty(x.shape, dtype=out_dtype, device=dev)
+        if out_dtype is not None
+        else torch.empty(0, dtype=grad.dtype, device=dev)
+    )
+    q = _quant_outputs(x.shape, dev, quant, fp8_dtype, rowwise, columnwise)
+    dbias = torch.empty(x.shape[-1] if with_dbias else 0, dtype=dt, device=dev)
+    return (dx, *q, dbias)
+
+
+@torch.library.custom_op("fusible::act_bwd", mutates_args=())
+def act_bwd(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    kind: str,
+    out_dtype: torch.dtype | None,
+    quant: str,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    rowwise: bool,
+    columnwise: bool,
+    with_dbias: bool,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
+    """Activation backward ("dact + dbias + cast"): ``dx = grad * act'(x)`` (gated: ``[da | db]``,
+    shaped like ``x``), with optional high-precision (``out_dtype``) and quantized outputs and
+    ``dbias`` = column sums of ``dx`` (fp32 accumulation of the rounded values; dtype
+    ``out_dtype``, or ``grad.dtype`` when None). Returns ``(dx, q_data, q_data_t_or_col,
+    q_scale_inv_or_mx_scale, q_col_scale, amax, dbias)``. For a gated kind, an MXFP8 rowwise copy
+    needs H % 32 == 0."""
+    op = "act_bwd"
+    _check_tensor(op, "grad", grad, HIGH_PRECISION_DTYPES)
+    _check_tensor(op, "x", x, HIGH_PRECISION_DTYPES, grad.device)
+    _check_choice(op, "kind", kind, ACTIVATIONS)
+    shape = _act_out_shape(op, x, kind)
+    if tuple(grad.shape) != shape:
+        raise ValueError(
+            f"fusible.{op}: argument 'grad' has shape {tuple(grad.shape)}, expected {shape} "
+            f"(the forward output's shape for x of shape {tuple(x.shape)}, kind={kind!r})"
+        )
+    _check_opt_out_dtype(op, out_dtype)
+    _check_quant_args(op, quant, fp8_dtype, scale, rowwise, columnwise, grad.device)
+    if out_dtype is None and quant == "none" and not with_dbias:
+        raise ValueError(
+            f"fusible.{op}: nothing to compute: out_dtype is None, quant='none' and with_dbias "
+            "is False"
+        )
+    if x.shape[-1] == 0:
+        raise ValueError(f"fusible.{op}: argument 'x' must have a non-empty last dimension")
+    rows, k = _matrix_shape(op, x)
+    h = shape[-1]
+    outs = _act_bwd_outputs(grad, x, out_dtype, quant, fp8_dtype, rowwise, columnwise, with_dbias)
+    dx, dbias = outs[0], outs[6]
+    q = _quantized_struct(quant, fp8_dtype, rows, k, outs[1:6], scale)
+    ctx = _ctx(grad)
+    ws_bytes = _C.activation_backward_workspace_size(rows, k, ctx) if with_dbias else 0
+    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=grad.device)
+    _c_call(
+        op, _C.activation_backward, _ACT_CODE[kind], _mat(grad, rows, h), _mat(x, rows, k),
+        None if out_dtype is None else _mat(dx, rows, k), q,
+        _mat(dbias, 1, k) if with_dbias else None, _ptr(ws), ws_bytes, ctx,
+    )  # fmt: skip
+    return outs  # type: ignore[return-value]
+
+
+@act_bwd.register_fake
+def _(grad, x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise, with_dbias):
+    for name, t in (("x", x), ("scale", scale)):
+        if t is not None:
+            _check_same_device("act_bwd", name, t, grad.device)
+    _check_choice("act_bwd", "kind", kind, ACTIVATIONS)
+    _check_choice("act_bwd", "quant", quant, QUANT_MODES)
+    return _act_bwd_outputs(grad, x, out_dtype, quant, fp8_dtype, rowwise, columnwise, with_dbias)

@@ -1,0 +1,86 @@
+/*
+ * fusible core library: the activation family (GELU, ReLU, SiLU and the gated SwiGLU / GEGLU),
+ * forward and backward, with optional quantized outputs and (backward) the bias gradient.
+ *
+ * Functions (fp32 math; formulas, derivatives and accuracy in src/common/activation_math.h, which
+ * every backend and the GEMM family's CPU epilogues share; host and device compute the same bits):
+ *   FUS_ACT_GELU      gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+ *                     (cuBLASLt's GELU epilogue; torch gelu(approximate="tanh"))
+ *   FUS_ACT_GELU_ERF  x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2))       (torch gelu())
+ *   FUS_ACT_RELU      max(x, 0) (NaN and -0 pass through, as torch.relu)
+ *   FUS_ACT_SILU      x * sigmoid(x)
+ *   FUS_ACT_SWIGLU    gated: input [N, 2H] = [a | b], output silu(a) * b       [N, H]
+ *   FUS_ACT_GEGLU     gated: input [N, 2H] = [a | b], output gelu_tanh(a) * b  [N, H]
+ *
+ * Shapes: K = H for the elementwise kinds, 2H for the gated ones.
+ *   forward:  x [N, K] -> y [N, H]
+ *   backward: grad [N, H], x [N, K] (the forward's input) -> dx [N, K], dbias [1, K]
+ * Element types: x, y, grad, dx, dbias in {fp32, fp16, bf16}, chosen independently.
+ *
+ * Rounding and quantized outputs: each result is computed in fp32 and rounded (RNE) to the dtype
+ * of the high-precision output; a quantized output is the cast of that rounded value, so it equals
+ * fus_quantize() of the stored high-precision output bit for bit (fused == unfused). Without a
+ * high-precision output, values are rounded to the input's dtype (forward: x; backward: grad)
+ * first. amax (optional) is max |rounded value|. dbias[k] is the fp32 sum over rows of the rounded
+ * dx[:, k] (what an unfused dx.sum(0) would see), then rounded to dbias's dtype.
+ *
+ * Column-sum order (dbias): rows are split into groups of P = 32 * ceil(ceil(N / 32) / 64)
+ * consecutive rows; each group is summed sequentially in row order, and the group sums are added
+ * sequentially. Fixed by N alone, so both backends agree bit for bit.
+ *
+ * The quantized output q (optional, describing the output matrix: [N, H] forward, [N, K]
+ * backward) follows common.h: per tensor (q->scale required; rowwise and/or transposed columnwise
+ * copy; rowwise_scale_inv = 1 / scale) or MXFP8 (rowwise and/or columnwise copies with E8M0
+ * scales). Backward of a gated kind with an MXFP8 rowwise copy needs H % 32 == 0 (so no 32-element
+ * block straddles the [da | db] boundary). One pass over the inputs; the CUDA dbias needs a
+ * second, small launch over [groups, K] partial sums held in the caller's workspace.
+ *
+ * All functions accept N == 0 and require H >= 1.
+ */
+#ifndef FUSIBLE_ACTIVATION_H_
+#define FUSIBLE_ACTIVATION_H_
+
+#include "fusible/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum fus_activation {
+  FUS_ACT_GELU = 0,
+  FUS_ACT_GELU_ERF = 1,
+  FUS_ACT_RELU = 2,
+  FUS_ACT_SILU = 3,
+  FUS_ACT_SWIGLU = 4,
+  FUS_ACT_GEGLU = 5,
+} fus_activation;
+
+/* 1 for the gated kinds (SwiGLU, GEGLU), whose input has twice the output's columns; else 0. */
+int fus_activation_is_gated(fus_activation kind);
+
+/*
+ * Forward: y = act(x). y (optional) [N, H]; q (optional) quantized [N, H]; at least one of them.
+ */
+fus_status fus_activation_forward(fus_activation kind, const fus_tensor* x, fus_tensor* y,
+                                  fus_quantized* q, const fus_context* ctx);
+
+/* Bytes of device workspace fus_activation_backward needs for dx [rows, cols] with a bias
+ * gradient, on ctx's backend (0 on the CPU). */
+fus_status fus_activation_backward_workspace_size(int64_t rows, int64_t cols,
+                                                  const fus_context* ctx, size_t* bytes);
+
+/*
+ * Backward: dx = grad * act'(x) (gated: [da | db]). dx (optional) [N, K]; q (optional) quantized
+ * [N, K]; dbias (optional) [1, K]; at least one of the three. workspace / workspace_bytes: at least
+ * fus_activation_backward_workspace_size() bytes on ctx's device when dbias is requested (NULL / 0
+ * otherwise or on the CPU).
+ */
+fus_status fus_activation_backward(fus_activation kind, const fus_tensor* grad, const fus_tensor* x,
+                                   fus_tensor* dx, fus_quantized* q, fus_tensor* dbias,
+                                   void* workspace, size_t workspace_bytes, const fus_context* ctx);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FUSIBLE_ACTIVATION_H_ */

@@ -1,0 +1,121 @@
+// Single-precision arithmetic with exactly one IEEE rounding per operation, identical on the host
+// and the device, for math that both backends must evaluate to the same bits (normalization
+// statistics, activation functions).
+//
+// Why: nvcc contracts a * b + c into one fma by default (--fmad=true) and host compilers may do the
+// same (GCC on aarch64), so a plain expression can round differently on the two backends. The
+// device versions use the _rn intrinsics, which are never contracted; every fused multiply-add is
+// written explicitly with f_fma. The library's host code is built with -ffp-contract=off.
+// Division and square root are correctly rounded on both sides (IEEE; nvcc's default
+// -prec-div=true / -prec-sqrt=true, which the _rn intrinsics guarantee regardless of flags).
+#pragma once
+
+#include <cmath>
+
+#include "common/numerics.h"
+
+namespace fusible {
+
+FUS_HD float f_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+FUS_HD float f_sub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+FUS_HD float f_mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+FUS_HD float f_div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// 1 / a, correctly rounded.
+FUS_HD float f_rcp(float a) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(a);
+#else
+  return 1.0f / a;
+#endif
+}
+
+// |a| (exact: clears the sign bit).
+FUS_HD float f_abs(float a) { return bits_as_float(float_as_bits(a) & 0x7fffffffu); }
+
+// a * b + c with one rounding.
+FUS_HD float f_fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+FUS_HD float f_sqrt(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+
+// Round to the nearest integer, ties to even (both sides use the IEEE default rounding mode).
+FUS_HD float f_rint(float a) {
+#if defined(__CUDA_ARCH__)
+  return rintf(a);
+#else
+  return std::nearbyint(a);
+#endif
+}
+
+// x * s as the x86 host computes it, NaN operands included: a NaN operand is returned quieted with
+// its sign and payload (the first NaN operand when both are), where the GPU would return its
+// canonical NaN. (The casts of the quantize family use numerics.h's scale_element, whose NaN rule
+// is defined independently of the host; the fused kernels use that one too.)
+FUS_HD float mul_like_host(float x, float s) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t xb = float_as_bits(x), sb = float_as_bits(s);
+  if (is_nan_bits(xb)) return bits_as_float(xb | 0x400000u);
+  if (is_nan_bits(sb)) return bits_as_float(sb | 0x400000u);
+  return __fmul_rn(x, s);
+#else
+  return x * s;
+#endif
+}
+
+// Rounds an fp32 value to a high-precision storage type and back (exact widening), so a fused
+// kernel quantizes exactly the value it stores.
+template <typename T>
+FUS_HD float round_to(float v);
+template <>
+FUS_HD float round_to<float>(float v) {
+  return v;
+}
+template <>
+FUS_HD float round_to<Bf16>(float v) {
+  return bf16_to_float(float_to_bf16(v));
+}
+template <>
+FUS_HD float round_to<Half>(float v) {
+  return half_to_float(float_to_half(v));
+}
+
+}  // namespace fusible

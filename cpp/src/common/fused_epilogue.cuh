@@ -1,0 +1,284 @@
+// Device building blocks shared by the fused CUDA kernels of the normalization and activation
+// families: 8-element vector loads / stores of run-time dtypes, the FP8 / MXFP8 casts (through the
+// shared numerics, exactly as the quantize family's kernels do them), and a tile epilogue that
+// turns a 32 x 64 tile of fp32 results into every output a fused kernel can have (high precision,
+// per-tensor FP8 rowwise and transposed, MXFP8 rowwise and columnwise, amax, column sums).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/hp_access.h"
+#include "common/numerics.h"
+
+namespace fusible {
+namespace fused {
+
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// ---- 8-element chunks
+// -----------------------------------------------------------------------------
+
+// v[j] = element i + j of a run-time-dtype matrix for j < n, else 0. vec: n == 8 may be read as
+// 16-byte vectors (base 16-byte aligned, i % 8 == 0).
+__device__ __forceinline__ void load8(const void* p, fus_dtype dt, int64_t i, int n, bool vec,
+                                      float (&v)[8]) {
+  if (vec && n == 8) {
+    if (dt == FUS_FLOAT32) {
+      const float4* q = reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
+      const float4 a = q[0], b = q[1];
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z,
+      v[7] = b.w;
+    } else {
+      const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p) + i);
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+      if (dt == FUS_BFLOAT16) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          v[2 * k] = bf16_to_float(static_cast<uint16_t>(w[k] & 0xffffu));
+          v[2 * k + 1] = bf16_to_float(static_cast<uint16_t>(w[k] >> 16));
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          v[2 * k] = half_to_float(static_cast<uint16_t>(w[k] & 0xffffu));
+          v[2 * k + 1] = half_to_float(static_cast<uint16_t>(w[k] >> 16));
+        }
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = j < n ? load_hp(p, dt, i + j) : 0.0f;
+}
+
+// Stores v[j] rounded to dt at element i + j for j < n. vec as for load8.
+__device__ __forceinline__ void store8(void* p, fus_dtype dt, int64_t i, int n, bool vec,
+                                       const float (&v)[8]) {
+  if (vec && n == 8) {
+    if (dt == FUS_FLOAT32) {
+      float4* q = reinterpret_cast<float4*>(static_cast<float*>(p) + i);
+      q[0] = make_float4(v[0], v[1], v[2], v[3]);
+      q[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+      uint32_t w[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint16_t lo = dt == FUS_BFLOAT16 ? float_to_bf16(v[2 * k]) : float_to_half(v[2 * k]);
+        const uint16_t hi =
+            dt == FUS_BFLOAT16 ? float_to_bf16(v[2 * k + 1]) : float_to_half(v[2 * k + 1]);
+        w[k] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+      }
+      *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p) + i) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    if (j < n) store_hp(p, dt, i + j, v[j]);
+}
+
+// Stores the first n of 8 bytes at dst. vec: n == 8 may be one 8-byte store (dst 8-byte aligned).
+__device__ __forceinline__ void store_bytes8(uint8_t* dst, int n, bool vec, const uint8_t (&b)[8]) {
+  if (vec && n == 8) {
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      lo |= static_cast<uint32_t>(b[j]) << (8 * j);
+      hi |= static_cast<uint32_t>(b[j + 4]) << (8 * j);
+    }
+    *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    if (j < n) dst[j] = b[j];
+}
+
+// ---- casts (run-time FP8 format; uniform branches)
+// ------------------------------------------------
+
+// fp8(v * s) exactly as the quantize family casts (numerics.h scale_element: defined NaN rule).
+__device__ __forceinline__ uint8_t cast_fp8(bool e5m2, float v, float s) {
+  const float x = scale_element(v, s);
+  return e5m2 ? float_to_fp8<Fp8Format::kE5M2>(x) : float_to_fp8<Fp8Format::kE4M3>(x);
+}
+
+__device__ __forceinline__ uint8_t e8m0_for(bool e5m2, uint32_t amax_bits) {
+  const float a = bits_as_float(amax_bits);
+  return e5m2 ? e8m0_from_amax<Fp8Format::kE5M2>(a) : e8m0_from_amax<Fp8Format::kE4M3>(a);
+}
+
+// ---- amax
+// -----------------------------------------------------------------------------------------
+
+// Max of v over the block, then one atomicMax into *amax (zeroed beforehand on the stream). Every
+// thread of the block must call it; blockDim.x <= 1024.
+__device__ __forceinline__ void block_amax(uint32_t v, float* amax) {
+  __shared__ uint32_t warp_max[32];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(kFull, v, off));
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) v = max(v, warp_max[w]);
+    if (v != 0) atomicMax(reinterpret_cast<unsigned int*>(amax), v);
+  }
+}
+
+// ---- the tile epilogue
+// ----------------------------------------------------------------------------
+
+// Outputs of a fused kernel over an output matrix [rows, out_cols].
+struct EpilogueOut {
+  void* hp;  // high-precision output or null
+  fus_dtype hp_dtype;
+  fus_dtype round_dtype;  // every value is rounded to this dtype first
+  bool vec_hp;            // 16-byte stores legal (aligned base, every chunk start % 8 == 0)
+  int qmode;              // 0 none, 1 per tensor, 2 MXFP8
+  bool e5m2;
+  uint8_t* q_row;      // rowwise fp8 [rows, out_cols]
+  uint8_t* q_col;      // per tensor: transposed [out_cols, rows]; MXFP8: [rows, out_cols]
+  uint8_t* s_row;      // MXFP8 E8M0 [rows, ceil(out_cols / 32)]
+  uint8_t* s_col;      // MXFP8 E8M0 [ceil(rows / 32), out_cols]
+  const float* scale;  // per tensor
+  bool vec_q_row;      // 8-byte rowwise stores legal
+  bool vec_q_t;        // 8-byte stores into the transposed copy legal (rows % 8 == 0, aligned)
+  bool amax;           // accumulate max |value| (block_amax at the end of the kernel)
+  bool colsum;         // accumulate column sums (dbias)
+  int64_t rows, out_cols;
+};
+
+constexpr int kTileRows = 32, kTileCols = 64, kTileThreads = 256;
+
+// Shared memory of one epilogue (reused by consecutive tiles and strips).
+struct EpilogueSmem {
+  uint8_t qt[kTileCols][kTileRows + 4];     // transposed fp8 bytes
+  uint32_t absb[kTileRows][kTileCols + 1];  // |v| bits for MXFP8 column blocks, or values
+  uint8_t ecol[kTileCols];                  // MXFP8 column-block scales of the tile
+};
+
+// Per-thread state that outlives one tile.
+struct EpilogueAcc {
+  uint32_t amax = 0;
+  float colsum = 0.0f;  // threads < 64: the running column sum of column c0 + threadIdx.x
+};
+
+// Emits one strip: the thread's 8 values v (row r0 + ty, columns col .. col + 7 of the output
+// matrix, n of them inside), where the tile covers rows [r0, r0 + 32) and the strip's columns
+// [c0s, c0s + 64) (c0s = the strip's first output column; col = c0s + 8 tx). strip_cols: columns
+// of the strip inside the matrix (<= 64). Every thread of the block calls it with the same
+// r0 / c0s (it synchronises).
+__device__ __forceinline__ void emit_tile(const EpilogueOut& o, EpilogueSmem& sm, EpilogueAcc& acc,
+                                          int64_t r0, int64_t c0s, int strip_cols, float (&v)[8],
+                                          int n) {
+  const int tid = threadIdx.x, tx = tid % 8, ty = tid / 8;
+  const int64_t r = r0 + ty, col = c0s + 8 * tx;
+  const bool row_ok = r < o.rows;
+  if (!row_ok) n = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = round_hp(o.round_dtype, v[j]);
+  const int64_t at = r * o.out_cols + col;
+
+  if (o.hp && n > 0) store8(o.hp, o.hp_dtype, at, n, o.vec_hp, v);
+  uint32_t m = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    if (j < n) m = max(m, abs_bits(v[j]));
+  if (o.amax) acc.amax = max(acc.amax, m);
+
+  if (o.qmode == 1) {
+    const float s = *o.scale;
+    uint8_t q[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) q[j] = cast_fp8(o.e5m2, v[j], s);
+    if (o.q_row && n > 0) store_bytes8(o.q_row + at, n, o.vec_q_row, q);
+    if (o.q_col) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sm.qt[8 * tx + j][ty] = q[j];
+      __syncthreads();
+      const int cl = tid / 4, part = tid % 4;
+      const int64_t rr = r0 + 8 * part;
+      if (cl < strip_cols && rr < o.rows) {
+        uint8_t b[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) b[j] = sm.qt[cl][8 * part + j];
+        const int64_t left = o.rows - rr;
+        store_bytes8(o.q_col + (c0s + cl) * o.rows + rr, left < 8 ? static_cast<int>(left) : 8,
+                     o.vec_q_t, b);
+      }
+      __syncthreads();
+    }
+  } else if (o.qmode == 2) {
+    if (o.q_row) {
+      // A 32-wide block is 4 consecutive threads of one row (tx = 4 i .. 4 i + 3).
+      uint32_t bm = m;
+      bm = max(bm, __shfl_xor_sync(kFull, bm, 1));
+      bm = max(bm, __shfl_xor_sync(kFull, bm, 2));
+      const uint8_t e = e8m0_for(o.e5m2, bm);
+      const float mult = e8m0_inverse(e);
+      uint8_t q[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) q[j] = cast_fp8(o.e5m2, v[j], mult);
+      if (n > 0) store_bytes8(o.q_row + at, n, o.vec_q_row, q);
+      if (tx % 4 == 0 && n > 0) o.s_row[r * ((o.out_cols + 31) / 32) + col / 32] = e;
+    }
+    if (o.q_col) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sm.absb[ty][8 * tx + j] = j < n ? abs_bits(v[j]) : 0u;
+      __syncthreads();
+      if (tid < kTileCols) {
+        uint32_t cm = 0;
+#pragma unroll 8
+        for (int i = 0; i < kTileRows; ++i) cm = max(cm, sm.absb[i][tid]);
+        const uint8_t e = e8m0_for(o.e5m2, cm);
+        sm.ecol[tid] = e;
+        if (tid < strip_cols && r0 < o.rows) o.s_col[(r0 / 32) * o.out_cols + c0s + tid] = e;
+      }
+      __syncthreads();
+      uint8_t q[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) q[j] = cast_fp8(o.e5m2, v[j], e8m0_inverse(sm.ecol[8 * tx + j]));
+      if (n > 0) store_bytes8(o.q_col + at, n, o.vec_q_row, q);
+      __syncthreads();
+    }
+  }
+
+  if (o.colsum) {
+    // Sequential over the tile's rows, continuing the column's running sum (activation.h order).
+    float* vals = reinterpret_cast<float*>(&sm.absb[0][0]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) vals[ty * (kTileCols + 1) + 8 * tx + j] = v[j];
+    __syncthreads();
+    if (tid < kTileCols) {
+      for (int i = 0; i < kTileRows && r0 + i < o.rows; ++i)
+        acc.colsum = f_add(acc.colsum, vals[i * (kTileCols + 1) + tid]);
+    }
+    __syncthreads();
+  }
+}
+
+// ---- small kernels
+// ----------------------------------------------------------------------------------
+
+// out[c] = sum over g of partial[g * cols + c], sequentially in g (from 0.0f), rounded to dt.
+static __global__ void colsum_finalize_kernel(const float* __restrict__ partial, int64_t groups,
+                                              int64_t cols, void* out, fus_dtype dt) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float t = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) t = f_add(t, partial[g * cols + c]);
+  store_hp(out, dt, c, t);
+}
+
+// *scale_inv = 1 / *scale (the same IEEE division as the CPU backend).
+static __global__ void scale_inv_kernel(const float* scale, float* scale_inv) {
+  *scale_inv = f_div(1.0f, *scale);
+}
+
+}  // namespace fused
+}  // namespace fusible

@@ -1,0 +1,598 @@
+// CUDA backend of the normalization family. Bit-identical to normalization_cpu.cpp: the kernels
+// evaluate the formulas of normalization_math.h and reduce in the plan's order (a team of L lanes
+// per row, lane t owning chunks k*L + t, warp butterflies then a halving tree over the warps; the
+// backward's column sums per team, per group and over groups in order).
+//
+// Forward:
+//  - norm_fwd_kernel: one team (L = 32..512 threads) per row, teams packed into blocks of at least
+//    128 threads. The row is read once (16-byte vectors when aligned) and kept in registers for the
+//    mean, variance and output passes (up to 4 chunks = 32 elements a lane, H <= 16384; beyond,
+//    the passes re-read the row, which then comes from L1/L2). The output pass writes y, the
+//    rowwise FP8 / MXFP8 copy (32-wide blocks = 4 adjacent lanes, combined by shuffles), mean,
+//    rstd and the block's amax (one atomicMax).
+//  - norm_col_kernel, only for a columnwise copy (per-tensor transpose, MXFP8 columnwise): 32 x 64
+//    tiles, recomputing y from x, mean and rstd (same formula, same bits) and writing through the
+//    shared tile epilogue (common/fused_epilogue.cuh).
+// Backward:
+//  - norm_bwd_kernel: one block per row group, `teams` teams per block; per row two team sums,
+//    then dx; dgamma / dbeta accumulate per team in registers (fp32), are combined across the
+//    block's teams in order through shared memory and written as the group's partial sums into
+//    the workspace; colsum_finalize_kernel adds the groups in order.
+#include "common/cuda_utils.h"
+#include "common/fused_epilogue.cuh"
+#include "normalization/normalization_impl.h"
+#include "normalization/normalization_math.h"
+
+namespace fusible {
+namespace {
+
+using fused::kFull;
+
+// Sum of v over the team of `lanes` lanes (this thread's team: threads [t * lanes, (t+1) * lanes)
+// of the block), in the plan's order. Every thread of the block must call it with the same lanes.
+__device__ __forceinline__ float team_sum(float v, int lanes, float* red) {
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) v = f_add(v, __shfl_xor_sync(kFull, v, off));
+  if (lanes == 32) return v;
+  const int w = lanes / 32, first = (threadIdx.x / lanes) * w;
+  __syncthreads();  // earlier readers of red are done
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float g[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) g[i] = i < w ? red[first + i] : 0.0f;
+#pragma unroll
+  for (int off = 8; off >= 1; off /= 2) {
+    if (off < w) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (i < off) g[i] = f_add(g[i], g[i + off]);
+    }
+  }
+  return g[0];
+}
+
+__device__ __forceinline__ int chunk_len(int64_t cols, int64_t col) {
+  return static_cast<int>(fused::imax(0, fused::imin(8, cols - col)));
+}
+
+// ---- forward, rowwise
+// -----------------------------------------------------------------------------
+
+struct NormFwdParams {
+  bool ln, zc;
+  const void* x;
+  fus_dtype x_dt;
+  const void* gamma;
+  fus_dtype g_dt;
+  const void* beta;
+  fus_dtype b_dt;
+  float eps;
+  int64_t rows, cols;
+  int lanes;
+  int64_t kmax;  // chunks a lane owns
+  bool vec_x, vec_g, vec_b;
+  void* y;
+  fus_dtype y_dt;
+  bool vec_y;
+  fus_dtype round_dt;
+  bool out;  // y or any quantized copy is wanted
+  int qmode;
+  bool e5m2;
+  uint8_t* q_row;  // rowwise fp8 (per tensor or MXFP8)
+  uint8_t* s_row;  // MXFP8 rowwise scales
+  const float* scale;
+  float* scale_inv;
+  bool vec_q;
+  float* amax;
+  float* mean;
+  float* rstd;
+};
+
+template <int C>
+__global__ void __launch_bounds__(512) norm_fwd_kernel(const NormFwdParams p) {
+  __shared__ float red[16];
+  const int L = p.lanes, team = threadIdx.x / L, lane = threadIdx.x % L;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / L) + team;
+  const bool active = row < p.rows;
+  const int64_t H = p.cols, base = row * H;
+  const int64_t K = C > 0 ? C : p.kmax;
+  float xv[C > 0 ? 8 * C : 1];
+
+  auto col_of = [&](int64_t k) { return (k * L + lane) * 8; };
+  // The k-th chunk of x (from registers when cached).
+  auto get = [&](int64_t k, float(&v)[8], int& n) {
+    const int64_t col = col_of(k);
+    n = active ? chunk_len(H, col) : 0;
+    if constexpr (C > 0) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = xv[k * 8 + j];
+    } else {
+      fused::load8(p.x, p.x_dt, base + col, n, p.vec_x, v);
+    }
+  };
+
+  float s = 0.0f;
+#pragma unroll
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t col = col_of(k);
+    const int n = active ? chunk_len(H, col) : 0;
+    float v[8];
+    fused::load8(p.x, p.x_dt, base + col, n, p.vec_x, v);
+    if constexpr (C > 0) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) xv[k * 8 + j] = v[j];
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < n) s = p.ln ? f_add(s, v[j]) : f_fma(v[j], v[j], s);
+  }
+  s = team_sum(s, L, red);
+  float mean = 0.0f, rstd;
+  if (p.ln) {
+    mean = norm_mean(s, H);
+    float s2 = 0.0f;
+#pragma unroll
+    for (int64_t k = 0; k < K; ++k) {
+      float v[8];
+      int n;
+      get(k, v, n);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (j < n) {
+          const float d = f_sub(v[j], mean);
+          s2 = f_fma(d, d, s2);
+        }
+      }
+    }
+    rstd = norm_rstd(team_sum(s2, L, red), H, p.eps);
+  } else {
+    rstd = norm_rstd(s, H, p.eps);
+  }
+  if (active && lane == 0) {
+    if (p.mean) p.mean[row] = mean;
+    p.rstd[row] = rstd;
+  }
+
+  uint32_t am = 0;
+  if (p.out) {
+    const float scale = p.qmode == 1 ? *p.scale : 1.0f;
+    const int64_t nb = (H + 31) / 32;
+#pragma unroll
+    for (int64_t k = 0; k < K; ++k) {
+      float v[8], w[8], b[8], y[8];
+      int n;
+      get(k, v, n);
+      const int64_t col = col_of(k);
+      fused::load8(p.gamma, p.g_dt, col, n, p.vec_g, w);
+      if (p.beta) fused::load8(p.beta, p.b_dt, col, n, p.vec_b, b);
+      uint32_t m = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float xh = norm_xhat(p.ln, v[j], mean, rstd);
+        y[j] =
+            round_hp(p.round_dt, norm_y(p.ln, xh, norm_weight(w[j], p.zc), p.beta ? b[j] : 0.0f));
+        if (j < n) m = max(m, abs_bits(y[j]));
+      }
+      am = max(am, m);
+      if (p.y && n > 0) fused::store8(p.y, p.y_dt, base + col, n, p.vec_y, y);
+      if (p.q_row) {
+        float mult = scale;
+        uint8_t e = 0;
+        if (p.qmode == 2) {
+          m = max(m, __shfl_xor_sync(kFull, m, 1));
+          m = max(m, __shfl_xor_sync(kFull, m, 2));
+          e = fused::e8m0_for(p.e5m2, m);
+          mult = e8m0_inverse(e);
+        }
+        uint8_t q[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) q[j] = fused::cast_fp8(p.e5m2, y[j], mult);
+        if (n > 0) fused::store_bytes8(p.q_row + base + col, n, p.vec_q, q);
+        if (p.qmode == 2 && lane % 4 == 0 && n > 0) p.s_row[row * nb + col / 32] = e;
+      }
+    }
+  }
+  if (p.amax) fused::block_amax(am, p.amax);
+  if (p.scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *p.scale_inv = f_div(1.0f, *p.scale);
+}
+
+// ---- forward, columnwise copies
+// -------------------------------------------------------------------
+
+struct NormColParams {
+  bool ln, zc;
+  const void* x;
+  fus_dtype x_dt;
+  bool vec_x;
+  const void* gamma;
+  fus_dtype g_dt;
+  const void* beta;
+  fus_dtype b_dt;
+  const float* mean;
+  const float* rstd;
+  int64_t rows, cols;
+  int64_t rows_per_block;
+  fused::EpilogueOut out;
+};
+
+__global__ void __launch_bounds__(fused::kTileThreads) norm_col_kernel(const NormColParams p) {
+  __shared__ fused::EpilogueSmem sm;
+  const int tid = threadIdx.x, tx = tid % 8, ty = tid / 8;
+  const int64_t H = p.cols;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * fused::kTileCols, c = c0 + 8 * tx;
+  const int nc = chunk_len(H, c);
+  const int strip_cols = static_cast<int>(fused::imin(fused::kTileCols, H - c0));
+  float w[8], b[8];
+  fused::load8(p.gamma, p.g_dt, c, nc, false, w);
+  fused::load8(p.beta ? p.beta : p.gamma, p.beta ? p.b_dt : p.g_dt, c, p.beta ? nc : 0, false, b);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) w[j] = norm_weight(w[j], p.zc);
+  fused::EpilogueAcc acc;
+  const int64_t rbeg = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
+  const int64_t rend = fused::imin(p.rows, rbeg + p.rows_per_block);
+  for (int64_t r0 = rbeg; r0 < rend; r0 += fused::kTileRows) {
+    const int64_t r = r0 + ty;
+    const int n = r < p.rows ? nc : 0;
+    float v[8];
+    fused::load8(p.x, p.x_dt, r * H + c, n, p.vec_x, v);
+    const float mean = n > 0 && p.ln ? p.mean[r] : 0.0f, rstd = n > 0 ? p.rstd[r] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = norm_y(p.ln, norm_xhat(p.ln, v[j], mean, rstd), w[j], b[j]);
+    fused::emit_tile(p.out, sm, acc, r0, c0, strip_cols, v, n);
+  }
+}
+
+// ---- backward
+// -------------------------------------------------------------------------------------
+
+struct NormBwdParams {
+  bool ln, zc;
+  const void* dy;
+  fus_dtype dy_dt;
+  const void* x;
+  fus_dtype x_dt;
+  const float* mean;
+  const float* rstd;
+  const void* gamma;
+  fus_dtype g_dt;
+  void* dx;
+  fus_dtype dx_dt;
+  bool vec_dy, vec_x, vec_g, vec_dx;
+  int64_t rows, cols;
+  int lanes, teams;
+  int64_t rows_per_group;
+  int64_t kmax;
+  float* pg;  // [groups, cols] dgamma partials
+  float* pb;  // [groups, cols] dbeta partials, or null
+};
+
+// C: chunks a lane owns (1, 2 or 4, accumulators in registers; 0: any number, accumulators in the
+// workspace, one team per block). kCache: keep dy and x in registers between the two passes.
+template <int C, bool kCache>
+__global__ void __launch_bounds__(512) norm_bwd_kernel(const NormBwdParams p) {
+  extern __shared__ float team_part[];  // teams > 1: [teams][cols] dgamma, then dbeta
+  __shared__ float red[16];
+  const int L = p.lanes, T = p.teams, team = threadIdx.x / L, lane = threadIdx.x % L;
+  const int64_t H = p.cols, g = blockIdx.x;
+  const int64_t rbeg = g * p.rows_per_group, rend = fused::imin(p.rows, rbeg + p.rows_per_group);
+  const int64_t iters = (rend - rbeg + T - 1) / T;
+  const int64_t K = C > 0 ? C : p.kmax;
+  constexpr int R = C > 0 ? 8 * C : 1;
+  constexpr int RC = kCache ? R : 1;
+  float wv[R], dg[R], db[R], xc[RC], dyc[RC];
+  auto col_of = [&](int64_t k) { return (k * L + lane) * 8; };
+  float* pg = p.pg + g * H;
+  float* pb = p.pb ? p.pb + g * H : nullptr;
+
+  if constexpr (C > 0) {
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      float w[8];
+      fused::load8(p.gamma, p.g_dt, col_of(k), chunk_len(H, col_of(k)), p.vec_g, w);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        wv[k * 8 + j] = norm_weight(w[j], p.zc);
+        dg[k * 8 + j] = 0.0f;
+        db[k * 8 + j] = 0.0f;
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t col = col_of(k);
+      for (int j = 0; j < chunk_len(H, col); ++j) {
+        pg[col + j] = 0.0f;
+        if (pb) pb[col + j] = 0.0f;
+      }
+    }
+  }
+
+  for (int64_t it = 0; it < iters; ++it) {
+    const int64_t row = rbeg + team + it * T;
+    const bool active = row < rend;
+    const int64_t base = row * H;
+    const float mean = active && p.ln ? p.mean[row] : 0.0f, rstd = active ? p.rstd[row] : 0.0f;
+    // Loads chunk k of dy, x and w.
+    auto get = [&](int64_t k, float(&d)[8], float(&x)[8], float(&w)[8], int& n, bool first) {
+      const int64_t col = col_of(k);
+      n = active ? chunk_len(H, col) : 0;
+      if (kCache && !first) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) d[j] = dyc[k * 8 + j], x[j] = xc[k * 8 + j];
+      } else {
+        fused::load8(p.dy, p.dy_dt, base + col, n, p.vec_dy, d);
+        fused::load8(p.x, p.x_dt, base + col, n, p.vec_x, x);
+        if (kCache) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) dyc[k * 8 + j] = d[j], xc[k * 8 + j] = x[j];
+        }
+      }
+      if constexpr (C > 0) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = wv[k * 8 + j];
+      } else {
+        fused::load8(p.gamma, p.g_dt, col, n, p.vec_g, w);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = norm_weight(w[j], p.zc);
+      }
+    };
+
+    float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+    for (int64_t k = 0; k < K; ++k) {
+      float d[8], x[8], w[8];
+      int n;
+      get(k, d, x, w, n, true);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (j < n) {
+          const float xh = norm_xhat(p.ln, x[j], mean, rstd), dyw = f_mul(d[j], w[j]);
+          s1 = f_fma(dyw, xh, s1);
+          s2 = f_add(s2, dyw);
+        }
+      }
+    }
+    s1 = team_sum(s1, L, red);
+    if (p.ln) s2 = team_sum(s2, L, red);
+    const float m1 = norm_mean(s1, H), m2 = p.ln ? norm_mean(s2, H) : 0.0f;
+
+#pragma unroll
+    for (int64_t k = 0; k < K; ++k) {
+      float d[8], x[8], w[8], out[8];
+      int n;
+      get(k, d, x, w, n, false);
+      const int64_t col = col_of(k);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float xh = norm_xhat(p.ln, x[j], mean, rstd);
+        out[j] = norm_dx(p.ln, f_mul(d[j], w[j]), xh, m1, m2, rstd);
+        if (j < n) {
+          if constexpr (C > 0) {
+            dg[k * 8 + j] = f_fma(d[j], xh, dg[k * 8 + j]);
+            db[k * 8 + j] = f_add(db[k * 8 + j], d[j]);
+          } else {
+            pg[col + j] = f_fma(d[j], xh, pg[col + j]);
+            if (pb) pb[col + j] = f_add(pb[col + j], d[j]);
+          }
+        }
+      }
+      if (n > 0) fused::store8(p.dx, p.dx_dt, base + col, n, p.vec_dx, out);
+    }
+  }
+
+  // Group result = 0 + team 0 + team 1 + ... (in order).
+  if constexpr (C == 0) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t col = col_of(k);
+      for (int j = 0; j < chunk_len(H, col); ++j) {
+        pg[col + j] = f_add(0.0f, pg[col + j]);
+        if (pb) pb[col + j] = f_add(0.0f, pb[col + j]);
+      }
+    }
+  } else if (T == 1) {
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      const int64_t col = col_of(k);
+      const int nn = chunk_len(H, col);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (j < nn) {
+          pg[col + j] = f_add(0.0f, dg[k * 8 + j]);
+          if (pb) pb[col + j] = f_add(0.0f, db[k * 8 + j]);
+        }
+      }
+    }
+  } else {
+    float* sg = team_part;
+    float* sb = team_part + static_cast<int64_t>(T) * H;
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      const int64_t col = col_of(k);
+      const int nn = chunk_len(H, col);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (j < nn) {
+          sg[team * H + col + j] = dg[k * 8 + j];
+          sb[team * H + col + j] = db[k * 8 + j];
+        }
+      }
+    }
+    __syncthreads();
+    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+      float ag = 0.0f, ab = 0.0f;
+      for (int t = 0; t < T; ++t) {
+        ag = f_add(ag, sg[t * H + c]);
+        ab = f_add(ab, sb[t * H + c]);
+      }
+      pg[c] = ag;
+      if (pb) pb[c] = ab;
+    }
+  }
+}
+
+bool aligned(const void* p, size_t bytes) { return p == nullptr || is_aligned(p, bytes); }
+
+}  // namespace
+
+void norm_forward_cuda(const NormFwdArgs& a, const fus_context& ctx) {
+  CudaDeviceGuard guard(ctx.device_index);
+  cudaStream_t stream = stream_of(ctx);
+  const int64_t rows = a.x.rows, H = a.x.cols;
+  const fus_quantized* q = a.q;
+  const bool per_tensor = q && q->mode == FUS_SCALING_PER_TENSOR;
+  float* scale_inv = per_tensor ? static_cast<float*>(q->rowwise_scale_inv) : nullptr;
+  float* amax = q ? q->amax : nullptr;
+  if (amax) FUS_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  if (rows == 0) {
+    if (scale_inv) {
+      fused::scale_inv_kernel<<<1, 1, 0, stream>>>(q->scale, scale_inv);
+      FUS_CUDA_CHECK_LAUNCH("scale_inv_kernel");
+    }
+    return;
+  }
+
+  NormFwdParams p{};
+  p.ln = a.layernorm;
+  p.zc = a.zero_centered;
+  p.x = a.x.data;
+  p.x_dt = a.x.dtype;
+  p.gamma = a.gamma.data;
+  p.g_dt = a.gamma.dtype;
+  p.beta = a.beta;
+  p.b_dt = a.beta_dtype;
+  p.eps = a.eps;
+  p.rows = rows;
+  p.cols = H;
+  p.lanes = norm_fwd_lanes(H);
+  p.kmax = norm_chunks_per_lane(H, p.lanes);
+  const bool vec = H % 8 == 0;
+  p.vec_x = vec && aligned(a.x.data, 16);
+  p.vec_g = vec && aligned(a.gamma.data, 16);
+  p.vec_b = vec && aligned(a.beta, 16);
+  p.y = a.y ? a.y->data : nullptr;
+  p.y_dt = a.y ? a.y->dtype : a.round_dtype;
+  p.vec_y = vec && aligned(p.y, 16);
+  p.round_dt = a.round_dtype;
+  p.out = a.y != nullptr || q != nullptr;
+  p.qmode = q ? (per_tensor ? 1 : 2) : 0;
+  p.e5m2 = q && q->dtype == FUS_FLOAT8_E5M2;
+  p.q_row = q ? static_cast<uint8_t*>(q->rowwise_data) : nullptr;
+  p.s_row = q && !per_tensor ? static_cast<uint8_t*>(q->rowwise_scale_inv) : nullptr;
+  p.scale = per_tensor ? q->scale : nullptr;
+  p.scale_inv = scale_inv;
+  p.vec_q = vec && aligned(p.q_row, 8);
+  p.amax = amax;
+  p.mean = a.mean;
+  p.rstd = a.rstd;
+
+  const int threads = p.lanes < 128 ? 128 : p.lanes;
+  const int64_t teams = threads / p.lanes;
+  const unsigned blocks = static_cast<unsigned>((rows + teams - 1) / teams);
+  switch (p.kmax) {
+    case 1: norm_fwd_kernel<1><<<blocks, threads, 0, stream>>>(p); break;
+    case 2: norm_fwd_kernel<2><<<blocks, threads, 0, stream>>>(p); break;
+    case 3:
+    case 4: norm_fwd_kernel<4><<<blocks, threads, 0, stream>>>(p); break;
+    default: norm_fwd_kernel<0><<<blocks, threads, 0, stream>>>(p); break;
+  }
+  FUS_CUDA_CHECK_LAUNCH("norm_fwd_kernel");
+
+  if (q && q->columnwise_data) {
+    NormColParams c{};
+    c.ln = a.layernorm;
+    c.zc = a.zero_centered;
+    c.x = a.x.data;
+    c.x_dt = a.x.dtype;
+    c.vec_x = p.vec_x;
+    c.gamma = a.gamma.data;
+    c.g_dt = a.gamma.dtype;
+    c.beta = a.beta;
+    c.b_dt = a.beta_dtype;
+    c.mean = a.mean;
+    c.rstd = a.rstd;
+    c.rows = rows;
+    c.cols = H;
+    const int64_t tiles = (rows + fused::kTileRows - 1) / fused::kTileRows;
+    c.rows_per_block = fused::kTileRows * ((tiles + 65534) / 65535);
+    fused::EpilogueOut& o = c.out;
+    o.hp = nullptr;
+    o.hp_dtype = a.round_dtype;
+    o.round_dtype = a.round_dtype;
+    o.qmode = p.qmode;
+    o.e5m2 = p.e5m2;
+    o.q_col = static_cast<uint8_t*>(q->columnwise_data);
+    o.s_col = per_tensor ? nullptr : static_cast<uint8_t*>(q->columnwise_scale_inv);
+    o.scale = p.scale;
+    o.vec_q_row = vec && aligned(o.q_col, 8);
+    o.vec_q_t = per_tensor && rows % 8 == 0 && aligned(o.q_col, 8);
+    o.rows = rows;
+    o.out_cols = H;
+    const dim3 grid(static_cast<unsigned>((H + fused::kTileCols - 1) / fused::kTileCols),
+                    static_cast<unsigned>((rows + c.rows_per_block - 1) / c.rows_per_block));
+    norm_col_kernel<<<grid, fused::kTileThreads, 0, stream>>>(c);
+    FUS_CUDA_CHECK_LAUNCH("norm_col_kernel");
+  }
+}
+
+void norm_backward_cuda(const NormBwdArgs& a, const fus_context& ctx) {
+  CudaDeviceGuard guard(ctx.device_index);
+  cudaStream_t stream = stream_of(ctx);
+  const int64_t rows = a.dy.rows, H = a.dy.cols;
+  if (rows == 0) {
+    FUS_CUDA_CHECK(cudaMemsetAsync(a.dgamma.data, 0, H * fus_dtype_size(a.dgamma.dtype), stream));
+    if (a.dbeta)
+      FUS_CUDA_CHECK(cudaMemsetAsync(a.dbeta->data, 0, H * fus_dtype_size(a.dbeta->dtype), stream));
+    return;
+  }
+  const NormColPlan plan = norm_bwd_col_plan(rows, H);
+  NormBwdParams p{};
+  p.ln = a.layernorm;
+  p.zc = a.zero_centered;
+  p.dy = a.dy.data;
+  p.dy_dt = a.dy.dtype;
+  p.x = a.x.data;
+  p.x_dt = a.x.dtype;
+  p.mean = a.mean;
+  p.rstd = a.rstd;
+  p.gamma = a.gamma.data;
+  p.g_dt = a.gamma.dtype;
+  p.dx = a.dx.data;
+  p.dx_dt = a.dx.dtype;
+  const bool vec = H % 8 == 0;
+  p.vec_dy = vec && aligned(p.dy, 16);
+  p.vec_x = vec && aligned(p.x, 16);
+  p.vec_g = vec && aligned(p.gamma, 16);
+  p.vec_dx = vec && aligned(p.dx, 16);
+  p.rows = rows;
+  p.cols = H;
+  p.lanes = norm_bwd_lanes(H);
+  p.teams = plan.teams;
+  p.rows_per_group = plan.rows_per_group;
+  p.kmax = norm_chunks_per_lane(H, p.lanes);
+  float* ws = static_cast<float*>(a.workspace);
+  p.pg = ws;
+  p.pb = a.dbeta ? ws + plan.groups * H : nullptr;
+
+  const int threads = p.lanes * p.teams;
+  const size_t smem = p.teams > 1 ? 2 * sizeof(float) * p.teams * H : 0;
+  const unsigned blocks = static_cast<unsigned>(plan.groups);
+  switch (p.kmax) {
+    case 1: norm_bwd_kernel<1, true><<<blocks, threads, smem, stream>>>(p); break;
+    case 2: norm_bwd_kernel<2, true><<<blocks, threads, smem, stream>>>(p); break;
+    case 3:
+    case 4: norm_bwd_kernel<4, false><<<blocks, threads, smem, stream>>>(p); break;
+    default: norm_bwd_kernel<0, false><<<blocks, threads, smem, stream>>>(p); break;
+  }
+  FUS_CUDA_CHECK_LAUNCH("norm_bwd_kernel");
+  const unsigned fb = static_cast<unsigned>((H + 255) / 256);
+  fused::colsum_finalize_kernel<<<fb, 256, 0, stream>>>(p.pg, plan.groups, H, a.dgamma.data,
+                                                        a.dgamma.dtype);
+  FUS_CUDA_CHECK_LAUNCH("colsum_finalize_kernel");
+  if (a.dbeta) {
+    fused::colsum_finalize_kernel<<<fb, 256, 0, stream>>>(p.pb, plan.groups, H, a.dbeta->data,
+                                                          a.dbeta->dtype);
+    FUS_CUDA_CHECK_LAUNCH("colsum_finalize_kernel");
+  }
+}
+
+}  // namespace fusible

@@ -1,0 +1,545 @@
+// Tests of the activation family: the shared math (common/activation_math.h) against long-double
+// references, the CPU backend through the C API against FP64 references (forward, backward,
+// dbias), the quantized output against fus_quantize of the high-precision output (bit for bit),
+// the documented dbias order, argument validation, and, where a CUDA device is present, the CUDA
+// backend against the CPU backend bit for bit.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <sstream>
+#include <tuple>
+
+#include "common/activation_math.h"
+#include "fused_test_utils.h"
+#include "fusible/activation.h"
+
+using namespace fustest;
+namespace fu = fusible;
+
+namespace {
+
+using LD = long double;
+
+// ---- long-double references
+// -----------------------------------------------------------------------
+
+LD sigmoid_ref(LD x) { return 1.0L / (1.0L + std::exp(-x)); }
+LD gelu_tanh_ref(LD x) {
+  const LD v =
+      2.0L * std::sqrt(2.0L / 3.14159265358979323846264338327950288L) * (x + 0.044715L * x * x * x);
+  return x * sigmoid_ref(v);  // = 0.5 x (1 + tanh(v / 2)) without cancellation
+}
+LD dgelu_tanh_ref(LD x) {
+  const LD k = 2.0L * std::sqrt(2.0L / 3.14159265358979323846264338327950288L);
+  const LD s = sigmoid_ref(k * (x + 0.044715L * x * x * x));
+  return s + x * s * (1.0L - s) * k * (1.0L + 3.0L * 0.044715L * x * x);
+}
+LD gelu_erf_ref(LD x) { return 0.5L * x * std::erfc(-x / std::sqrt(2.0L)); }
+LD dgelu_erf_ref(LD x) {
+  return 0.5L * std::erfc(-x / std::sqrt(2.0L)) +
+         x * std::exp(-x * x / 2.0L) / std::sqrt(2.0L * 3.14159265358979323846264338327950288L);
+}
+LD silu_ref(LD x) { return x * sigmoid_ref(x); }
+LD dsilu_ref(LD x) {
+  const LD s = sigmoid_ref(x);
+  return s * (1.0L + x * (1.0L - s));
+}
+LD relu_ref(LD x) { return x < 0 ? 0.0L : x; }
+LD drelu_ref(LD x) { return x > 0 ? 1.0L : 0.0L; }
+
+// Error in units of the float spacing at ref (2^-149 below the normal range).
+double ulps(float got, LD ref) {
+  int e = std::ilogb(static_cast<double>(ref));
+  if (ref == 0 || e < -126) e = -126;
+  return static_cast<double>(std::fabs(static_cast<LD>(got) - ref) / std::ldexp(1.0L, e - 23));
+}
+
+std::vector<float> sample_points(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i)
+    v[i] = i % 2 ? u(rng) * 12.0f : std::ldexp(u(rng), static_cast<int>(i % 40) - 30);
+  return v;
+}
+
+TEST(ActivationMath, ExpNegWithinOneUlpIncludingSubnormals) {
+  double worst = 0;
+  for (uint32_t u = 0x80000000u; u < 0xc2e00000u; u += 4099) {  // -0 .. -112
+    float x;
+    std::memcpy(&x, &u, 4);
+    worst = std::max(worst, ulps(fu::exp_neg_f(x), std::exp(static_cast<LD>(x))));
+  }
+  EXPECT_LE(worst, 1.1);
+  EXPECT_EQ(fu::exp_neg_f(0.0f), 1.0f);
+  EXPECT_EQ(fu::exp_neg_f(-200.0f), 0.0f);
+  EXPECT_EQ(fu::exp_neg_f(-std::numeric_limits<float>::infinity()), 0.0f);
+  EXPECT_TRUE(std::isnan(fu::exp_neg_f(qnan())));
+}
+
+TEST(ActivationMath, FunctionsMatchLongDoubleWithinDocumentedBounds) {
+  double w_gt = 0, w_ge = 0, w_si = 0, w_sg = 0, w_dgt = 0, w_dge = 0, w_dsi = 0;
+  for (float x : sample_points(400000, 3)) {
+    if (x >= -3) w_gt = std::max(w_gt, ulps(fu::gelu_tanh(x), gelu_tanh_ref(x)));
+    if (x >= -13) w_ge = std::max(w_ge, ulps(fu::gelu_erf(x), gelu_erf_ref(x)));
+    if (x >= -80) w_si = std::max(w_si, ulps(fu::silu(x), silu_ref(x)));
+    w_sg = std::max(w_sg, ulps(fu::sigmoid_f(x), sigmoid_ref(x)));
+    auto drel = [](float got, LD ref) {
+      return static_cast<double>(std::fabs(got - ref) / std::max(std::fabs(ref), 0.1L));
+    };
+    w_dgt = std::max(w_dgt, drel(fu::dgelu_tanh(x), dgelu_tanh_ref(x)));
+    w_dge = std::max(w_dge, drel(fu::dgelu_erf(x), dgelu_erf_ref(x)));
+    w_dsi = std::max(w_dsi, drel(fu::dsilu(x), dsilu_ref(x)));
+    EXPECT_EQ(f2u(fu::relu(x)), f2u(static_cast<float>(relu_ref(x))));
+    EXPECT_EQ(fu::drelu(x), static_cast<float>(drelu_ref(x)));
+  }
+  EXPECT_LE(w_gt, 13.0);
+  EXPECT_LE(w_ge, 6.0);
+  EXPECT_LE(w_si, 3.5);
+  EXPECT_LE(w_sg, 3.5);
+  EXPECT_LE(w_dgt, 8e-7);
+  EXPECT_LE(w_dge, 8e-7);
+  EXPECT_LE(w_dsi, 8e-7);
+}
+
+TEST(ActivationMath, SpecialValues) {
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(fu::gelu_tanh(inf), inf);
+  EXPECT_EQ(fu::silu(inf), inf);
+  EXPECT_EQ(fu::gelu_erf(inf), inf);
+  EXPECT_EQ(f2u(fu::relu(-0.0f)), f2u(-0.0f));  // as torch.relu
+  EXPECT_TRUE(std::isnan(fu::relu(qnan())));
+  for (float x : {qnan()}) {
+    EXPECT_TRUE(std::isnan(fu::gelu_tanh(x)));
+    EXPECT_TRUE(std::isnan(fu::gelu_erf(x)));
+    EXPECT_TRUE(std::isnan(fu::silu(x)));
+    EXPECT_TRUE(std::isnan(fu::dgelu_tanh(x)));
+    EXPECT_TRUE(std::isnan(fu::dgelu_erf(x)));
+    EXPECT_TRUE(std::isnan(fu::dsilu(x)));
+  }
+  EXPECT_EQ(fu::dgelu_tanh(30.0f), 1.0f);
+  EXPECT_EQ(fu::dgelu_tanh(-30.0f), 0.0f);
+  EXPECT_EQ(fu::gelu_tanh(0.0f), 0.0f);
+  EXPECT_EQ(fu::dgelu_tanh(0.0f), 0.5f);
+  EXPECT_EQ(fu::dsilu(0.0f), 0.5f);
+  // ReLU's gradient selects: an inf gradient where x <= 0 gives 0 (torch threshold_backward).
+  EXPECT_EQ(fu::act_grad<fu::ActFn::kRelu>(inf, -1.0f), 0.0f);
+}
+
+// ---- C API plumbing
+// ---------------------------------------------------------------------------------
+
+const char* kind_name(fus_activation k) {
+  switch (k) {
+    case FUS_ACT_GELU: return "GELU";
+    case FUS_ACT_GELU_ERF: return "GELU_ERF";
+    case FUS_ACT_RELU: return "RELU";
+    case FUS_ACT_SILU: return "SILU";
+    case FUS_ACT_SWIGLU: return "SWIGLU";
+    case FUS_ACT_GEGLU: return "GEGLU";
+  }
+  return "?";
+}
+
+bool gated(fus_activation k) { return fus_activation_is_gated(k) != 0; }
+
+LD act_ref(fus_activation k, LD x) {
+  switch (k) {
+    case FUS_ACT_GELU:
+    case FUS_ACT_GEGLU: return gelu_tanh_ref(x);
+    case FUS_ACT_GELU_ERF: return gelu_erf_ref(x);
+    case FUS_ACT_RELU: return relu_ref(x);
+    default: return silu_ref(x);
+  }
+}
+LD dact_ref(fus_activation k, LD x) {
+  switch (k) {
+    case FUS_ACT_GELU:
+    case FUS_ACT_GEGLU: return dgelu_tanh_ref(x);
+    case FUS_ACT_GELU_ERF: return dgelu_erf_ref(x);
+    case FUS_ACT_RELU: return drelu_ref(x);
+    default: return dsilu_ref(x);
+  }
+}
+
+struct ActSetup {
+  fus_activation kind = FUS_ACT_GELU;
+  bool bwd = false;
+  fus_dtype x_dt = FUS_FLOAT32, g_dt = FUS_FLOAT32, out_dt = FUS_FLOAT32, bias_dt = FUS_FLOAT32;
+  bool has_out = true, dbias = false;
+  int64_t rows = 0, cols = 0;  // cols = H
+  QSpec q;
+  uint32_t seed = 1;
+  int64_t in_cols() const { return gated(kind) ? 2 * cols : cols; }
+  int64_t out_cols() const { return bwd ? in_cols() : cols; }
+};
+
+std::string describe(const ActSetup& s) {
+  std::ostringstream os;
+  os << kind_name(s.kind) << (s.bwd ? " bwd" : " fwd") << " x " << dt_name(s.x_dt) << " out "
+     << (s.has_out ? dt_name(s.out_dt) : "-") << " [" << s.rows << ", " << s.cols << "] q "
+     << qmode_name(s.q.mode) << " " << fmt_name(s.q.fmt) << " row " << s.q.row << " col " << s.q.col
+     << " dbias " << s.dbias;
+  return os.str();
+}
+
+enum Slot { kX = 0, kG, kOut, kBias, kWs, kQ };
+
+struct Data {
+  HostMatrix x, g;
+  Buffers bufs;
+};
+
+Data make_data(const ActSetup& s, size_t workspace = 0) {
+  Data d;
+  d.x = random_matrix(s.x_dt, s.rows, s.in_cols(), s.seed, 0.0f, 2.0f);
+  d.g = random_matrix(s.g_dt, s.rows, s.cols, s.seed + 1, 0.0f, 1.0f);
+  Buffers& b = d.bufs;
+  b.add_bytes(d.x.bytes);
+  b.add_bytes(s.bwd ? d.g.bytes : std::vector<uint8_t>{});
+  b.add_filled(s.has_out ? static_cast<size_t>(s.rows * s.out_cols()) * fus_dtype_size(s.out_dt)
+                         : 0);
+  b.add_filled(s.dbias ? static_cast<size_t>(s.out_cols()) * fus_dtype_size(s.bias_dt) : 0);
+  b.add_filled(workspace);
+  add_q_buffers(b, s.rows, s.out_cols(), s.q);
+  return d;
+}
+
+ApiCall call(const ActSetup& s) {
+  return [s](const std::vector<void*>& p, const fus_context& ctx) {
+    fus_tensor x{p[kX], s.x_dt, s.rows, s.in_cols()}, g{p[kG], s.g_dt, s.rows, s.cols},
+        out{p[kOut], s.out_dt, s.rows, s.out_cols()}, bias{p[kBias], s.bias_dt, 1, s.out_cols()};
+    fus_quantized q = make_q(p, kQ, s.rows, s.out_cols(), s.q);
+    fus_quantized* qp = s.q.mode ? &q : nullptr;
+    if (!s.bwd) return fus_activation_forward(s.kind, &x, s.has_out ? &out : nullptr, qp, &ctx);
+    size_t ws = 0;
+    const fus_status st = fus_activation_backward_workspace_size(s.rows, s.out_cols(), &ctx, &ws);
+    if (st != FUS_SUCCESS) return st;
+    return fus_activation_backward(s.kind, &g, &x, s.has_out ? &out : nullptr, qp,
+                                   s.dbias ? &bias : nullptr, p[kWs], ws, &ctx);
+  };
+}
+
+size_t cuda_workspace(const ActSetup& s) {
+  const fus_context ctx = cuda_ctx();
+  size_t ws = 0;
+  if (fus_has_cuda() && s.bwd && s.dbias) {
+    EXPECT_EQ(fus_activation_backward_workspace_size(s.rows, s.out_cols(), &ctx, &ws), FUS_SUCCESS);
+  }
+  return ws;
+}
+
+// FP64 (long double) reference of the output matrix.
+std::vector<double> reference(const ActSetup& s, const Data& d) {
+  const int64_t n = s.rows, h = s.cols, k = s.in_cols();
+  std::vector<double> r(static_cast<size_t>(n * s.out_cols()));
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < h; ++c) {
+      const LD a = d.x.values[i * k + c];
+      if (!s.bwd) {
+        r[i * h + c] = static_cast<double>(
+            gated(s.kind) ? act_ref(s.kind, a) * d.x.values[i * k + h + c] : act_ref(s.kind, a));
+      } else {
+        const LD g = d.g.values[i * h + c];
+        if (gated(s.kind)) {
+          const LD b = d.x.values[i * k + h + c];
+          r[i * k + c] = static_cast<double>(g * dact_ref(s.kind, a) * b);
+          r[i * k + h + c] = static_cast<double>(g * act_ref(s.kind, a));
+        } else {
+          r[i * h + c] = static_cast<double>(g * dact_ref(s.kind, a));
+        }
+      }
+    }
+  return r;
+}
+
+const fus_activation kKinds[] = {FUS_ACT_GELU, FUS_ACT_GELU_ERF, FUS_ACT_RELU,
+                                 FUS_ACT_SILU, FUS_ACT_SWIGLU,   FUS_ACT_GEGLU};
+
+// ---- CPU vs FP64
+// ------------------------------------------------------------------------------------
+
+using RefParam = std::tuple<fus_activation, fus_dtype, bool, std::pair<int64_t, int64_t>>;
+
+class ActReference : public ::testing::TestWithParam<RefParam> {};
+
+TEST_P(ActReference, MatchesFp64) {
+  const auto [kind, dt, bwd, shape] = GetParam();
+  ActSetup s;
+  s.kind = kind;
+  s.bwd = bwd;
+  s.x_dt = s.g_dt = s.out_dt = dt;
+  s.rows = shape.first;
+  s.cols = shape.second;
+  s.dbias = bwd;
+  SCOPED_TRACE(describe(s));
+  Data d = make_data(s);
+  ASSERT_EQ(run_cpu(d.bufs, call(s)), FUS_SUCCESS) << fus_last_error();
+  const std::vector<double> ref = reference(s, d);
+  const std::vector<double> got = as_doubles(d.bufs.b[kOut], s.out_dt);
+  // fp32 math: a few ulps, more in the far tails (activation_math.h); the derivative products
+  // (gelu) are accurate to ~1e-6 of max(|d|, 0.1) times |grad|.
+  const double rtol = out_rtol(s.out_dt, 2e-5);
+  EXPECT_TRUE(all_close(got, ref, rtol, (bwd ? 1e-6 : 1e-9) + dtype_atom(s.out_dt), "output"));
+  if (s.dbias) {
+    // dbias = column sums of the stored (rounded) dx, accumulated in fp32.
+    const int64_t k = s.out_cols();
+    std::vector<double> sum(k, 0.0), abs(k, 0.0);
+    for (int64_t i = 0; i < s.rows; ++i)
+      for (int64_t c = 0; c < k; ++c) sum[c] += got[i * k + c], abs[c] += std::fabs(got[i * k + c]);
+    const std::vector<double> db = as_doubles(d.bufs.b[kBias], s.bias_dt);
+    for (int64_t c = 0; c < k; ++c)
+      ASSERT_NEAR(db[c], sum[c], 1e-6 * abs[c] + 1e-30) << "dbias[" << c << "]";
+  }
+}
+
+const std::vector<std::pair<int64_t, int64_t>> kShapes = {{1, 1},    {7, 7},    {127, 127},
+                                                          {3, 4097}, {4097, 3}, {64, 256}};
+
+INSTANTIATE_TEST_SUITE_P(All, ActReference,
+                         ::testing::Combine(::testing::ValuesIn(kKinds),
+                                            ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
+                                                              FUS_BFLOAT16),
+                                            ::testing::Bool(), ::testing::ValuesIn(kShapes)));
+
+// dbias follows the documented order exactly: sequential in groups of P = 32 ceil(ceil(N/32)/64)
+// rows, then sequential over the groups.
+TEST(ActDbias, OrderIsSequentialGroupsThenGroups) {
+  for (int64_t rows : {1, 31, 100, 2049, 5000}) {
+    ActSetup s;
+    s.kind = FUS_ACT_RELU;
+    s.bwd = true;
+    s.dbias = true;
+    s.rows = rows;
+    s.cols = 5;
+    SCOPED_TRACE(rows);
+    Data d = make_data(s);
+    ASSERT_EQ(run_cpu(d.bufs, call(s)), FUS_SUCCESS) << fus_last_error();
+    const std::vector<float> dx = d.bufs.get<float>(kOut), db = d.bufs.get<float>(kBias);
+    const int64_t per = 32 * (((rows + 31) / 32 + 63) / 64);
+    for (int64_t c = 0; c < 5; ++c) {
+      float total = 0.0f;
+      for (int64_t r0 = 0; r0 < rows; r0 += per) {
+        float group = 0.0f;
+        for (int64_t r = r0; r < std::min(rows, r0 + per); ++r) group += dx[r * 5 + c];
+        total += group;
+      }
+      EXPECT_EQ(f2u(db[c]), f2u(total)) << "column " << c;
+    }
+  }
+}
+
+// ---- quantized output == quantize(high-precision output)
+// ------------------------------------------
+
+using QParam = std::tuple<fus_activation, fus_dtype, bool, int, std::pair<int64_t, int64_t>>;
+
+class ActQuantized : public ::testing::TestWithParam<QParam> {};
+
+TEST_P(ActQuantized, EqualsQuantizeOfHighPrecisionOutput) {
+  const auto [kind, dt, bwd, qmode, shape] = GetParam();
+  for (int variant = 0; variant < 3; ++variant) {
+    ActSetup s;
+    s.kind = kind;
+    s.bwd = bwd;
+    s.x_dt = s.g_dt = dt;
+    s.out_dt = variant == 1 ? FUS_FLOAT32 : (variant == 2 ? FUS_BFLOAT16 : dt);
+    s.rows = shape.first;
+    s.cols = shape.second;
+    s.q.mode = qmode;
+    s.q.fmt = variant == 1 ? FUS_FLOAT8_E5M2 : FUS_FLOAT8_E4M3;
+    s.q.scale = qmode == 1 ? 11.0f : 1.0f;
+    s.q.row = variant != 2;
+    s.q.col = variant != 0;
+    if (bwd && gated(kind) && qmode == 2 && s.cols % 32 != 0) s.q.row = false;  // documented limit
+    if (!s.q.row && !s.q.col) s.q.col = true;
+    s.dbias = bwd;
+    SCOPED_TRACE(describe(s));
+    Data d = make_data(s);
+    ASSERT_EQ(run_cpu(d.bufs, call(s)), FUS_SUCCESS) << fus_last_error();
+    expect_same_q(d.bufs, kQ, quantize_of(d.bufs.b[kOut], s.out_dt, s.rows, s.out_cols(), s.q), 1,
+                  "fused vs quantize(out)");
+    // Without the high-precision output: rounded to x's (forward) or grad's (backward) dtype.
+    ActSetup n = s;
+    n.has_out = false;
+    Data dn = make_data(n);
+    ASSERT_EQ(run_cpu(dn.bufs, call(n)), FUS_SUCCESS) << fus_last_error();
+    ActSetup o = s;
+    o.out_dt = dt;
+    o.q.mode = 0;
+    Data dout = make_data(o);
+    ASSERT_EQ(run_cpu(dout.bufs, call(o)), FUS_SUCCESS) << fus_last_error();
+    expect_same_q(dn.bufs, kQ, quantize_of(dout.bufs.b[kOut], dt, s.rows, s.out_cols(), s.q), 1,
+                  "fused without out vs quantize(out in the input's dtype)");
+    if (s.dbias) {
+      EXPECT_EQ(dn.bufs.b[kBias], dout.bufs.b[kBias]) << "dbias without out";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, ActQuantized,
+    ::testing::Combine(::testing::ValuesIn(kKinds), ::testing::Values(FUS_FLOAT32, FUS_BFLOAT16),
+                       ::testing::Bool(), ::testing::Values(1, 2),
+                       ::testing::Values(std::make_pair<int64_t, int64_t>(1, 1),
+                                         std::make_pair<int64_t, int64_t>(127, 7),
+                                         std::make_pair<int64_t, int64_t>(33, 64),
+                                         std::make_pair<int64_t, int64_t>(70, 4097))));
+
+TEST(ActQuantizedEdge, ZeroRows) {
+  ActSetup s;
+  s.bwd = true;
+  s.dbias = true;
+  s.rows = 0;
+  s.cols = 12;
+  s.q.mode = 1;
+  s.q.scale = 8.0f;
+  Data d = make_data(s);
+  ASSERT_EQ(run_cpu(d.bufs, call(s)), FUS_SUCCESS) << fus_last_error();
+  EXPECT_EQ(d.bufs.get<float>(kQ + kQAmax)[0], 0.0f);
+  EXPECT_EQ(d.bufs.get<float>(kQ + kQRowS)[0], 0.125f);
+  for (float v : d.bufs.get<float>(kBias)) EXPECT_EQ(f2u(v), 0u);
+}
+
+// ---- argument validation
+// ----------------------------------------------------------------------------
+
+TEST(ActErrors, RejectBadArguments) {
+  float x[24] = {}, y[24] = {}, g[12] = {}, dx[24] = {}, db[8] = {};
+  const fus_context ctx = cpu_ctx();
+  fus_tensor tx{x, FUS_FLOAT32, 3, 8}, ty{y, FUS_FLOAT32, 3, 8}, ty4{y, FUS_FLOAT32, 3, 4},
+      tg{g, FUS_FLOAT32, 3, 4}, tg8{g, FUS_FLOAT32, 3, 8}, tdx{dx, FUS_FLOAT32, 3, 8},
+      tdb{db, FUS_FLOAT32, 1, 8};
+  const char* f = "fus_activation_forward";
+  const char* b = "fus_activation_backward";
+  EXPECT_EQ(fus_activation_forward(FUS_ACT_GELU, &tx, &ty, nullptr, &ctx), FUS_SUCCESS);
+  EXPECT_EQ(fus_activation_forward(FUS_ACT_SWIGLU, &tx, &ty4, nullptr, &ctx), FUS_SUCCESS);
+  EXPECT_TRUE(
+      is_error(fus_activation_forward(static_cast<fus_activation>(9), &tx, &ty, nullptr, &ctx),
+               FUS_ERROR_INVALID_ARGUMENT, {f, "kind"}));
+  EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GELU, nullptr, &ty, nullptr, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {f, "x"}));
+  EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GELU, &tx, nullptr, nullptr, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {f, "y", "q"}));
+  EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GELU, &tx, &ty4, nullptr, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {f, "y", "[3, 8]"}));
+  EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_SWIGLU, &tx, &ty, nullptr, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {f, "y", "[3, 4]"}));
+  fus_tensor odd{x, FUS_FLOAT32, 3, 7};
+  EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GEGLU, &odd, &ty, nullptr, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {f, "x", "even"}));
+  uint8_t q8[24], s8[8];
+  fus_quantized q{
+      FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, 3, 8, q8, nullptr, s8, nullptr, nullptr, nullptr};
+  EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GELU, &tx, nullptr, &q, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {f, "q->scale"}));
+  EXPECT_TRUE(is_error(
+      fus_activation_backward(FUS_ACT_GELU, &tg8, &tx, nullptr, nullptr, nullptr, nullptr, 0, &ctx),
+      FUS_ERROR_INVALID_ARGUMENT, {b, "dx", "q", "dbias"}));
+  EXPECT_TRUE(is_error(
+      fus_activation_backward(FUS_ACT_GELU, &tg, &tx, &tdx, nullptr, nullptr, nullptr, 0, &ctx),
+      FUS_ERROR_INVALID_ARGUMENT, {b, "x", "[3, 4]"}));
+  EXPECT_EQ(fus_activation_backward(FUS_ACT_GEGLU, &tg, &tx, &tdx, nullptr, &tdb, nullptr, 0, &ctx),
+            FUS_SUCCESS);
+  fus_tensor db4{db, FUS_FLOAT32, 1, 4};
+  EXPECT_TRUE(is_error(
+      fus_activation_backward(FUS_ACT_GEGLU, &tg, &tx, &tdx, nullptr, &db4, nullptr, 0, &ctx),
+      FUS_ERROR_INVALID_ARGUMENT, {b, "dbias", "[1, 8]"}));
+  uint8_t mx[24], ms[8];
+  fus_quantized qm{FUS_SCALING_MXFP8, FUS_FLOAT8_E4M3, 3,      8, mx, nullptr, ms,
+                   nullptr,           nullptr,         nullptr};
+  EXPECT_TRUE(is_error(
+      fus_activation_backward(FUS_ACT_SWIGLU, &tg, &tx, nullptr, &qm, nullptr, nullptr, 0, &ctx),
+      FUS_ERROR_INVALID_ARGUMENT, {b, "H % 32"}));
+  fus_tensor g0{g, FUS_FLOAT32, 3, 0}, x0{x, FUS_FLOAT32, 3, 0};
+  EXPECT_TRUE(is_error(
+      fus_activation_backward(FUS_ACT_GELU, &g0, &x0, &x0, nullptr, nullptr, nullptr, 0, &ctx),
+      FUS_ERROR_INVALID_ARGUMENT, {b, "grad", "column"}));
+  const fus_context gpu = cuda_ctx();
+  if (fus_has_cuda()) {
+    EXPECT_TRUE(is_error(
+        fus_activation_backward(FUS_ACT_GELU, &tg8, &tx, &tdx, nullptr, &tdb, nullptr, 0, &gpu),
+        FUS_ERROR_INVALID_ARGUMENT, {b, "workspace_bytes"}));
+  } else {
+    EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GELU, &tx, &ty, nullptr, &gpu),
+                         FUS_ERROR_UNSUPPORTED, {f, "CUDA"}));
+  }
+  size_t ws = 1;
+  EXPECT_EQ(fus_activation_backward_workspace_size(3, 8, &ctx, &ws), FUS_SUCCESS);
+  EXPECT_EQ(ws, 0u);
+  EXPECT_EQ(fus_activation_is_gated(FUS_ACT_SWIGLU), 1);
+  EXPECT_EQ(fus_activation_is_gated(FUS_ACT_GELU), 0);
+}
+
+// ---- CUDA vs CPU
+// ------------------------------------------------------------------------------------
+
+class ActCuda : public ::testing::TestWithParam<std::tuple<fus_activation, fus_dtype, bool, int>> {
+};
+
+TEST_P(ActCuda, BitIdenticalToCpu) {
+  FUSTEST_REQUIRE_CUDA();
+  const auto [kind, dt, bwd, qmode] = GetParam();
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {
+      {1, 1}, {7, 7}, {127, 127}, {4097, 7}, {3, 4097}, {64, 1024}, {96, 96}, {2500, 64}, {31, 40}};
+  for (const auto& shape : shapes) {
+    for (int variant = 0; variant < 3; ++variant) {
+      ActSetup s;
+      s.kind = kind;
+      s.bwd = bwd;
+      s.x_dt = dt;
+      s.g_dt = variant == 1 ? FUS_FLOAT32 : dt;
+      s.out_dt = variant == 2 ? FUS_FLOAT32 : dt;
+      s.has_out = variant != 1;
+      s.rows = shape.first;
+      s.cols = shape.second;
+      s.dbias = bwd && variant != 2;
+      s.bias_dt = variant == 0 ? dt : FUS_FLOAT32;
+      s.q.mode = qmode;
+      s.q.fmt = variant == 2 ? FUS_FLOAT8_E5M2 : FUS_FLOAT8_E4M3;
+      s.q.scale = 5.0f;
+      s.q.col = variant != 0 || qmode == 2;
+      s.q.row = !(bwd && gated(kind) && qmode == 2 && s.cols % 32 != 0);
+      if (!s.has_out && !qmode && !s.dbias) s.has_out = true;
+      SCOPED_TRACE(describe(s));
+      Data d = make_data(s, cuda_workspace(s));
+      const DualResult r = run_both(d.bufs, call(s));
+      ASSERT_EQ(r.cpu_status, FUS_SUCCESS) << fus_last_error();
+      ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
+      for (size_t i = 0; i < d.bufs.b.size(); ++i) {
+        if (static_cast<int>(i) == kWs) continue;
+        EXPECT_TRUE(same_bits<uint8_t>(r.cpu, r.cuda, static_cast<int>(i),
+                                       ("buffer " + std::to_string(i)).c_str()));
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, ActCuda,
+                         ::testing::Combine(::testing::ValuesIn(kKinds),
+                                            ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
+                                                              FUS_BFLOAT16),
+                                            ::testing::Bool(), ::testing::Values(0, 1, 2)));
+
+// The GPU evaluates the shared math to the same bits as the host on a dense sample of inputs
+// (through the forward / backward of the elementwise kinds in fp32).
+TEST(ActCudaMath, SameBitsAsHostOnDenseSample) {
+  FUSTEST_REQUIRE_CUDA();
+  const std::vector<float> pts = sample_points(1 << 18, 11);
+  for (fus_activation kind : {FUS_ACT_GELU, FUS_ACT_GELU_ERF, FUS_ACT_SILU, FUS_ACT_RELU}) {
+    for (bool bwd : {false, true}) {
+      ActSetup s;
+      s.kind = kind;
+      s.bwd = bwd;
+      s.rows = 1 << 10;
+      s.cols = 1 << 8;
+      Data d = make_data(s);
+      d.bufs.b[kX] = HostMatrix(FUS_FLOAT32, s.rows, s.cols, pts).bytes;
+      const DualResult r = run_both(d.bufs, call(s));
+      ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
+      EXPECT_TRUE(same_bits<uint32_t>(r.cpu, r.cuda, kOut, kind_name(kind)));
+    }
+  }
+}
+
+}  // namespace

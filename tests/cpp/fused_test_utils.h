@@ -1,0 +1,164 @@
+// Helpers of the fused-kernel suites (normalization, activation): buffers of a quantized output,
+// the unfused reference "quantize the high-precision output with fus_quantize", and tolerances
+// against FP64 references.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "test_utils.h"
+
+namespace fustest {
+
+// What quantized output a call asks for.
+struct QSpec {
+  int mode = 0;  // 0 none, 1 per tensor, 2 MXFP8
+  fus_dtype fmt = FUS_FLOAT8_E4M3;
+  bool row = true, col = true, amax = true;
+  float scale = 1.0f;
+};
+
+inline const char* qmode_name(int m) { return m == 0 ? "none" : (m == 1 ? "fp8" : "mxfp8"); }
+
+inline int64_t ceil32(int64_t n) { return (n + 31) / 32; }
+
+// Slots of a quantized output inside a Buffers, in this order.
+enum QOff { kQRow = 0, kQCol, kQRowS, kQColS, kQScale, kQAmax, kQSlots };
+
+// Appends the 6 buffers of q (empty ones when absent), filled with a pattern; returns the first.
+inline int add_q_buffers(Buffers& b, int64_t rows, int64_t cols, const QSpec& q) {
+  const int first = static_cast<int>(b.b.size());
+  const size_t n = static_cast<size_t>(rows * cols);
+  const bool on = q.mode != 0;
+  b.add_filled(on && q.row ? n : 0);
+  b.add_filled(on && q.col ? n : 0);
+  if (q.mode == 2) {
+    b.add_filled(q.row ? static_cast<size_t>(rows * ceil32(cols)) : 0);
+    b.add_filled(q.col ? static_cast<size_t>(ceil32(rows) * cols) : 0);
+    b.add_filled(0);
+  } else {
+    b.add_filled(on ? 4 : 0);
+    b.add_filled(0);
+    if (on)
+      b.add(std::vector<float>{q.scale});
+    else
+      b.add_filled(0);
+  }
+  b.add_filled(on && q.amax ? 4 : 0);
+  return first;
+}
+
+inline fus_quantized make_q(const std::vector<void*>& p, int first, int64_t rows, int64_t cols,
+                            const QSpec& q) {
+  return fus_quantized{q.mode == 2 ? FUS_SCALING_MXFP8 : FUS_SCALING_PER_TENSOR,
+                       q.fmt,
+                       rows,
+                       cols,
+                       p[first + kQRow],
+                       p[first + kQCol],
+                       p[first + kQRowS],
+                       p[first + kQColS],
+                       static_cast<float*>(p[first + kQScale]),
+                       static_cast<float*>(p[first + kQAmax])};
+}
+
+// The unfused path: fus_quantize (CPU) of a stored high-precision matrix; returns its buffers
+// laid out as add_q_buffers (first slot 1; slot 0 is the input).
+inline Buffers quantize_of(const std::vector<uint8_t>& hp, fus_dtype dt, int64_t rows, int64_t cols,
+                           const QSpec& q) {
+  Buffers b;
+  b.add_bytes(hp);
+  add_q_buffers(b, rows, cols, q);
+  const fus_status st = run_cpu(b, [&](const std::vector<void*>& p, const fus_context& ctx) {
+    fus_tensor t{p[0], dt, rows, cols};
+    fus_quantized qq = make_q(p, 1, rows, cols, q);
+    return fus_quantize(&t, &qq, &ctx);
+  });
+  EXPECT_EQ(st, FUS_SUCCESS) << fus_last_error();
+  return b;
+}
+
+// Every quantized buffer of a (at slot qa) equals b's (at slot qb) bit for bit.
+inline void expect_same_q(const Buffers& a, int qa, const Buffers& b, int qb,
+                          const std::string& what) {
+  const char* names[] = {"q.rowwise_data",         "q.columnwise_data", "q.rowwise_scale_inv",
+                         "q.columnwise_scale_inv", "q.scale",           "q.amax"};
+  for (int k = 0; k < kQSlots; ++k) {
+    ASSERT_EQ(a.b[qa + k].size(), b.b[qb + k].size()) << what << " " << names[k];
+    if (a.b[qa + k] != b.b[qb + k]) {
+      size_t i = 0;
+      while (a.b[qa + k][i] == b.b[qb + k][i]) ++i;
+      ADD_FAILURE() << what << ": " << names[k] << " differs first at byte " << i << " (0x"
+                    << std::hex << int(a.b[qa + k][i]) << " vs 0x" << int(b.b[qb + k][i])
+                    << std::dec << ")";
+    }
+  }
+}
+
+// Values of a stored matrix as doubles.
+inline std::vector<double> as_doubles(const std::vector<uint8_t>& bytes, fus_dtype dt) {
+  const size_t n = bytes.size() / fus_dtype_size(dt);
+  std::vector<double> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = load_as_double(bytes, dt, i);
+  return v;
+}
+
+// Normal(mean, stddev) samples, exactly representable in dt (so references see the stored values).
+inline HostMatrix random_matrix(fus_dtype dt, int64_t rows, int64_t cols, uint32_t seed,
+                                float mean = 0.0f, float stddev = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(mean, stddev);
+  std::vector<float> v(static_cast<size_t>(rows * cols));
+  for (auto& x : v) x = nd(rng);
+  return HostMatrix(dt, rows, cols, v);
+}
+
+// Relative step of a high-precision dtype (2^-mantissa bits).
+inline double dtype_eps(fus_dtype dt) {
+  return dt == FUS_FLOAT32 ? std::ldexp(1.0, -23)
+                           : (dt == FUS_FLOAT16 ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7));
+}
+
+// Spacing of the subnormals of a dtype (the absolute rounding step near zero).
+inline double dtype_atom(fus_dtype dt) {
+  return dt == FUS_FLOAT32 ? std::ldexp(1.0, -149)
+                           : (dt == FUS_FLOAT16 ? std::ldexp(1.0, -24) : std::ldexp(1.0, -133));
+}
+
+// |got - ref| <= atol + rtol |ref| everywhere (NaN only where ref is NaN); reports the worst.
+inline ::testing::AssertionResult all_close(const std::vector<double>& got,
+                                            const std::vector<double>& ref, double rtol,
+                                            double atol, const std::string& what) {
+  if (got.size() != ref.size()) return ::testing::AssertionFailure() << what << ": size mismatch";
+  size_t bad = 0, worst = 0;
+  double worst_excess = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(ref[i]) || std::isnan(got[i])) {
+      if (std::isnan(ref[i]) != std::isnan(got[i])) ++bad, worst = i, worst_excess = 1e300;
+      continue;
+    }
+    const double err = std::fabs(got[i] - ref[i]), lim = atol + rtol * std::fabs(ref[i]);
+    if (!(err <= lim)) {
+      ++bad;
+      if (err / lim > worst_excess) worst_excess = err / lim, worst = i;
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << what << ": " << bad << " of " << got.size() << " outside tolerance; worst [" << worst
+         << "] got " << got[worst] << " ref " << ref[worst] << " (rtol " << rtol << ", atol "
+         << atol << ")";
+}
+
+// Expected value of fp32 math rounded once more to dt: tolerance rtol for the output dtype.
+inline double out_rtol(fus_dtype dt, double fp32_rtol) {
+  return fp32_rtol + (dt == FUS_FLOAT32 ? 0.0 : dtype_eps(dt));
+}
+
+inline std::string dt_name(fus_dtype d) { return fmt_name(d); }
+
+}  // namespace fustest
