@@ -21,7 +21,12 @@ from fusible.ops.basic import (
 )
 from fusible.ops.linear import Linear
 from fusible.ops.op import BasicOperation, FusedOperation, OpContext
-from fusible.ops.registry import FusionRule, register_fusion, unregister_fusion
+from fusible.ops.registry import (
+    FusionRule,
+    fusion_disabled,
+    register_fusion,
+    unregister_fusion,
+)
 from fusible.ops.sequential import Sequential
 
 __all__ = [
@@ -47,6 +52,7 @@ __all__ = [
     "Sequential",
     "SiLU",
     "SwiGLU",
+    "fusion_disabled",
     "register_fusion",
     "unregister_fusion",
 ]

@@ -21,6 +21,7 @@ from fusible.quantization.quantizers import (
 __all__ = [
     "HandOff",
     "as_2d",
+    "handoff",
     "dequantize",
     "fused_quant_args",
     "gemm_dgrad",
@@ -69,6 +70,11 @@ def quantize(
     return q.quantize(x, rowwise=rowwise, columnwise=columnwise)
 
 
+def handoff(q: Quantizer, y: torch.Tensor) -> HandOff:
+    """``y`` quantized for the next op with its input quantizer (the copies it asks for)."""
+    return HandOff(q.quantize(y), y.dtype)
+
+
 def record_amax(q: Quantizer, amax: torch.Tensor) -> None:
     """A delayed-scaling quantizer's running amax, for casts done by fused kernels."""
     if isinstance(q, Float8Quantizer):
@@ -104,51 +110,105 @@ def wrap_quantized(
     return HandOff(qd, dtype)
 
 
-def _gemm(a: Any, b: Any, which: str, out_dtype: torch.dtype, **kw: Any) -> torch.Tensor:
-    """D = A @ B^T on the copies ``which`` names ("rr": rowwise A, rowwise B; "rc": rowwise A,
-    columnwise B; "cc": both columnwise), the NT form cuBLASLt FP8 needs."""
+def _gemm(
+    a: Any,
+    b: Any,
+    which: str,
+    out_dtype: torch.dtype,
+    *,
+    bias: torch.Tensor | None = None,
+    epilogue: str = "none",
+    c: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(d, aux)``: D = A @ B^T (+ bias, GELU with its input as aux, + c) on the copies ``which``
+    names ("rr": rowwise A and B; "rc": rowwise A, columnwise B; "cc": both columnwise), the NT
+    form cuBLASLt's FP8 GEMM needs. ``epilogue``: "none", "bias" or "bias_gelu_aux".
+
+    Per-tensor FP8 operands run an FP8 GEMM; MXFP8 operands (no MXFP8 GEMM on Hopper or CPU) and
+    FP8 shapes cuBLASLt cannot align run on exactly dequantized operands. An epilogue the GEMM has
+    no kernel for (gemm.h) is applied after it by the same bias add and GELU kernel the unfused
+    ops use, so the result does not depend on which path ran.
+    """
     if isinstance(a, Float8Data) and isinstance(b, Float8Data):
         am = as_2d(a.data) if which[0] == "r" else a.data_t
         bm = as_2d(b.data) if which[1] == "r" else b.data_t
-        d, aux, dbias, _ = K.gemm(am, bm, False, True, a.scale_inv, b.scale_inv, out_dtype,
-                                  kw.get("bias"), kw.get("epilogue", "none"), kw.get("aux"),
-                                  kw.get("c"), 1.0, 1.0 if kw.get("c") is not None else 0.0,
-                                  None, False)  # fmt: skip
-        return d, aux, dbias
-    # MXFP8 on Hopper and CPU: exactly dequantized operands, BF16/FP32 GEMM (explain() says so).
-    am = _dequant_copy(a, which[0], out_dtype)
-    bm = _dequant_copy(b, which[1], out_dtype)
-    d, aux, dbias, _ = K.gemm(am, bm, False, True, None, None, out_dtype, kw.get("bias"),
-                              kw.get("epilogue", "none"), kw.get("aux"), kw.get("c"), 1.0,
-                              1.0 if kw.get("c") is not None else 0.0, None, False)  # fmt: skip
-    return d, aux, dbias
+        scales: tuple[torch.Tensor | None, torch.Tensor | None] = (a.scale_inv, b.scale_inv)
+        if am.is_cuda and not _fp8_gemm_aligned(am, bm, out_dtype):
+            f32 = torch.float32
+            am, bm = _dequant_copy(a, which[0], f32), _dequant_copy(b, which[1], f32)
+            scales = (None, None)
+    else:
+        dt = _common_dtype(a, b, out_dtype)
+        am, bm = _dequant_copy(a, which[0], dt), _dequant_copy(b, which[1], dt)
+        scales = (None, None)
+    fp8 = scales[0] is not None
+    gemm_out = out_dtype if fp8 or am.dtype == out_dtype else torch.float32
+    fused = epilogue != "none" and K.gemm_epilogue_supported(am.dtype, bm.dtype, gemm_out, epilogue)
+    if fused and bias is not None and fp8 and gemm_out == torch.float32:
+        fused = False  # cuBLASLt takes only a bf16 bias there; keep the fp32 bias exact
+    if c is not None and epilogue == "bias_gelu_aux":
+        fused = False  # accumulation only composes with the none / bias epilogues
+    bias_arg = None
+    if fused and bias is not None:
+        bias_arg = bias.to(torch.bfloat16 if fp8 and gemm_out == torch.float32 else gemm_out)
+    d, aux, _, _ = K.gemm(
+        am, bm, False, True, scales[0], scales[1], gemm_out, bias_arg,
+        epilogue if fused else "none", None, None if c is None else c.to(gemm_out), 1.0,
+        0.0 if c is None else 1.0, None, False,
+    )  # fmt: skip
+    if not fused and epilogue != "none":
+        if bias is not None:
+            d = d + bias.to(d.dtype)
+        if epilogue == "bias_gelu_aux":
+            aux = d.contiguous()
+            d = K.act_fwd(aux, "gelu", aux.dtype, "none", torch.float8_e4m3fn, None, True, False)[0]
+    d = d.to(out_dtype)
+    return d, (aux.to(out_dtype) if epilogue == "bias_gelu_aux" else None)
+
+
+def _fp8_gemm_aligned(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """cuBLASLt FP8 needs K % 16 == 0 and 16-byte output rows (gemm.h)."""
+    k, n = am.shape[-1], bm.shape[0]
+    return k % 16 == 0 and (n * torch.empty(0, dtype=out_dtype).element_size()) % 16 == 0 and n % 8 == 0
 
 
 def _dequant_copy(x: Any, which: str, dtype: torch.dtype) -> torch.Tensor:
-    """The rowwise matrix, or the transposed matrix, dequantized (hp tensors pass through)."""
-    gemm_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    """The rowwise matrix (``which == "r"``) or the transposed matrix, in ``dtype``: a
+    high-precision tensor converted, quantized data dequantized (exact in ``dtype``, see
+    :func:`_common_dtype`)."""
     if isinstance(x, torch.Tensor):
         m = as_2d(x)
-        return (m if which == "r" else m.t()).to(gemm_dtype).contiguous()
+        return (m if which == "r" else m.t()).to(dtype).contiguous()
     if isinstance(x, Float8Data):
         if which == "r":
-            return as_2d(K.dequantize_fp8(x.data, x.scale_inv, gemm_dtype))
-        return K.dequantize_fp8(x.data_t, x.scale_inv, gemm_dtype)
+            return as_2d(K.dequantize_fp8(x.data, x.scale_inv, dtype))
+        return K.dequantize_fp8(x.data_t, x.scale_inv, dtype)
     if which == "r":
-        return as_2d(K.dequantize_mxfp8(x.data, x.scale, False, gemm_dtype))
-    return as_2d(K.dequantize_mxfp8(x.col_data, x.col_scale, True, gemm_dtype)).t().contiguous()
+        return as_2d(K.dequantize_mxfp8(x.data, x.scale, False, dtype))
+    return as_2d(K.dequantize_mxfp8(x.col_data, x.col_scale, True, dtype)).t().contiguous()
 
 
-def gemm_fprop(x: Any, w: Any, out_dtype: torch.dtype, **kw: Any) -> tuple[torch.Tensor, ...]:
+def _common_dtype(a: Any, b: Any, out_dtype: torch.dtype) -> torch.dtype:
+    """Operand dtype of a GEMM on dequantized operands. Per-tensor FP8 times an arbitrary fp32
+    scale_inv is exact only in fp32; MXFP8 (power-of-two scales) is exact in bf16; high-precision
+    operands use the output dtype."""
+    if out_dtype == torch.float32 or isinstance(a, Float8Data) or isinstance(b, Float8Data):
+        return torch.float32
+    if isinstance(a, MXFP8Data) or isinstance(b, MXFP8Data):
+        return torch.bfloat16
+    return out_dtype
+
+
+def gemm_fprop(x: Any, w: Any, out_dtype: torch.dtype, **kw: Any) -> tuple[torch.Tensor, Any]:
     """y[M,N] = x[M,K] @ w[N,K]^T (+ epilogue)."""
     return _gemm(x, w, "rr", out_dtype, **kw)
 
 
-def gemm_dgrad(dy: Any, w: Any, out_dtype: torch.dtype, **kw: Any) -> tuple[torch.Tensor, ...]:
-    """dx[M,K] = dy[M,N] @ w[N,K] = dy @ (w^T)[K,N]^T."""
+def gemm_dgrad(dy: Any, w: Any, out_dtype: torch.dtype, **kw: Any) -> tuple[torch.Tensor, Any]:
+    """dx[M,K] = dy[M,N] @ w[N,K] = dy @ (w^T)[K,N]^T (+ c)."""
     return _gemm(dy, w, "rc", out_dtype, **kw)
 
 
-def gemm_wgrad(dy: Any, x: Any, out_dtype: torch.dtype, **kw: Any) -> tuple[torch.Tensor, ...]:
+def gemm_wgrad(dy: Any, x: Any, out_dtype: torch.dtype, **kw: Any) -> tuple[torch.Tensor, Any]:
     """dw[N,K] = dy^T[N,M] @ x[M,K] = (dy^T)[N,M] @ (x^T)[K,M]^T."""
     return _gemm(dy, x, "cc", out_dtype, **kw)

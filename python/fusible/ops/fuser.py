@@ -51,6 +51,7 @@ class Plan:
     rejected: list[tuple[str, int, int, str, str]] = field(default_factory=list)
     recipe: Any = None
     param_counts: list[int] = field(default_factory=list)
+    handoff: bool = True  # ops may quantize their output for the next op
 
 
 def _build_units(
@@ -82,7 +83,7 @@ def build_plan(ops: list[BasicOperation], recipe: Any) -> Plan:
     fwd = _build_units(ops, recipe, True, rejected)
     bwd = _build_units(ops, recipe, False, rejected)
     counts = [len(list(op.parameters(recurse=False))) for op in ops]
-    return Plan(ops, fwd, bwd, rejected, recipe, counts)
+    return Plan(ops, fwd, bwd, rejected, recipe, counts, registry.fusion_enabled())
 
 
 # ---- running a plan -----------------------------------------------------------------------------
@@ -114,7 +115,7 @@ def _forward_units(plan: Plan, ctxs: list[OpContext], x: Any, params: list[list[
     ops = plan.ops
     extra_out: list[list[torch.Tensor]] = [[] for _ in ops]
     for u in plan.forward_units:
-        nxt = ops[u.stop].input_quantizer() if u.stop < len(ops) else None
+        nxt = ops[u.stop].input_quantizer() if plan.handoff and u.stop < len(ops) else None
         if u.fused is None:
             x, eo = ops[u.start].op_forward(
                 ctxs[u.start], x, params[u.start],
@@ -140,7 +141,7 @@ def _backward_units(
     for u in reversed(plan.backward_units):
         if not any(c.input_requires_grad or any(c.params_requires_grad) for c in ctxs[u.start : u.stop]):
             break  # nothing at or before this unit needs a gradient
-        prev = ops[u.start - 1].grad_output_quantizer() if u.start > 0 else None
+        prev = ops[u.start - 1].grad_output_quantizer() if plan.handoff and u.start > 0 else None
         if u.fused is None:
             dy, pg, eg = ops[u.start].op_backward(
                 ctxs[u.start], dy, prev_grad_quantizer=prev,
@@ -233,7 +234,7 @@ class _PlanFunction(torch.autograd.Function):
         eog = _split(list(out_grads[:n_extra_out]), [op.num_extra_outputs for op in ops])
         dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
         _autocast.end_backward_pass([op.recipe_state(False) for op in ops])
-        dx = _dequantize_if_needed(dx) if dx is not None and ctx.needs_input_grad[1] else None
+        dx = _dequantize_if_needed(dx) if dx is not None and ctx.needs_input_grad[3] else None
         flat_eg = [g for eg in extra_in_grads for g in eg]
         flat_pg = [g for pg in param_grads for g in pg]
         n_ws = ctx.fusible_n_ws

@@ -8,13 +8,21 @@ reason to reject, which ``Sequential.explain()`` shows.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fusible.ops.op import BasicOperation, FusedOperation
 
-__all__ = ["FusionRule", "register_fusion", "rules", "unregister_fusion"]
+__all__ = [
+    "FusionRule",
+    "fusion_disabled",
+    "fusion_enabled",
+    "register_fusion",
+    "rules",
+    "unregister_fusion",
+]
 
 Predicate = Callable[[Sequence[BasicOperation], Any], "str | None"]
 
@@ -55,6 +63,22 @@ class FusionRule:
 _BUILTIN: list[FusionRule] = []
 _USER: list[FusionRule] = []
 _VERSION = [0]  # bumped on every change, so fuser plan caches notice
+_DISABLED = [0]  # nesting depth of fusion_disabled()
+
+
+@contextlib.contextmanager
+def fusion_disabled() -> Iterator[None]:
+    """Within this context every op runs unfused and no op quantizes its output for the next
+    (no quantizer hand-off): the reference path that fused numerics are tested against."""
+    _DISABLED[0] += 1
+    try:
+        yield
+    finally:
+        _DISABLED[0] -= 1
+
+
+def fusion_enabled() -> bool:
+    return _DISABLED[0] == 0
 
 
 def register_fusion(
@@ -100,8 +124,11 @@ def unregister_fusion(rule: FusionRule) -> None:
 
 def rules(forward: bool) -> list[FusionRule]:
     """Rules for one plan, in the order the fuser tries them."""
+    if not fusion_enabled():
+        return []
     return [r for r in (*_USER, *_BUILTIN) if (r.forward if forward else r.backward)]
 
 
-def version() -> int:
-    return _VERSION[0]
+def version() -> tuple[int, bool]:
+    """Changes whenever the rules the fuser would use change (plan caches key on it)."""
+    return _VERSION[0], fusion_enabled()

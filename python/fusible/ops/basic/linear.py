@@ -89,6 +89,16 @@ class BasicLinear(BasicOperation):
         need_wgrad = bool(ctx.params_requires_grad and ctx.params_requires_grad[0])
         need_dgrad = ctx.input_requires_grad
         qx, qw = self.get_quantizer(True, "input"), self.get_quantizer(True, "weight")
+        if isinstance(qx, MXFP8Quantizer) or isinstance(qw, MXFP8Quantizer):
+            # MXFP8 GEMMs scale 32-element blocks along K for fprop and along M / N for the
+            # backward GEMMs; partial blocks have no hardware GEMM layout.
+            tokens = math.prod(x.shape[:-1])
+            if self.in_features % 32 or self.out_features % 32 or tokens % 32:
+                raise ValueError(
+                    f"{type(self).__name__}: MXFP8 needs in_features, out_features and the token "
+                    f"count divisible by 32, got {self.in_features}, {self.out_features} and "
+                    f"{tokens}"
+                )
         if qx is not None:
             x = C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
         if qw is not None:
@@ -106,7 +116,7 @@ class BasicLinear(BasicOperation):
         if isinstance(xq, torch.Tensor) and isinstance(wq, torch.Tensor):
             y = torch.nn.functional.linear(xq, wq.to(xq.dtype))
         else:
-            y, _, _ = C.gemm_fprop(xq, wq, out_dtype)
+            y, _ = C.gemm_fprop(xq, wq, out_dtype)
             y = y.view(*x.shape[:-1], self.out_features)
         ctx.saved = [xq if ctx.attrs["need_wgrad"] else None,
                      wq if ctx.attrs["need_dgrad"] else None]  # fmt: skip
@@ -136,10 +146,10 @@ class BasicLinear(BasicOperation):
                 dw = dy2.t() @ C.as_2d(xq).to(dy2.dtype)
         else:
             if ctx.attrs["need_dgrad"]:
-                dx, _, _ = C.gemm_dgrad(dy, wq, dtype, c=None if c is None else C.as_2d(c))
+                dx, _ = C.gemm_dgrad(dy, wq, dtype, c=None if c is None else C.as_2d(c))
                 dx = dx.view(*lead, self.in_features)
             if ctx.attrs["need_wgrad"]:
-                dw, _, _ = C.gemm_wgrad(dy, xq, ctx.attrs["w_dtype"])
+                dw, _ = C.gemm_wgrad(dy, xq, ctx.attrs["w_dtype"])
         if dw is not None:
             dw = dw.to(ctx.attrs["w_dtype"])
         return dx, dw

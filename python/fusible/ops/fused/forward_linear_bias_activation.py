@@ -43,7 +43,7 @@ class ForwardLinearBiasActivation(FusedOperation):
         lead = x.shape[:-1]
         xq, wq = linear.quantize_operands(ctxs[0], x, w)
         gelu = len(self.ops) == 3
-        y, aux, _ = C.gemm_fprop(
+        y, aux = C.gemm_fprop(
             xq, wq, out_dtype, bias=b.to(out_dtype), epilogue="bias_gelu_aux" if gelu else "bias"
         )
         n = linear.out_features
@@ -55,6 +55,6 @@ class ForwardLinearBiasActivation(FusedOperation):
         if gelu:
             ctxs[2].saved = [aux.view(*lead, n)]  # GELU backward needs the pre-activation
         if next_input_quantizer is not None:
-            y = C.quantize(next_input_quantizer, y, rowwise=True,
-                           columnwise=bool(getattr(next_input_quantizer, "columnwise", False)))  # fmt: skip
+            # The GEMM epilogue cannot cast for the next op here; one cast kernel does.
+            return C.handoff(next_input_quantizer, y), [[] for _ in self.ops]
         return y, [[] for _ in self.ops]

@@ -46,7 +46,7 @@ class ForwardLinearBiasAdd(FusedOperation):
             )
         xq, wq = linear.quantize_operands(ctxs[0], x, w)
         bias = params[1][0].to(out_dtype) if has_bias else None
-        y, _, _ = C.gemm_fprop(xq, wq, out_dtype, bias=bias,
+        y, _ = C.gemm_fprop(xq, wq, out_dtype, bias=bias,
                                epilogue="bias" if has_bias else "none",
                                c=C.as_2d(residual.to(out_dtype)))  # fmt: skip
         ctxs[0].saved = [xq if ctxs[0].attrs["need_wgrad"] else None,

@@ -1,0 +1,298 @@
+"""Basic ops against plain-PyTorch FP64 references, fused vs unfused, plans, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusible
+from fusible import ops
+
+from ops_helpers import DTYPES, E4M3, E5M2, RECIPES, prequantized, rel_err, tol
+
+SHAPES = [(1, 32), (7, 64), (127, 96), (3, 5, 32)]
+
+
+def _run(model, x, *extra, recipe=None, grad=None):
+    x = x.detach().requires_grad_(True)
+    extra = [e.detach().requires_grad_(True) for e in extra]
+    with fusible.autocast(enabled=recipe is not None, recipe=recipe):
+        y = model(x, *extra)
+    y0 = y[0] if isinstance(y, tuple) else y
+    g = torch.randn_like(y0) if grad is None else grad.to(y0.dtype)
+    y0.backward(g)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return y0.detach(), x.grad, [e.grad for e in extra], grads, g
+
+
+# ---- each basic op, high precision, vs FP64 ----------------------------------------------------
+
+
+def _ref_norm(x, w, b, eps, kind, zc):
+    w = w + 1 if zc else w
+    if kind == "layernorm":
+        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("zc", [False, True])
+def test_norm_vs_fp64(dtype, shape, kind, zc):
+    h = shape[-1]
+    op = (ops.LayerNorm if kind == "layernorm" else ops.RMSNorm)(h, zero_centered_gamma=zc, dtype=dtype)
+    with torch.no_grad():
+        op.weight.normal_(0.1 if zc else 1.0, 0.2)
+        if kind == "layernorm":
+            op.bias.normal_(0, 0.2)
+    x = torch.randn(shape).to(dtype)
+    y, dx, _, grads, g = _run(ops.Sequential(op), x)
+    xr = x.double().requires_grad_(True)
+    wr = op.weight.detach().double().requires_grad_(True)
+    br = op.bias.detach().double().requires_grad_(True) if kind == "layernorm" else None
+    yr = _ref_norm(xr, wr, br, op.eps, kind, zc)
+    yr.backward(g.double())
+    assert rel_err(y, yr) < tol(dtype)
+    assert rel_err(dx, xr.grad) < 2 * tol(dtype)
+    assert rel_err(grads["0.weight"], wr.grad) < 2 * tol(dtype)
+    if br is not None:
+        assert rel_err(grads["0.bias"], br.grad) < 2 * tol(dtype)
+
+
+ACTS = {
+    "gelu": (lambda: ops.GELU(), lambda x: F.gelu(x, approximate="tanh")),
+    "gelu_erf": (lambda: ops.GELU(approximate="none"), lambda x: F.gelu(x)),
+    "relu": (lambda: ops.ReLU(), F.relu),
+    "silu": (lambda: ops.SiLU(), F.silu),
+    "swiglu": (lambda: ops.SwiGLU(), lambda x: F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1]),
+    "geglu": (
+        lambda: ops.GEGLU(),
+        lambda x: F.gelu(x.chunk(2, -1)[0], approximate="tanh") * x.chunk(2, -1)[1],
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("act", sorted(ACTS))
+def test_activation_vs_fp64(dtype, shape, act):
+    make, ref = ACTS[act]
+    x = torch.randn(shape).to(dtype)
+    y, dx, _, _, g = _run(ops.Sequential(make()), x)
+    xr = x.double().requires_grad_(True)
+    yr = ref(xr)
+    yr.backward(g.double())
+    assert rel_err(y, yr) < tol(dtype)
+    assert rel_err(dx, xr.grad) < 2 * tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_vs_fp64(dtype, shape, bias):
+    k, n = shape[-1], 48
+    model = ops.Sequential(ops.Linear(k, n, bias=bias, dtype=dtype))
+    if bias:
+        with torch.no_grad():
+            model[1].bias.normal_()
+    x = torch.randn(shape).to(dtype)
+    y, dx, _, grads, g = _run(model, x)
+    xr = x.double().requires_grad_(True)
+    wr = model[0].weight.detach().double().requires_grad_(True)
+    br = model[1].bias.detach().double().requires_grad_(True) if bias else None
+    yr = F.linear(xr, wr, br)
+    yr.backward(g.double())
+    assert rel_err(y, yr) < tol(dtype)
+    assert rel_err(dx, xr.grad) < 2 * tol(dtype)
+    assert rel_err(grads["0.weight"], wr.grad) < 2 * tol(dtype)
+    if bias:
+        assert rel_err(grads["1.bias"], br.grad) < 2 * tol(dtype)
+
+
+def test_structural_ops():
+    x = torch.randn(4, 6, 8)
+    model = ops.Sequential(
+        ops.MakeExtraOutput(),
+        ops.ConstantScale(3.0),
+        ops.Reshape((4, 48)),
+        ops.Identity(),
+        ops.Dropout(0.0),
+        ops.Reshape((4, 6, 8)),
+        ops.AddExtraInput(),
+    )
+    xr = x.clone().requires_grad_(True)
+    res = torch.randn(4, 6, 8, requires_grad=True)
+    y, branch = model(xr, res)
+    assert torch.equal(y, 3 * x + res) and torch.equal(branch, x)
+    (y.sum() + 2 * branch.sum()).backward()
+    assert torch.allclose(xr.grad, torch.full_like(x, 5.0))
+    assert torch.allclose(res.grad, torch.ones_like(x))
+
+
+def test_dropout_train_and_eval():
+    torch.manual_seed(0)
+    op = ops.Dropout(0.5)
+    x = torch.ones(64, 64, requires_grad=True)
+    y = ops.Sequential(op)(x)
+    kept = y != 0
+    assert torch.all(y[kept] == 2.0) and 0.3 < kept.float().mean() < 0.7
+    y.sum().backward()
+    assert torch.equal(x.grad, kept.float() * 2.0)
+    op.eval()
+    assert torch.equal(ops.Sequential(op)(x), x)
+
+
+# ---- Linear under every recipe on pre-quantized inputs ----------------------------------------
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [32, 96])
+def test_linear_recipes_prequantized(recipe_name, dtype, m):
+    """FP8 GEMMs on inputs every recipe quantizes exactly equal FP64 GEMMs up to fp32
+    accumulation and the output rounding. Power-of-two factors keep fp16 outputs finite (every
+    scale stays a power of two, so quantization stays exact)."""
+    rec = RECIPES[recipe_name]
+    k, n = 64, 32
+    model = ops.Sequential(ops.Linear(k, n, bias=False, dtype=dtype))
+    fx, fg = (2.0**-6, 2.0**-12) if dtype == torch.float16 else (1.0, 1.0)
+    w = prequantized((n, k), seed=1) * fx
+    with torch.no_grad():
+        model[0].weight.copy_(w)
+    x = (prequantized((m, k), seed=2) * fx).to(dtype)
+    g = prequantized((m, n), E4M3 if recipe_name == "mxfp8" else E5M2, seed=3) * fg
+    if recipe_name == "delayed":
+        _run(model, x, recipe=rec, grad=g)  # the first step's amaxes set the scales used next
+        model.zero_grad()
+    y, dx, _, grads, _ = _run(model, x, recipe=rec, grad=g)
+    xd, wd, gd = x.double(), w.double(), g.double()
+    assert rel_err(y, xd @ wd.t()) < tol(dtype)
+    assert rel_err(dx, gd @ wd) < 2 * tol(dtype)
+    assert rel_err(grads["0.weight"], gd.t() @ xd) < 2 * tol(dtype)
+
+
+# ---- fused == unfused, and the fusions really happen --------------------------------------------
+
+
+def _block(h=64, f=128, dtype=torch.float32, act=None):
+    torch.manual_seed(0)
+    return ops.Sequential(
+        ops.LayerNorm(h, dtype=dtype),
+        ops.Linear(h, f, dtype=dtype),
+        act() if act else ops.GELU(),
+        ops.Linear(f // 2 if act in (ops.SwiGLU, ops.GEGLU) else f, h, dtype=dtype),
+        ops.AddExtraInput(),
+    )
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_equals_unfused(recipe_name, dtype):
+    rec = RECIPES[recipe_name]
+    x = torch.randn(2, 48, 64).to(dtype)
+    model = _block(dtype=dtype)
+    twin = copy.deepcopy(model)  # same parameters and recipe state (delayed scaling updates it)
+    g = torch.randn(2, 48, 64).to(dtype)
+    fused = _run(model, x, x, recipe=rec, grad=g)
+    with ops.fusion_disabled():
+        ref = _run(twin, x, x, recipe=rec, grad=g)
+    # Same quantized operands on both paths; GEMM epilogues vs separate kernels differ only in
+    # fp32 rounding of the bias/GELU step.
+    t = 2e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(fused[0], ref[0]) < t
+    assert rel_err(fused[1], ref[1]) < 10 * t
+    for name in ref[3]:
+        assert rel_err(fused[3][name], ref[3][name]) < 10 * t, name
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+def test_fusions_in_plan(recipe_name):
+    model = _block()
+    with fusible.autocast(enabled=RECIPES[recipe_name] is not None, recipe=RECIPES[recipe_name]):
+        text = model.explain()
+        _, plan = model._plan_for(list(model), torch.empty(0, requires_grad=True), RECIPES[recipe_name])
+    fwd = [u.rule for u in plan.forward_units]
+    bwd = [u.rule for u in plan.backward_units]
+    assert fwd == [None, "linear_bias_activation", "linear_bias_add"]
+    assert "dact_dbias_quantize" in bwd
+    assert "linear_bias_activation" in text and "dact_dbias_quantize" in text
+    if RECIPES[recipe_name] is not None:
+        assert "input:linear" in text and "grad_output:linear" in text
+    if recipe_name == "mxfp8":
+        assert "dequantized MXFP8" in text
+
+
+def test_erf_gelu_fusion_rejected_with_reason():
+    model = ops.Sequential(ops.Linear(32, 32), ops.GELU(approximate="none"))
+    text = model.explain()
+    assert "GELU(approximate='none') has no GEMM epilogue" in text
+
+
+# ---- training --------------------------------------------------------------------------------
+
+
+def _train(rec, steps=200, seed=0):
+    torch.manual_seed(seed)
+    h = 64
+    teacher = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh(), torch.nn.Linear(h, h))
+    model = _block(h, 4 * h, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(64, h, generator=gen)
+        with torch.no_grad():
+            t = teacher(x)
+        x = x.to(torch.bfloat16)
+        with fusible.autocast(enabled=rec is not None, recipe=rec):
+            y = model(x, x)
+        loss = (y.float() - t).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return sum(losses[-20:]) / 20, losses[0]
+
+
+@pytest.fixture(scope="module")
+def bf16_loss():
+    return _train(None)[0]
+
+
+@pytest.mark.parametrize("recipe_name", [r for r in sorted(RECIPES) if r != "none"])
+def test_block_trains_like_bf16(recipe_name, bf16_loss):
+    end, start = _train(RECIPES[recipe_name])
+    assert end < 0.5 * start  # it learned
+    assert end <= 1.05 * bf16_loss, (end, bf16_loss)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+def test_feature_mismatch_names_op():
+    with pytest.raises(ValueError, match="BasicLinear: input feature size 7 does not match in_features 8"):
+        ops.Sequential(ops.Linear(8, 4))(torch.randn(3, 7))
+    with pytest.raises(ValueError, match="LayerNorm: input feature size"):
+        ops.Sequential(ops.LayerNorm(8))(torch.randn(3, 7))
+
+
+def test_wrong_dtype_raises():
+    with pytest.raises((TypeError, ValueError), match="LayerNorm|norm_fwd"):
+        ops.Sequential(ops.LayerNorm(8))(torch.ones(3, 8, dtype=torch.int32))
+
+
+def test_mxfp8_non_divisible_raises():
+    with fusible.autocast(recipe=fusible.recipe.MXFP8BlockScaling()):
+        with pytest.raises(ValueError, match="MXFP8.*divisible by 32"):
+            ops.Sequential(ops.Linear(48, 32))(torch.randn(32, 48))
+
+
+def test_extra_input_count():
+    with pytest.raises(ValueError, match="extra input"):
+        ops.Sequential(ops.AddExtraInput())(torch.randn(2, 2))
+    with pytest.raises(ValueError, match="extra input"):
+        ops.Sequential(ops.Identity())(torch.randn(2, 2), torch.randn(2, 2))
