@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fusible.ops import registry
-from fusible.ops.op import BasicOperation, FusedOperation, OpContext
+from fusible.ops.op import OPS_BY_UID, BasicOperation, FusedOperation, OpContext
 from fusible.ops.workspace import (
     flatten_workspace,
     unflatten_workspace,
@@ -90,16 +90,26 @@ def build_plan(ops: list[BasicOperation], recipe: Any) -> Plan:
 
 # Plans are looked up by an integer key so the autograd function's arguments stay constants.
 _PLANS: dict[int, Plan] = {}
+_PLAN_KEYS: dict[Any, int] = {}
 
 
-def register_plan(plan: Plan) -> int:
-    key = id(plan)
-    _PLANS[key] = plan
+@torch._dynamo.assume_constant_result
+def plan_key_for(cache_key: tuple[Any, ...], recipe: Any) -> int:
+    """The key of the plan for ``cache_key`` (op uids first, then everything else a plan depends
+    on) and ``recipe``, built on first use. Under ``torch.compile`` this runs at trace time and its result is a
+    constant of the graph: planning is Python bookkeeping, never traced."""
+    cache_key = (*cache_key, None if recipe is None else (type(recipe), recipe))
+    key = _PLAN_KEYS.get(cache_key)
+    if key is None:
+        ops = [OPS_BY_UID[uid] for uid in cache_key[0]]
+        key = len(_PLANS)
+        _PLANS[key] = build_plan(ops, recipe)
+        _PLAN_KEYS[cache_key] = key
     return key
 
 
-def forget_plan(key: int) -> None:
-    _PLANS.pop(key, None)
+def get_plan(key: int) -> Plan:
+    return _PLANS[key]
 
 
 def _split(flat: Sequence[Any], counts: Sequence[int]) -> list[list[Any]]:
@@ -233,7 +243,9 @@ class _PlanFunction(torch.autograd.Function):
         n_extra_out = sum(op.num_extra_outputs for op in ops)
         eog = _split(list(out_grads[:n_extra_out]), [op.num_extra_outputs for op in ops])
         dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
-        _autocast.end_backward_pass([op.recipe_state(False) for op in ops])
+        states = [op.recipe_state(False) for op in ops]
+        if any(s is not None for s in states):
+            _autocast.end_backward_pass(states)
         dx = _dequantize_if_needed(dx) if dx is not None and ctx.needs_input_grad[3] else None
         flat_eg = [g for eg in extra_in_grads for g in eg]
         flat_pg = [g for pg in param_grads for g in pg]

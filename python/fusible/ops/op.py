@@ -13,12 +13,20 @@ only ever sees tensors and constants.
 
 from __future__ import annotations
 
+import itertools
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from fusible.quantization import QuantizerRole, RecipeState
+from fusible.quantization import (
+    QuantizerRole,
+    RecipeState,
+    load_recipe_state,
+    recipe_state_to_dict,
+)
 from fusible.quantization.quantizers import Quantizer
 
 __all__ = ["BasicOperation", "FusedOperation", "OpContext"]
@@ -40,6 +48,11 @@ class OpContext:
     new_workspace: Any = None
 
 
+_UIDS = itertools.count()
+# uid -> op, so cached plans can be found from plain constants (see fuser.plan_key_for).
+OPS_BY_UID: weakref.WeakValueDictionary[int, BasicOperation] = weakref.WeakValueDictionary()
+
+
 class BasicOperation(torch.nn.Module):
     """One operation, e.g. LayerNorm or Linear. Subclasses implement ``op_forward`` and
     ``op_backward`` and, if they quantize, ``get_quantizer_roles``.
@@ -55,10 +68,15 @@ class BasicOperation(torch.nn.Module):
 
     def __init__(self, *, name: str | None = None) -> None:
         super().__init__()
+        self.uid = next(_UIDS)
+        OPS_BY_UID[self.uid] = self
         self.quantizer_name = name
         self._role_scope_override: str | None = None
         self._recipe_states: dict[str, RecipeState | None] = {"forward": None, "backward": None}
         self._recipe_key: Any = None
+        # Recipe state loaded from a checkpoint before the state exists (it is built lazily, at the
+        # first forward under a recipe); applied as soon as it is built.
+        self._pending_recipe_state: dict[str, dict[str, torch.Tensor]] = {}
 
     # ---- quantizers ------------------------------------------------------------------------
 
@@ -91,6 +109,49 @@ class BasicOperation(torch.nn.Module):
                 recipe, mode=mode, num_quantizers=len(roles), roles=roles
             )
         self._recipe_key = _recipe_key(recipe)
+        self._apply_pending_recipe_state()
+
+    # ---- checkpoints: recipe state as plain tensors under "<prefix>_extra_state" ------------
+
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        """Recipe state (amax histories, scales) as a flat dict of plain tensors."""
+        out: dict[str, torch.Tensor] = {}
+        for mode, state in self._recipe_states.items():
+            for k, v in recipe_state_to_dict(state).items():
+                out[f"{mode}.{k}"] = v
+        return out
+
+    def set_extra_state(self, state: Any) -> None:
+        if state is None:
+            return
+        if not isinstance(state, Mapping):
+            raise ValueError(
+                f"{type(self).__name__}: malformed recipe state in checkpoint: expected a dict of "
+                f"tensors, got {type(state).__name__}"
+            )
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            mode, _, field = str(key).partition(".")
+            if mode not in ("forward", "backward") or not field:
+                raise ValueError(
+                    f"{type(self).__name__}: malformed recipe state key {key!r} in checkpoint; "
+                    "expected 'forward.<field>' or 'backward.<field>'"
+                )
+            pending.setdefault(mode, {})[field] = value
+        self._pending_recipe_state = pending
+        self._apply_pending_recipe_state()
+
+    def _apply_pending_recipe_state(self) -> None:
+        for mode in list(self._pending_recipe_state):
+            state = self._recipe_states[mode]
+            if state is not None:
+                load_recipe_state(state, self._pending_recipe_state.pop(mode))
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        # Checkpoints without recipe state (older ones, or from a model never run under a recipe)
+        # load too: a missing entry means "no state".
+        state_dict.setdefault(prefix + "_extra_state", {})
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def ensure_recipe_state(self, recipe: Any | None) -> None:
         if self._recipe_key != _recipe_key(recipe) or (

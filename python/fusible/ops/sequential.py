@@ -27,7 +27,6 @@ class Sequential(torch.nn.Module):
         super().__init__()
         for m in self._flatten(modules):
             self.add_module(str(len(self._modules)), m)
-        self._plans: dict[Any, tuple[int, fuser.Plan]] = {}
 
     @staticmethod
     def _flatten(modules: Any) -> Iterator[torch.nn.Module]:
@@ -53,7 +52,6 @@ class Sequential(torch.nn.Module):
     def append(self, module: torch.nn.Module) -> Sequential:
         for m in self._flatten([module]):
             self.add_module(str(len(self._modules)), m)
-        self._plans.clear()
         return self
 
     # ---- planning --------------------------------------------------------------------------
@@ -68,10 +66,11 @@ class Sequential(torch.nn.Module):
                 runs.append([m])
         return runs
 
-    def _plan_for(self, ops: list[BasicOperation], x: torch.Tensor, recipe: Any) -> tuple[int, fuser.Plan]:
+    def _plan_for(
+        self, ops: list[BasicOperation], x: torch.Tensor, recipe: Any
+    ) -> tuple[int, fuser.Plan]:
         key = (
-            tuple(id(op) for op in ops),
-            None if recipe is None else (type(recipe), recipe),
+            tuple(op.uid for op in ops),
             x.dtype,
             x.device.type,
             x.requires_grad,
@@ -79,12 +78,8 @@ class Sequential(torch.nn.Module):
             tuple(op.training for op in ops),
             registry.version(),
         )
-        hit = self._plans.get(key)
-        if hit is None:
-            plan = fuser.build_plan(ops, recipe)
-            hit = (fuser.register_plan(plan), plan)
-            self._plans[key] = hit
-        return hit
+        plan_key = fuser.plan_key_for(key, recipe)
+        return plan_key, fuser.get_plan(plan_key)
 
     # ---- execution -------------------------------------------------------------------------
 
@@ -111,7 +106,9 @@ class Sequential(torch.nn.Module):
             x, outs = fuser.run_plan(key, plan, x, pending[:n_in], is_first_microbatch)
             pending = pending[n_in:]
             extra_outputs.extend(outs)
-            _autocast.end_forward_pass([op.recipe_state(True) for op in ops])
+            states = [op.recipe_state(True) for op in ops]
+            if any(s is not None for s in states):
+                _autocast.end_forward_pass(states)
         if pending:
             raise ValueError(
                 f"Sequential.forward: got {len(extra_inputs)} extra input(s) but the ops consume "

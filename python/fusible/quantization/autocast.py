@@ -200,7 +200,7 @@ def end_backward_pass(
     if group is DEFAULT_GROUP:
         group = _last_group
     if defer is None:
-        defer = torch._C._current_graph_task_id() != -1 and not _tracing()
+        defer = not _tracing() and torch._C._current_graph_task_id() != -1
     if not defer:
         update_delayed_scaling(ss, group)
         return
