@@ -29,7 +29,7 @@ if [ "$SANITIZE" = 1 ]; then
   done
 fi
 if [ "$BENCH" = 1 ]; then
-  for b in benchmarks/kernels.py; do
+  for b in benchmarks/kernels.py benchmarks/gemm.py benchmarks/block.py; do
     step "bench $b" "$PY" "$b" --out "$OUT_DIR"
   done
 fi

@@ -1,0 +1,94 @@
+"""Transformer MLP block benchmark: LayerNorm(H) -> Linear(H, F) -> GELU -> Linear(F, H), bf16,
+forward + backward, per recipe, fused vs unfused plan, next to plain-PyTorch bf16 eager (and
+torch.compile of it) measured in the same run.
+
+    python benchmarks/block.py [--tokens 16384] [--hidden 4096] [--ffn 16384] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import fusible
+from _common import environment, print_table, time_ms, write_json
+from fusible import ops, recipe
+
+RECIPES: dict[str, Any] = {
+    "bf16 (no recipe)": None,
+    "delayed": recipe.DelayedScaling(),
+    "current": recipe.Float8CurrentScaling(),
+    "mxfp8": recipe.MXFP8BlockScaling(),
+}
+
+
+class TorchBlock(torch.nn.Module):
+    def __init__(self, h: int, f: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(h)
+        self.fc1, self.fc2 = torch.nn.Linear(h, f), torch.nn.Linear(f, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--ffn", type=int, default=16384)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/block.py needs a CUDA GPU")
+    dev, dt = "cuda", torch.bfloat16
+    h, f, n = args.hidden, args.ffn, args.tokens
+    x = torch.randn(n, h, device=dev, dtype=dt, requires_grad=True)
+    dy = torch.randn(n, h, device=dev, dtype=dt)
+    flops = 3 * 2 * 2 * n * h * f  # two GEMMs, forward + two backward GEMMs each
+
+    ref = TorchBlock(h, f).to(dev, dt)
+    ref_c = torch.compile(ref)
+
+    def step_torch(m: torch.nn.Module) -> None:
+        m(x).backward(dy)
+
+    rows: list[dict[str, Any]] = []
+    eager_ms = time_ms(lambda: step_torch(ref))
+    rows.append({"variant": "torch bf16 eager", "ms": eager_ms, "TFLOP/s": flops / eager_ms / 1e9,
+                 "speedup_vs_torch_eager": 1.0})  # fmt: skip
+    ms = time_ms(lambda: step_torch(ref_c))
+    rows.append({"variant": "torch bf16 compile", "ms": ms, "TFLOP/s": flops / ms / 1e9,
+                 "speedup_vs_torch_eager": eager_ms / ms})  # fmt: skip
+
+    model = ops.Sequential(
+        ops.LayerNorm(h, device=dev, dtype=dt),
+        ops.Linear(h, f, device=dev, dtype=dt),
+        ops.GELU(),
+        ops.Linear(f, h, device=dev, dtype=dt),
+    )
+    for name, rec in RECIPES.items():
+        for fused in (True, False):
+
+            def step() -> None:
+                with fusible.autocast(enabled=rec is not None, recipe=rec):
+                    y = model(x)
+                y.backward(dy)
+
+            if fused:
+                ms = time_ms(step)
+            else:
+                with ops.fusion_disabled():
+                    ms = time_ms(step)
+            rows.append({"variant": f"fusible {name} {'fused' if fused else 'unfused'}", "ms": ms,
+                         "TFLOP/s": flops / ms / 1e9, "speedup_vs_torch_eager": eager_ms / ms})  # fmt: skip
+    print_table(rows, ["variant", "ms", "TFLOP/s", "speedup_vs_torch_eager"])
+    path = write_json("block", {"env": environment(), "shape": vars(args), "results": rows}, args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
