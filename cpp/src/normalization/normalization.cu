@@ -280,7 +280,9 @@ __global__ void __launch_bounds__(512) norm_bwd_kernel(const NormBwdParams p) {
   const int64_t K = C > 0 ? C : p.kmax;
   constexpr int R = C > 0 ? 8 * C : 1;
   constexpr int RC = kCache ? R : 1;
-  float wv[R], dg[R], db[R], xc[RC], dyc[RC];
+  // w is kept in registers with dy and x; the uncached variant (4 chunks a lane) re-reads gamma,
+  // which stays in L1, to stay within 128 registers at 512 threads.
+  float wv[RC], dg[R], db[R], xc[RC], dyc[RC];
   auto col_of = [&](int64_t k) { return (k * L + lane) * 8; };
   float* pg = p.pg + g * H;
   float* pb = p.pb ? p.pb + g * H : nullptr;
@@ -288,11 +290,14 @@ __global__ void __launch_bounds__(512) norm_bwd_kernel(const NormBwdParams p) {
   if constexpr (C > 0) {
 #pragma unroll
     for (int k = 0; k < C; ++k) {
-      float w[8];
-      fused::load8(p.gamma, p.g_dt, col_of(k), chunk_len(H, col_of(k)), p.vec_g, w);
+      if constexpr (kCache) {
+        float w[8];
+        fused::load8(p.gamma, p.g_dt, col_of(k), chunk_len(H, col_of(k)), p.vec_g, w);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) wv[k * 8 + j] = norm_weight(w[j], p.zc);
+      }
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        wv[k * 8 + j] = norm_weight(w[j], p.zc);
         dg[k * 8 + j] = 0.0f;
         db[k * 8 + j] = 0.0f;
       }
@@ -327,7 +332,7 @@ __global__ void __launch_bounds__(512) norm_bwd_kernel(const NormBwdParams p) {
           for (int j = 0; j < 8; ++j) dyc[k * 8 + j] = d[j], xc[k * 8 + j] = x[j];
         }
       }
-      if constexpr (C > 0) {
+      if constexpr (kCache) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) w[j] = wv[k * 8 + j];
       } else {
