@@ -83,10 +83,13 @@ def main() -> None:
             else:
                 with ops.fusion_disabled():
                     ms = time_ms(step)
-            rows.append({"variant": f"fusible {name} {'fused' if fused else 'unfused'}", "ms": ms,
-                         "TFLOP/s": flops / ms / 1e9, "speedup_vs_torch_eager": eager_ms / ms})  # fmt: skip
+            variant = f"fusible {name} {'fused' if fused else 'unfused'}"
+            rows.append({"variant": variant, "ms": ms, "TFLOP/s": flops / ms / 1e9,
+                         "speedup_vs_torch_eager": eager_ms / ms})  # fmt: skip
     print_table(rows, ["variant", "ms", "TFLOP/s", "speedup_vs_torch_eager"])
-    path = write_json("block", {"env": environment(), "shape": vars(args), "results": rows}, args.out)
+    path = write_json(
+        "block", {"env": environment(), "shape": vars(args), "results": rows}, args.out
+    )
     print(f"wrote {path}")
 
 

@@ -1,6 +1,6 @@
 """FP8 GEMM benchmark: fusible.gemm (cuBLASLt) vs torch._scaled_mm at the same shapes, same run.
 
-    python benchmarks/gemm.py [--sizes 8192,4096] [--out DIR]
+python benchmarks/gemm.py [--sizes 8192,4096] [--out DIR]
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def run(shapes: list[tuple[int, int]]) -> tuple[list[dict[str, Any]], float]:
                     row[f"{k}_ms"] = times[k]
                     row[f"speedup_vs_{k}"] = times[k] / fus
             rows_out.append(row)
-        del x
+
         torch.cuda.empty_cache()
     return rows_out, copy_gbs
 

@@ -34,13 +34,14 @@ def main() -> None:
 
     for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
         tag = "E4M3" if fmt == torch.float8_e4m3fn else "E5M2"
-        data, data_t, scale, scale_inv, amax = K.quantize_fp8_current(x, fmt, 0, True, True)
+        data, data_t, scale, scale_inv, _ = K.quantize_fp8_current(x, fmt, 0, True, True)
         expect = (x.float() * scale).clamp(-K.fp8_max(fmt), K.fp8_max(fmt)).to(fmt)
-        exact = torch.equal(data.view(torch.uint8), expect.view(torch.uint8))
+        bits = expect.view(torch.uint8)
+        exact = torch.equal(data.view(torch.uint8), bits)
+        exact_t = torch.equal(data_t.view(torch.uint8), bits.t())
         y = K.dequantize_fp8(data, scale_inv, torch.float32)
         report(f"{tag} current scaling (+transpose)", y, 2 * data.numel() + 8,
-               f"scale={scale.item():.4g}, bits == torch: {exact}, "
-               f"transpose exact: {torch.equal(data_t.view(torch.uint8), data.view(torch.uint8).t())}")  # fmt: skip
+               f"scale={scale.item():.4g}, bits == torch: {exact}, transpose exact: {exact_t}")  # fmt: skip
         d, s, cd, cs = K.quantize_mxfp8(x, fmt, True, True)
         y = K.dequantize_mxfp8(d, s, False, torch.float32)
         yc = K.dequantize_mxfp8(cd, cs, True, torch.float32)

@@ -45,7 +45,9 @@ def _custom_factory(role: fusible.quantization.QuantizerRole):  # type: ignore[n
     return Q.Float8CurrentScalingQuantizer(fmt)
 
 
-def make_model(layers: int, hidden: int, ffn: int, device: str, dtype: torch.dtype) -> ops.Sequential:
+def make_model(
+    layers: int, hidden: int, ffn: int, device: str, dtype: torch.dtype
+) -> ops.Sequential:
     blocks = []
     for i in range(layers):
         last = "fc2_last" if i == layers - 1 else "fc2"
@@ -87,7 +89,9 @@ def train(model, data, steps: int, rec, desc: str, lr: float) -> list[float]:  #
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="current")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -103,7 +107,9 @@ def main() -> int:
     dev, dtype = args.device, torch.bfloat16
     # Learnable task: a fixed random teacher network maps inputs to targets.
     teacher = torch.nn.Sequential(
-        torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh(), torch.nn.Linear(args.hidden, args.hidden)
+        torch.nn.Linear(args.hidden, args.hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(args.hidden, args.hidden),
     ).to(dev)
     gen = torch.Generator(device="cpu").manual_seed(1)
 

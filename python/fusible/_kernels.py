@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fusible import _C
+from fusible import _C  # type: ignore[attr-defined]
 
 __all__ = [
     "FP8_DTYPES",
@@ -88,7 +88,8 @@ def _check_tensor(
         )
     if device is not None and t.device != device:
         raise ValueError(
-            f"fusible.{op}: argument '{name}' is on {t.device}, expected the input's device {device}"
+            f"fusible.{op}: argument '{name}' is on {t.device}, expected the input's device "
+            f"{device}"
         )
     if not t.is_contiguous():
         raise ValueError(
@@ -349,7 +350,8 @@ def quantize_mxfp8(
     """MXFP8 cast (OCP MX, 32-element blocks), one pass.
 
     Returns ``(data, scale, col_data, col_scale)``: ``data`` has ``x``'s shape with E8M0 ``scale``
-    ``[rows, ceil(k/32)]`` (blocks along rows); ``col_data`` has ``x``'s shape too, with ``col_scale``
+    ``[rows, ceil(k/32)]`` (blocks along rows); ``col_data`` has ``x``'s shape too, with
+    ``col_scale``
     ``[ceil(rows/32), k]`` (blocks down columns). Unrequested copies are empty.
     """
     op = "quantize_mxfp8"
@@ -1011,7 +1013,7 @@ def norm_fwd(
     )
     outs = _norm_fwd_outputs(x, kind, out_dtype, quant, fp8_dtype, rowwise, columnwise)
     y, mean, rstd = outs[0], outs[6], outs[7]
-    q = _quantized_struct(quant, fp8_dtype, rows, cols, outs[1:6], scale)
+    q = _quantized_struct(quant, fp8_dtype, rows, cols, outs[1:6], scale)  # type: ignore[arg-type]
     _c_call(
         op, _C.norm_forward, _NORM_CODE[kind], _mat(x, rows, cols), _mat(gamma, 1, cols),
         None if beta is None else _mat(beta, 1, cols), float(eps), bool(zero_centered_gamma),
@@ -1170,7 +1172,7 @@ def act_fwd(
     rows, k = _matrix_shape(op, x)
     h = shape[-1]
     outs = _act_fwd_outputs(x, kind, out_dtype, quant, fp8_dtype, rowwise, columnwise)
-    q = _quantized_struct(quant, fp8_dtype, rows, h, outs[1:6], scale)
+    q = _quantized_struct(quant, fp8_dtype, rows, h, outs[1:6], scale)  # type: ignore[arg-type]
     _c_call(
         op, _C.activation_forward, _ACT_CODE[kind], _mat(x, rows, k),
         None if out_dtype is None else _mat(outs[0], rows, h), q, _ctx(x),
@@ -1253,7 +1255,7 @@ def act_bwd(
     h = shape[-1]
     outs = _act_bwd_outputs(grad, x, out_dtype, quant, fp8_dtype, rowwise, columnwise, with_dbias)
     dx, dbias = outs[0], outs[6]
-    q = _quantized_struct(quant, fp8_dtype, rows, k, outs[1:6], scale)
+    q = _quantized_struct(quant, fp8_dtype, rows, k, outs[1:6], scale)  # type: ignore[arg-type]
     ctx = _ctx(grad)
     ws_bytes = _C.activation_backward_workspace_size(rows, k, ctx) if with_dbias else 0
     ws = torch.empty(ws_bytes, dtype=torch.uint8, device=grad.device)

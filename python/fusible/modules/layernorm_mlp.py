@@ -60,4 +60,7 @@ class LayerNormMLP(Sequential):
         return self[self._fc2_index]  # type: ignore[return-value]
 
     def extra_repr(self) -> str:
-        return f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}"
+        return (
+            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"activation={self.activation!r}"
+        )

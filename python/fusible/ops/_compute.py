@@ -21,12 +21,12 @@ from fusible.quantization.quantizers import (
 __all__ = [
     "HandOff",
     "as_2d",
-    "handoff",
     "dequantize",
     "fused_quant_args",
     "gemm_dgrad",
     "gemm_fprop",
     "gemm_wgrad",
+    "handoff",
     "hp_dtype",
     "quantize",
     "wrap_quantized",
@@ -130,8 +130,7 @@ def _gemm(
     ops use, so the result does not depend on which path ran.
     """
     if isinstance(a, Float8Data) and isinstance(b, Float8Data):
-        am = as_2d(a.data) if which[0] == "r" else a.data_t
-        bm = as_2d(b.data) if which[1] == "r" else b.data_t
+        am, bm = _fp8_copy(a, which[0]), _fp8_copy(b, which[1])
         scales: tuple[torch.Tensor | None, torch.Tensor | None] = (a.scale_inv, b.scale_inv)
         if am.is_cuda and not _fp8_gemm_aligned(am, bm, out_dtype):
             f32 = torch.float32
@@ -166,10 +165,22 @@ def _gemm(
     return d, (aux.to(out_dtype) if epilogue == "bias_gelu_aux" else None)
 
 
+def _fp8_copy(x: Float8Data, which: str) -> torch.Tensor:
+    m = x.data if which == "r" else x.data_t
+    if m is None:
+        raise RuntimeError(f"fusible: the {'rowwise' if which == 'r' else 'transposed'} FP8 copy "
+                           "a GEMM needs was not produced (quantizer usage)")  # fmt: skip
+    return as_2d(m) if which == "r" else m
+
+
 def _fp8_gemm_aligned(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """cuBLASLt FP8 needs K % 16 == 0 and 16-byte output rows (gemm.h)."""
     k, n = am.shape[-1], bm.shape[0]
-    return k % 16 == 0 and (n * torch.empty(0, dtype=out_dtype).element_size()) % 16 == 0 and n % 8 == 0
+    return (
+        k % 16 == 0
+        and (n * torch.empty(0, dtype=out_dtype).element_size()) % 16 == 0
+        and n % 8 == 0
+    )
 
 
 def _dequant_copy(x: Any, which: str, dtype: torch.dtype) -> torch.Tensor:

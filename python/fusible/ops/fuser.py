@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from fusible.ops import registry
 from fusible.ops.op import OPS_BY_UID, BasicOperation, FusedOperation, OpContext
 from fusible.ops.workspace import (
+    WorkspaceCache,
     flatten_workspace,
     unflatten_workspace,
     workspace_len,
@@ -70,7 +71,9 @@ def _build_units(
             if reason is None:
                 chosen = Unit(i, i + len(window), rule.factory(list(window)), rule.name)
                 break
-            rejected.append(("forward" if forward else "backward", i, i + len(window), rule.name, reason))
+            rejected.append(
+                ("forward" if forward else "backward", i, i + len(window), rule.name, reason)
+            )
         if chosen is None:
             chosen = Unit(i, i + 1)
         units.append(chosen)
@@ -96,8 +99,8 @@ _PLAN_KEYS: dict[Any, int] = {}
 @torch._dynamo.assume_constant_result
 def plan_key_for(cache_key: tuple[Any, ...], recipe: Any) -> int:
     """The key of the plan for ``cache_key`` (op uids first, then everything else a plan depends
-    on) and ``recipe``, built on first use. Under ``torch.compile`` this runs at trace time and its result is a
-    constant of the graph: planning is Python bookkeeping, never traced."""
+    on) and ``recipe``, built on first use. Under ``torch.compile`` this runs at trace time and
+    its result is a constant of the graph: planning is Python bookkeeping, never traced."""
     cache_key = (*cache_key, None if recipe is None else (type(recipe), recipe))
     key = _PLAN_KEYS.get(cache_key)
     if key is None:
@@ -120,8 +123,13 @@ def _split(flat: Sequence[Any], counts: Sequence[int]) -> list[list[Any]]:
     return out
 
 
-def _forward_units(plan: Plan, ctxs: list[OpContext], x: Any, params: list[list[torch.Tensor]],
-                   extra_in: list[list[torch.Tensor]]) -> tuple[Any, list[list[torch.Tensor]]]:
+def _forward_units(
+    plan: Plan,
+    ctxs: list[OpContext],
+    x: Any,
+    params: list[list[torch.Tensor]],
+    extra_in: list[list[torch.Tensor]],
+) -> tuple[Any, list[list[torch.Tensor]]]:
     ops = plan.ops
     extra_out: list[list[torch.Tensor]] = [[] for _ in ops]
     for u in plan.forward_units:
@@ -149,7 +157,9 @@ def _backward_units(
     param_grads: list[list[Any]] = [[None] * n for n in plan.param_counts]
     extra_in_grads: list[list[Any]] = [[None] * op.num_extra_inputs for op in ops]
     for u in reversed(plan.backward_units):
-        if not any(c.input_requires_grad or any(c.params_requires_grad) for c in ctxs[u.start : u.stop]):
+        if not any(
+            c.input_requires_grad or any(c.params_requires_grad) for c in ctxs[u.start : u.stop]
+        ):
             break  # nothing at or before this unit needs a gradient
         prev = ops[u.start - 1].grad_output_quantizer() if plan.handoff and u.start > 0 else None
         if u.fused is None:
@@ -204,8 +214,8 @@ class _PlanFunction(torch.autograd.Function):
         for c, op_params, op_extra in zip(ctxs, params, extra_in, strict=True):
             c.params_requires_grad = tuple(p.requires_grad for p in op_params)
             c.input_requires_grad = upstream
-            upstream = upstream or any(c.params_requires_grad) or any(
-                t.requires_grad for t in op_extra
+            upstream = (
+                upstream or any(c.params_requires_grad) or any(t.requires_grad for t in op_extra)
             )
         y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
         y = _dequantize_if_needed(y)
@@ -217,7 +227,8 @@ class _PlanFunction(torch.autograd.Function):
         ctx.fusible_n_ws = len(ws_flat)
         ctx.fusible = (
             plan_key, spec, is_t, [v for v, t in zip(leaves, is_t, strict=True) if not t],
-            [c.attrs for c in ctxs], [(c.params_requires_grad, c.input_requires_grad) for c in ctxs],
+            [c.attrs for c in ctxs],
+            [(c.params_requires_grad, c.input_requires_grad) for c in ctxs],
         )  # fmt: skip
         flat_out = [t for eo in extra_out for t in eo]
         new_ws: list[torch.Tensor] = []
@@ -253,6 +264,12 @@ class _PlanFunction(torch.autograd.Function):
         return (None, None, None, dx, *flat_eg, *flat_pg, *([None] * n_ws))
 
 
+def _cache(op: BasicOperation) -> WorkspaceCache:
+    cache = getattr(op, "workspace_cache", None)
+    assert isinstance(cache, WorkspaceCache), f"{type(op).__name__} has a workspace but no cache"
+    return cache
+
+
 def run_plan(
     plan_key: int,
     plan: Plan,
@@ -272,19 +289,21 @@ def run_plan(
         ws, update = None, False
         if spec is not None and is_first_microbatch is not None:
             weight, q = spec
-            ws = None if is_first_microbatch else op.workspace_cache.lookup(weight, q)  # type: ignore[attr-defined]
+            ws = None if is_first_microbatch else _cache(op).lookup(weight, q)
             update = ws is None  # first micro-batch, or an invalid cache: quantize and cache
         tensors, meta = flatten_workspace(ws)
         metas.append(meta)
         updates.append(update)
         ws_flat.extend(tensors)
-    outs = _PlanFunction.apply(plan_key, tuple(metas), tuple(updates), x, *extra_inputs, *params, *ws_flat)
+    outs = _PlanFunction.apply(
+        plan_key, tuple(metas), tuple(updates), x, *extra_inputs, *params, *ws_flat
+    )
     n_out = 1 + sum(op.num_extra_outputs for op in ops)
     new_ws = list(outs[n_out:])
     for op, spec, update in zip(ops, specs, updates, strict=True):
         if update and spec is not None:
             weight, q = spec
             n = workspace_len(workspace_meta(q, weight))
-            op.workspace_cache.store(weight, q, unflatten_workspace(new_ws[:n], workspace_meta(q, weight)))  # type: ignore[attr-defined]
+            _cache(op).store(weight, q, unflatten_workspace(new_ws[:n], workspace_meta(q, weight)))
             new_ws = new_ws[n:]
     return outs[0], list(outs[1:n_out])

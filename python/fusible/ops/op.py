@@ -78,6 +78,13 @@ class BasicOperation(torch.nn.Module):
         # first forward under a recipe); applied as soon as it is built.
         self._pending_recipe_state: dict[str, dict[str, torch.Tensor]] = {}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # copy.deepcopy and unpickling restore __dict__, uid included: a copy must get its own
+        # uid, or plans (keyed by uid, resolved through OPS_BY_UID) would run the original op.
+        super().__setstate__(state)
+        self.uid = next(_UIDS)
+        OPS_BY_UID[self.uid] = self
+
     # ---- quantizers ------------------------------------------------------------------------
 
     @property
@@ -167,7 +174,7 @@ class BasicOperation(torch.nn.Module):
         state = self.recipe_state(fwd)
         if state is None:
             return None
-        for role, q in zip(state.roles, state.quantizers, strict=True):
+        for role, q in zip(state.roles or (), state.quantizers, strict=True):
             if role.bucket == role_bucket:
                 return q
         return None

@@ -97,7 +97,7 @@ def register_fusion(
     take precedence over built-in ones, newest first. Returns the rule (for ``unregister_fusion``).
     """
     rule = FusionRule(
-        name=name or getattr(factory, "name", None) or getattr(factory, "__name__", "fusion"),
+        name=str(name or getattr(factory, "name", None) or getattr(factory, "__name__", "fusion")),
         pattern=tuple(pattern),
         factory=factory,
         forward=forward,

@@ -37,7 +37,8 @@ class Sequential(torch.nn.Module):
                 yield m
             else:
                 raise TypeError(
-                    f"Sequential: arguments must be torch.nn.Module instances, got {type(m).__name__}"
+                    "Sequential: arguments must be torch.nn.Module instances, got "
+                    f"{type(m).__name__}"
                 )
 
     def __len__(self) -> int:
@@ -96,9 +97,10 @@ class Sequential(torch.nn.Module):
             ops: list[BasicOperation] = run  # type: ignore[assignment]
             n_in = sum(op.num_extra_inputs for op in ops)
             if n_in > len(pending):
+                need = sum(op.num_extra_inputs for op in self if isinstance(op, BasicOperation))
                 raise ValueError(
-                    f"Sequential.forward: the ops need {sum(op.num_extra_inputs for op in self if isinstance(op, BasicOperation))} "
-                    f"extra input(s) (AddExtraInput), got {len(extra_inputs)}"
+                    f"Sequential.forward: the ops need {need} extra input(s) (AddExtraInput), "
+                    f"got {len(extra_inputs)}"
                 )
             for op in ops:
                 op.ensure_recipe_state(recipe)
@@ -133,7 +135,10 @@ class Sequential(torch.nn.Module):
                 op.ensure_recipe_state(recipe)
             _, plan = self._plan_for(ops, probe, recipe)
             lines.append(f"run {r}:")
-            for title, units in (("forward", plan.forward_units), ("backward", plan.backward_units)):
+            for title, units in (
+                ("forward", plan.forward_units),
+                ("backward", plan.backward_units),
+            ):
                 lines.append(f"  {title} plan:")
                 for u in units:
                     fwd = title == "forward"
@@ -150,7 +155,7 @@ class Sequential(torch.nn.Module):
                     state = op.recipe_state(fwd)
                     if state is None:
                         continue
-                    for role, q in zip(state.roles, state.quantizers, strict=True):
+                    for role, q in zip(state.roles or (), state.quantizers, strict=True):
                         any_q = True
                         what = "high precision" if q is None else repr(q)
                         lines.append(f"    op {i} {type(op).__name__}: {role.qualified}: {what}")

@@ -77,8 +77,11 @@ def unflatten_workspace(tensors: list[torch.Tensor | None], meta: Any) -> Quanti
         return None
     kind, fp8_dtype, shape = meta
     if kind == "fp8":
-        return Float8Data(tensors[0], tensors[1], tensors[2], fp8_dtype, torch.Size(shape))  # type: ignore[arg-type]
-    return MXFP8Data(*tensors, fp8_dtype, torch.Size(shape))
+        data, data_t, scale_inv = tensors
+        assert scale_inv is not None
+        return Float8Data(data, data_t, scale_inv, fp8_dtype, torch.Size(shape))
+    data, scale, col_data, col_scale = tensors
+    return MXFP8Data(data, scale, col_data, col_scale, fp8_dtype, torch.Size(shape))
 
 
 @dataclass

@@ -7,11 +7,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from ops_helpers import DTYPES, E4M3, E5M2, RECIPES, prequantized, rel_err, tol
 
 import fusible
 from fusible import ops
-
-from ops_helpers import DTYPES, E4M3, E5M2, RECIPES, prequantized, rel_err, tol
 
 SHAPES = [(1, 32), (7, 64), (127, 96), (3, 5, 32)]
 
@@ -44,7 +43,9 @@ def _ref_norm(x, w, b, eps, kind, zc):
 @pytest.mark.parametrize("zc", [False, True])
 def test_norm_vs_fp64(dtype, shape, kind, zc):
     h = shape[-1]
-    op = (ops.LayerNorm if kind == "layernorm" else ops.RMSNorm)(h, zero_centered_gamma=zc, dtype=dtype)
+    op = (ops.LayerNorm if kind == "layernorm" else ops.RMSNorm)(
+        h, zero_centered_gamma=zc, dtype=dtype
+    )
     with torch.no_grad():
         op.weight.normal_(0.1 if zc else 1.0, 0.2)
         if kind == "layernorm":
@@ -214,7 +215,9 @@ def test_fusions_in_plan(recipe_name):
     model = _block()
     with fusible.autocast(enabled=RECIPES[recipe_name] is not None, recipe=RECIPES[recipe_name]):
         text = model.explain()
-        _, plan = model._plan_for(list(model), torch.empty(0, requires_grad=True), RECIPES[recipe_name])
+        _, plan = model._plan_for(
+            list(model), torch.empty(0, requires_grad=True), RECIPES[recipe_name]
+        )
     fwd = [u.rule for u in plan.forward_units]
     bwd = [u.rule for u in plan.backward_units]
     assert fwd == [None, "linear_bias_activation", "linear_bias_add"]
@@ -274,20 +277,22 @@ def test_block_trains_like_bf16(recipe_name, bf16_loss):
 
 
 def test_feature_mismatch_names_op():
-    with pytest.raises(ValueError, match="BasicLinear: input feature size 7 does not match in_features 8"):
+    with pytest.raises(
+        ValueError, match="BasicLinear: input feature size 7 does not match in_features 8"
+    ):
         ops.Sequential(ops.Linear(8, 4))(torch.randn(3, 7))
     with pytest.raises(ValueError, match="LayerNorm: input feature size"):
         ops.Sequential(ops.LayerNorm(8))(torch.randn(3, 7))
 
 
 def test_wrong_dtype_raises():
-    with pytest.raises((TypeError, ValueError), match="LayerNorm|norm_fwd"):
+    with pytest.raises((TypeError, ValueError), match=r"LayerNorm|norm_fwd"):
         ops.Sequential(ops.LayerNorm(8))(torch.ones(3, 8, dtype=torch.int32))
 
 
 def test_mxfp8_non_divisible_raises():
     with fusible.autocast(recipe=fusible.recipe.MXFP8BlockScaling()):
-        with pytest.raises(ValueError, match="MXFP8.*divisible by 32"):
+        with pytest.raises(ValueError, match=r"MXFP8.*divisible by 32"):
             ops.Sequential(ops.Linear(48, 32))(torch.randn(32, 48))
 
 

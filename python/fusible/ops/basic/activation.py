@@ -12,22 +12,23 @@ from fusible.quantization.quantizers import Quantizer
 __all__ = ["GEGLU", "GELU", "ReLU", "SiLU", "SwiGLU", "activation_backward"]
 
 
-def _act(x: torch.Tensor, kind: str, glu: bool, q: Quantizer | None) -> object:
+def _act(x: torch.Tensor, kind: str, glu: bool, q: Quantizer | None) -> torch.Tensor | C.HandOff:
     """act(x), written quantized by ``q`` when that fuses into the kernel."""
     fused = C.fused_quant_args(q)
     if fused is None:
         y, *_ = K.act_fwd(x, kind, x.dtype, "none", torch.float8_e4m3fn, None, True, False)
         return y
+    assert q is not None
     quant, fp8_dtype, scale = fused
-    colwise = bool(getattr(q, "columnwise", False))
-    y, d, d2, s, s2, amax = K.act_fwd(x, kind, None, quant, fp8_dtype, scale, True, colwise)
+    colwise = q.columnwise
+    _, d, d2, s, s2, amax = K.act_fwd(x, kind, None, quant, fp8_dtype, scale, True, colwise)
     shape = torch.Size((*x.shape[:-1], x.shape[-1] // 2 if glu else x.shape[-1]))
     return C.wrap_quantized(q, (d, d2, s, s2, amax), shape, x.dtype)
 
 
 def activation_backward(
-    kind: str, ctx: OpContext, dy: object, q: Quantizer | None, with_dbias: bool
-) -> tuple[object, torch.Tensor | None]:
+    kind: str, ctx: OpContext, dy: torch.Tensor | C.HandOff, q: Quantizer | None, with_dbias: bool
+) -> tuple[torch.Tensor | C.HandOff, torch.Tensor | None]:
     """(dx, dbias): dact, optionally the bias gradient (column sums of dx) and dx quantized by
     ``q`` (the preceding op's grad-output quantizer), in one kernel where the quantizer allows."""
     (x,) = ctx.saved
@@ -37,8 +38,9 @@ def activation_backward(
         dx, *_, dbias = K.act_bwd(dy, x, kind, x.dtype, "none", torch.float8_e4m3fn, None, True,
                                   False, with_dbias)  # fmt: skip
         return dx, (dbias if with_dbias else None)
+    assert q is not None
     quant, fp8_dtype, scale = fused
-    colwise = bool(getattr(q, "columnwise", False))
+    colwise = q.columnwise
     _, d, d2, s, s2, amax, dbias = K.act_bwd(dy, x, kind, None, quant, fp8_dtype, scale, True,
                                              colwise, with_dbias)  # fmt: skip
     dx = C.wrap_quantized(q, (d, d2, s, s2, amax), x.shape, x.dtype)
@@ -50,7 +52,11 @@ class _Activation(BasicOperation):
     glu: bool = False
 
     def kernels(self, fwd: bool) -> list[str]:
-        return [f"act_fwd({self.kind}, + quantize for the next op when its quantizer allows)"] if fwd else [f"act_bwd({self.kind})"]
+        return (
+            [f"act_fwd({self.kind}, + quantize for the next op when its quantizer allows)"]
+            if fwd
+            else [f"act_bwd({self.kind})"]
+        )
 
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
         x = C.dequantize(x).contiguous()

@@ -99,14 +99,14 @@ class BasicLinear(BasicOperation):
                     f"count divisible by 32, got {self.in_features}, {self.out_features} and "
                     f"{tokens}"
                 )
-        if qx is not None:
-            x = C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
-        if qw is not None:
-            w, ctx.new_workspace = quantize_weight(
-                w, qw, ctx.workspace, ctx.cache_weight, columnwise=need_dgrad
-            )
         ctx.attrs["need_wgrad"], ctx.attrs["need_dgrad"] = need_wgrad, need_dgrad
-        return x, w
+        xq: Any = x if qx is None else C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
+        if qw is None:
+            return xq, w
+        wq, ctx.new_workspace = quantize_weight(
+            w, qw, ctx.workspace, ctx.cache_weight, columnwise=need_dgrad
+        )
+        return xq, wq
 
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
         self.check_input(x)
@@ -132,17 +132,23 @@ class BasicLinear(BasicOperation):
         qg = self.get_quantizer(False, "grad_output")
         lead = dy.shape[:-1]
         if qg is not None:
-            dy = C.quantize(qg, dy, rowwise=ctx.attrs["need_dgrad"], columnwise=ctx.attrs["need_wgrad"])
+            dy = C.quantize(
+                qg, dy, rowwise=ctx.attrs["need_dgrad"], columnwise=ctx.attrs["need_wgrad"]
+            )
         dx = dw = None
-        if isinstance(dy, torch.Tensor) and (xq is None or isinstance(xq, torch.Tensor)) and (
-            wq is None or isinstance(wq, torch.Tensor)
+        if (
+            isinstance(dy, torch.Tensor)
+            and (xq is None or isinstance(xq, torch.Tensor))
+            and (wq is None or isinstance(wq, torch.Tensor))
         ):
             dy2 = C.as_2d(dy)
             if ctx.attrs["need_dgrad"]:
+                assert wq is not None
                 dx = (dy2 @ wq.to(dy2.dtype)).view(*lead, self.in_features)
                 if c is not None:
                     dx = dx + c
             if ctx.attrs["need_wgrad"]:
+                assert xq is not None
                 dw = dy2.t() @ C.as_2d(xq).to(dy2.dtype)
         else:
             if ctx.attrs["need_dgrad"]:

@@ -51,7 +51,9 @@ class Quantize(BasicOperation):
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
         q = self.get_quantizer(True, "input")
         x = C.dequantize(x)
-        return (x if q is None else q.quantize(x, rowwise=True, columnwise=False).dequantize(x.dtype)), []
+        return (
+            x if q is None else q.quantize(x, rowwise=True, columnwise=False).dequantize(x.dtype)
+        ), []
 
     def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
         q = self.get_quantizer(False, "grad_output")
@@ -160,5 +162,3 @@ class MakeExtraOutput(BasicOperation):
         (g,) = extra_output_grads
         dy = C.dequantize(dy)
         return (dy if g is None else dy + g), [], []
-
-

@@ -34,13 +34,20 @@ class _Norm(BasicOperation):
         init = torch.zeros if zero_centered_gamma else torch.ones
         self.weight = torch.nn.Parameter(init(normalized_shape, device=device, dtype=dtype))
         if self.kind == "layernorm":
-            self.bias = torch.nn.Parameter(torch.zeros(normalized_shape, device=device, dtype=dtype))
+            self.bias = torch.nn.Parameter(
+                torch.zeros(normalized_shape, device=device, dtype=dtype)
+            )
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
+        zc = self.zero_centered_gamma
+        return f"{self.normalized_shape}, eps={self.eps}, zero_centered_gamma={zc}"
 
     def kernels(self, fwd: bool) -> list[str]:
-        return [f"norm_fwd({self.kind}, + quantize for the next op when its quantizer allows)"] if fwd else [f"norm_bwd({self.kind})"]
+        return (
+            [f"norm_fwd({self.kind}, + quantize for the next op when its quantizer allows)"]
+            if fwd
+            else [f"norm_bwd({self.kind})"]
+        )
 
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
         x = C.dequantize(x)
@@ -61,7 +68,8 @@ class _Norm(BasicOperation):
         else:
             # Norm + quantize: the kernel writes the next op's FP8 input directly.
             quant, fp8_dtype, scale = fused
-            colwise = bool(getattr(next_input_quantizer, "columnwise", False))
+            assert next_input_quantizer is not None
+            colwise = next_input_quantizer.columnwise
             y, d, d2, s, s2, amax, mean, rstd = K.norm_fwd(
                 x, gamma, beta, self.eps, self.kind, self.zero_centered_gamma, None, quant,
                 fp8_dtype, scale, True, colwise,

@@ -32,10 +32,34 @@ __all__ = [
 
 # Longer patterns first: at each position the first accepted rule wins.
 _BUILTIN_RULES = [
-    ((BasicLinear, Bias, GELU), ForwardLinearBiasActivation, forward_linear_bias_activation.accepts, True, False),
-    ((BasicLinear, Bias, AddExtraInput), ForwardLinearBiasAdd, forward_linear_bias_add.accepts, True, False),
-    ((BasicLinear, AddExtraInput), ForwardLinearBiasAdd, forward_linear_bias_add.accepts, True, False),
-    ((BasicLinear, Bias), ForwardLinearBiasActivation, forward_linear_bias_activation.accepts, True, False),
+    (
+        (BasicLinear, Bias, GELU),
+        ForwardLinearBiasActivation,
+        forward_linear_bias_activation.accepts,
+        True,
+        False,
+    ),
+    (
+        (BasicLinear, Bias, AddExtraInput),
+        ForwardLinearBiasAdd,
+        forward_linear_bias_add.accepts,
+        True,
+        False,
+    ),
+    (
+        (BasicLinear, AddExtraInput),
+        ForwardLinearBiasAdd,
+        forward_linear_bias_add.accepts,
+        True,
+        False,
+    ),
+    (
+        (BasicLinear, Bias),
+        ForwardLinearBiasActivation,
+        forward_linear_bias_activation.accepts,
+        True,
+        False,
+    ),
     *(
         ((Bias, act), BackwardActivationBias, backward_activation_bias.accepts, False, True)
         for act in (GELU, ReLU, SiLU, SwiGLU, GEGLU)

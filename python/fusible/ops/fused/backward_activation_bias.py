@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fusible.ops.basic import Bias
 from fusible.ops.basic.activation import _Activation, activation_backward
 from fusible.ops.op import BasicOperation, FusedOperation
 
@@ -34,5 +33,3 @@ class BackwardActivationBias(FusedOperation):
         bias_ctx = ctxs[0]
         assert dbias is not None
         return dx, [[dbias.to(bias_ctx.attrs["dtype"])], []], [[], []]
-
-

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from fusible.ops import _compute as C
 from fusible.ops.basic import GELU, BasicLinear, Bias
 from fusible.ops.op import BasicOperation, FusedOperation
