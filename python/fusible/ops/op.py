@@ -68,8 +68,7 @@ class BasicOperation(torch.nn.Module):
 
     def __init__(self, *, name: str | None = None) -> None:
         super().__init__()
-        self.uid = next(_UIDS)
-        OPS_BY_UID[self.uid] = self
+        self._assign_uid()
         self.quantizer_name = name
         self._role_scope_override: str | None = None
         self._recipe_states: dict[str, RecipeState | None] = {"forward": None, "backward": None}
@@ -78,12 +77,15 @@ class BasicOperation(torch.nn.Module):
         # first forward under a recipe); applied as soon as it is built.
         self._pending_recipe_state: dict[str, dict[str, torch.Tensor]] = {}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # copy.deepcopy and unpickling restore __dict__, uid included: a copy must get its own
-        # uid, or plans (keyed by uid, resolved through OPS_BY_UID) would run the original op.
-        super().__setstate__(state)
+    def _assign_uid(self) -> None:
+        # Plans are cached by op uid; a copy (deepcopy, pickle) is a different op with its own
+        # parameters and recipe state, so it must never share its original's uid.
         self.uid = next(_UIDS)
         OPS_BY_UID[self.uid] = self
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._assign_uid()
 
     # ---- quantizers ------------------------------------------------------------------------
 
@@ -113,10 +115,29 @@ class BasicOperation(torch.nn.Module):
                 self._recipe_states[mode] = None
                 continue
             self._recipe_states[mode] = RecipeState.create(
-                recipe, mode=mode, num_quantizers=len(roles), roles=roles
-            )
+                recipe, mode=mode, num_quantizers=len(roles), roles=roles,
+                device=self._state_device(),
+            )  # fmt: skip
         self._recipe_key = _recipe_key(recipe)
         self._apply_pending_recipe_state()
+
+    def _state_device(self) -> torch.device:
+        """Where the recipe state lives: with the op's parameters (the kernels take the scales
+        on the device they run on); CPU for an op without parameters or still on ``meta``."""
+        for p in self.parameters(recurse=False):
+            if p.device.type != "meta":
+                return p.device
+        return torch.device("cpu")
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        # .to(device) / .cuda() / .cpu() move the recipe state with the parameters (a dtype
+        # change never casts it: scaling state is float32).
+        out = super()._apply(fn, recurse)
+        device = self._state_device()
+        for state in self._recipe_states.values():
+            if state is not None and state.device != device:
+                state.to(device)
+        return out
 
     # ---- checkpoints: recipe state as plain tensors under "<prefix>_extra_state" ------------
 
@@ -143,6 +164,13 @@ class BasicOperation(torch.nn.Module):
                 raise ValueError(
                     f"{type(self).__name__}: malformed recipe state key {key!r} in checkpoint; "
                     "expected 'forward.<field>' or 'backward.<field>'"
+                )
+            # Checked now: the shapes can only be checked once the state is built (they depend on
+            # the recipe), but a non-tensor is malformed whatever the recipe.
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(
+                    f"{type(self).__name__}: malformed recipe state in checkpoint: {key!r} must "
+                    f"be a torch.Tensor, got {type(value).__name__}"
                 )
             pending.setdefault(mode, {})[field] = value
         self._pending_recipe_state = pending
