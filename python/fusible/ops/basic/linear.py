@@ -182,6 +182,12 @@ class Bias(BasicOperation):
         self.features = features
         self.bias = torch.nn.Parameter(torch.zeros(features, device=device, dtype=dtype))
 
+    def reset_parameters(self) -> None:
+        """The initial value (zeros): what materialises a model built on the ``meta`` device,
+        after ``to_empty()``."""
+        with torch.no_grad():
+            self.bias.zero_()
+
     def extra_repr(self) -> str:
         return f"features={self.features}"
 

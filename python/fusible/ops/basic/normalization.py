@@ -38,6 +38,14 @@ class _Norm(BasicOperation):
                 torch.zeros(normalized_shape, device=device, dtype=dtype)
             )
 
+    def reset_parameters(self) -> None:
+        """The initial values (gamma 1, i.e. weight 0 when ``zero_centered_gamma``; beta 0): what
+        materialises a model built on the ``meta`` device, after ``to_empty()``."""
+        with torch.no_grad():
+            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+            if self.kind == "layernorm":
+                self.bias.zero_()
+
     def extra_repr(self) -> str:
         zc = self.zero_centered_gamma
         return f"{self.normalized_shape}, eps={self.eps}, zero_centered_gamma={zc}"
