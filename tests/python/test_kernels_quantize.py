@@ -133,8 +133,11 @@ def all_bit_patterns(dtype) -> torch.Tensor:
 
 
 def ref_cast(x32: torch.Tensor, scale: torch.Tensor | float, fp8_dtype) -> torch.Tensor:
-    """fp8(x * scale): fp32 product, RNE, saturating; NaN -> torch's bits (0x7F | sign)."""
+    """fp8(x * scale): fp32 product, RNE, saturating; NaN -> torch's bits (0x7F | sign), with
+    quantize.h's NaN rule for the product: a NaN x keeps its sign, any other NaN product (NaN
+    scale, inf * 0) is +NaN."""
     y = x32 * scale
+    y = torch.where(y.isnan() & ~x32.isnan(), torch.full_like(y, float("nan")).abs(), y)
     m = FP8_MAX[fp8_dtype]
     y = torch.where(y.isnan(), y, y.clamp(-m, m))
     return y.to(fp8_dtype)
