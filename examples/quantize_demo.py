@@ -40,8 +40,8 @@ def main() -> None:
         exact = torch.equal(data.view(torch.uint8), bits)
         exact_t = torch.equal(data_t.view(torch.uint8), bits.t())
         y = K.dequantize_fp8(data, scale_inv, torch.float32)
-        report(f"{tag} current scaling (+transpose)", y, 2 * data.numel() + 8,
-               f"scale={scale.item():.4g}, bits == torch: {exact}, transpose exact: {exact_t}")  # fmt: skip
+        note = f"scale={scale.item():.4g}, bits == torch: {exact}, transpose exact: {exact_t}"
+        report(f"{tag} current scaling (+transpose)", y, 2 * data.numel() + 8, note)
         d, s, cd, cs = K.quantize_mxfp8(x, fmt, True, True)
         y = K.dequantize_mxfp8(d, s, False, torch.float32)
         yc = K.dequantize_mxfp8(cd, cs, True, torch.float32)
