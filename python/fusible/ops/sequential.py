@@ -8,10 +8,28 @@ from typing import Any
 import torch
 
 from fusible.ops import fuser, registry
-from fusible.ops.op import BasicOperation
+from fusible.ops.op import OPS_BY_UID, BasicOperation
 from fusible.quantization import autocast as _autocast
 
 __all__ = ["Sequential"]
+
+
+@torch._dynamo.assume_constant_result
+def _ensure_recipe_states(uids: tuple[int, ...], recipe: Any) -> int:
+    """Build (or rebuild, when the recipe changed) the recipe states of the ops ``uids``.
+
+    Under ``torch.compile`` this runs at trace time, outside the graph, like ``plan_key_for``:
+    the states' tensors (delayed-scaling ``amax_history`` / ``scale``) are then real tensors the
+    graph reads and mutates as inputs. Built inside the traced region they would be graph
+    intermediates that dynamo returns as forward outputs to re-materialize the new Python
+    objects; the backward states are also written in the backward graph (amax recording and
+    the immediate update), so AOTAutograd's partitioner finds forward outputs that depend on
+    the backward ("Node ... was invalid, but is output"), and ``id()`` of the quantizers built
+    in-trace (the weight-workspace cache key) cannot be reconstructed after the graph.
+    Returns 0 (a constant of the graph)."""
+    for uid in uids:
+        OPS_BY_UID[uid].ensure_recipe_state(recipe)
+    return 0
 
 
 class Sequential(torch.nn.Module):
@@ -102,8 +120,7 @@ class Sequential(torch.nn.Module):
                     f"Sequential.forward: the ops need {need} extra input(s) (AddExtraInput), "
                     f"got {len(extra_inputs)}"
                 )
-            for op in ops:
-                op.ensure_recipe_state(recipe)
+            _ensure_recipe_states(tuple(op.uid for op in ops), recipe)
             key, plan = self._plan_for(ops, x, recipe)
             x, outs = fuser.run_plan(key, plan, x, pending[:n_in], is_first_microbatch)
             pending = pending[n_in:]

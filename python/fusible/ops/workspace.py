@@ -7,7 +7,9 @@ the cache afterwards. So no module is an argument of the function and ``torch.co
 ``is_first_microbatch``: ``True`` quantizes the weight and caches the result; ``False`` reuses
 the cache (no weight quantization kernel runs) unless it is invalid; ``None`` never caches.
 A cache is invalid when the weight was modified in place (its version counter moved), replaced
-(another tensor), or the quantizer changed (recipe kind, format, or the state was rebuilt).
+(another tensor, or new storage through ``.data =``), or the quantizer changed (recipe kind,
+format, or the state was rebuilt). Under ``torch.compile`` in-place updates cannot be seen (see
+``WorkspaceCache.key_for``): pass ``True`` after changing weights there.
 """
 
 from __future__ import annotations
@@ -93,14 +95,29 @@ class WorkspaceCache:
 
     @staticmethod
     def key_for(weight: torch.Tensor, quantizer: Quantizer) -> Any:
-        return (id(weight), weight._version, weight.device, id(quantizer), type(quantizer),
+        # Eager: the version counter (in-place updates) and the storage address (``.data =``
+        # reassignment, e.g. ``module.to(dtype)``, which keeps the version). Under
+        # torch.compile, Tensor._version is an unbacked SymInt (functionalized away, never
+        # guarded on) and data_ptr() is not traceable: a traced lookup cannot see in-place
+        # updates, so this part is left out there (None) and a traced
+        # ``is_first_microbatch=False`` trusts the cache, as in Transformer Engine; pass True
+        # after changing weights. Writes through ``weight.data`` (an alias with its own version
+        # counter) are invisible to both.
+        state = None if torch.compiler.is_compiling() else (weight._version, weight.data_ptr())
+        return (id(weight), state, weight.device, id(quantizer), type(quantizer),
                 quantizer.dtype)  # fmt: skip
 
     def lookup(self, weight: torch.Tensor, quantizer: Quantizer) -> QuantizedData | None:
-        """The cached workspace if still valid for this weight and quantizer, else None."""
-        if self.workspace is not None and self.key == self.key_for(weight, quantizer):
-            return self.workspace
-        return None
+        """The cached workspace if still valid for this weight and quantizer, else None
+        (under torch.compile the weight's version is not compared, see ``key_for``)."""
+        if self.workspace is None or self.key is None:
+            return None
+        key = self.key_for(weight, quantizer)
+        if torch.compiler.is_compiling():
+            key, stored = key[:1] + key[2:], self.key[:1] + self.key[2:]
+        else:
+            stored = self.key
+        return self.workspace if stored == key else None
 
     def store(self, weight: torch.Tensor, quantizer: Quantizer, ws: QuantizedData | None) -> None:
         self.workspace = ws

@@ -1,0 +1,270 @@
+"""torch.compile(fullgraph=True) of training steps: Sequential and the modules, every recipe,
+with and without the weight workspace cache, against eager.
+
+Two ways of compiling a step are covered:
+
+* ``module``: the forward (``fusible.autocast`` + the model) is compiled and ``backward()`` is
+  called outside, so the backward runs AOTAutograd's compiled backward graph (the joint graph is
+  split by its partitioner) -- what ``torch.compile(model)`` gives;
+* ``step``: forward and backward in one compiled function (``Tensor.backward`` is traced with
+  ``torch._dynamo.config.trace_autograd_ops``).
+
+Tolerance: with ``aot_eager`` the compiled graphs run the very kernels eager runs (fusible's
+custom ops and the same ATen ops, functionalized), so outputs, gradients, recipe state and the
+cached weight copies must match eager bit for bit. Under inductor the fusible ops stay extern
+kernels but the ATen glue around them is generated code: everything is still compared bit for
+bit except bias gradients, where the unfused Bias's ``dy.sum(0)`` becomes an inductor reduction
+that reassociates the fp32 sum (on CPU: up to 2e-6 absolute on values ~10, 1-2 ulp); those get
+rtol 1e-6, atol 1e-5. Every step must trace without graph breaks, and a second step of the same
+kind must not recompile.
+
+Models are tiny (32 tokens, hidden 32) to keep compilation time low; the file is dominated by
+dynamo tracing (~1-3 s per graph on CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+from ops_helpers import RECIPES
+
+import fusible
+from fusible import ops
+from fusible.ops.basic import BasicLinear
+
+TOKENS, HIDDEN, FFN = 32, 32, 64
+CACHED_STEPS = [True, False, True, False]  # two graphs (True, False), each run twice
+PLAIN_STEPS = [None, None]
+
+MODELS = {
+    "sequential": lambda: ops.Sequential(
+        ops.LayerNorm(HIDDEN),
+        ops.Linear(HIDDEN, FFN),
+        ops.GELU(),
+        ops.Linear(FFN, HIDDEN),
+        ops.AddExtraInput(),
+    ),
+    "LayerNormMLP": lambda: fusible.LayerNormMLP(HIDDEN, FFN),
+    "LayerNormLinear": lambda: fusible.LayerNormLinear(HIDDEN, FFN),
+    "Linear": lambda: fusible.Linear(HIDDEN, FFN),
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class CountingBackend:
+    """A torch.compile backend that counts the graphs it is given (one per compilation)."""
+
+    def __init__(self, name: str = "aot_eager") -> None:
+        self.backend = torch._dynamo.lookup_backend(name)
+        self.compiles = 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+        return self.backend(gm, example_inputs)
+
+
+# ---- steps ------------------------------------------------------------------------------------
+
+
+def _forward(model, x, extra, rec, fm):
+    with fusible.autocast(enabled=rec is not None, recipe=rec):
+        return model(x, *extra, is_first_microbatch=fm)
+
+
+def _train_step(model, x, extra, g, rec, fm):
+    y = _forward(model, x, extra, rec, fm)
+    y.backward(g)
+    return y.detach()
+
+
+def _run(fn, pattern, model, x, extra, g, rec, fm):
+    """One step with ``fn`` (compiled or eager) in the given pattern; returns what must match:
+    output, input gradients, parameter gradients, recipe state, cached weight copies."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    extra = [e.detach().requires_grad_(True) for e in extra]
+    if pattern == "module":
+        y = fn(model, x, extra, rec, fm)
+        y.backward(g)
+        y = y.detach()
+    else:
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            y = fn(model, x, extra, g, rec, fm)
+    out = {"y": y, "x.grad": x.grad}
+    out.update({f"extra{i}.grad": e.grad for i, e in enumerate(extra)})
+    out.update({f"{n}.grad": p.grad for n, p in model.named_parameters()})
+    for i, op in enumerate(model):
+        out.update({f"{i}.state.{k}": t for k, t in op.get_extra_state().items()})
+        if isinstance(op, BasicLinear) and op.workspace_cache.workspace is not None:
+            ws = op.workspace_cache.workspace
+            out.update({f"{i}.cached.{k}": t for k, t in vars(ws).items()
+                        if isinstance(t, torch.Tensor)})  # fmt: skip
+    return out
+
+
+def _assert_match(got, want, what, exact=True):
+    """Bit for bit; with ``exact=False`` (inductor) bias gradients -- the only values an ATen
+    reduction that inductor regenerates computes (``dy.sum(0)`` of an unfused Bias) -- may differ
+    by fp32 reassociation: rtol 1e-6, atol 1e-5 (~1 ulp at these magnitudes)."""
+    assert got.keys() == want.keys(), what
+    for name, a in got.items():
+        b = want[name]
+        assert (a is None) == (b is None), f"{what}: {name}"
+        if a is None:
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {name}"
+        if exact or not name.endswith("bias.grad"):
+            assert torch.equal(a, b), f"{what}: {name} differs"
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5, msg=f"{what}: {name}")
+
+
+def _data(model_name, device, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(TOKENS, HIDDEN, generator=g).to(device)
+        n_out = HIDDEN if model_name in ("sequential", "LayerNormMLP") else FFN
+        extra = [torch.randn(TOKENS, HIDDEN, generator=g).to(device)]
+        dy = torch.randn(TOKENS, n_out, generator=g).to(device)
+        out.append((x, extra if model_name == "sequential" else [], dy))
+    return out
+
+
+def _compare(model_name, recipe_name, pattern, fms, device, backend="aot_eager", exact=True):
+    """Compiled vs eager over the steps ``fms`` (is_first_microbatch per step), starting from a
+    model never run (recipe state built at trace time). Returns the compile counts after the
+    first and the second occurrence of each distinct step kind."""
+    rec = RECIPES[recipe_name]
+    torch.manual_seed(0)
+    model = MODELS[model_name]().to(device)
+    twin = copy.deepcopy(model)
+    counter = CountingBackend(backend)
+    compiled = torch.compile(_forward if pattern == "module" else _train_step,
+                             backend=counter, fullgraph=True)  # fmt: skip
+    eager = _forward if pattern == "module" else _train_step
+    counts = []
+    data = _data(model_name, device, len(fms))
+    for i, ((x, extra, g), fm) in enumerate(zip(data, fms, strict=True)):
+        got = _run(compiled, pattern, model, x, extra, g, rec, fm)
+        want = _run(eager, pattern, twin, x, extra, g, rec, fm)
+        _assert_match(got, want, f"step {i} (is_first_microbatch={fm})", exact)
+        counts.append(counter.compiles)
+    return counts
+
+
+# ---- compiled == eager ------------------------------------------------------------------------
+
+ALL_RECIPES = ["none", "current", "mxfp8", "custom", "delayed"]
+
+
+@pytest.mark.parametrize("pattern", ["module", "step"])
+@pytest.mark.parametrize("recipe_name", ALL_RECIPES)
+def test_sequential_compiled_matches_eager(recipe_name, pattern, devices):
+    """The block (LayerNorm, Linear, GELU, Linear, AddExtraInput). Compiled forward: two
+    uncached steps, then the cache (True, False, True, False): three graphs. Whole step: the
+    cache only (two graphs). Repeating a step kind never recompiles."""
+    steps = PLAIN_STEPS + CACHED_STEPS if pattern == "module" else CACHED_STEPS
+    counts = _compare("sequential", recipe_name, pattern, steps, devices)
+    if recipe_name == "none":  # is_first_microbatch is never read: one graph serves every step
+        assert counts == [1] * len(steps), counts
+    elif pattern == "module":
+        assert counts == [1, 1, 2, 3, 3, 3], counts
+    else:
+        assert counts == [1, 2, 2, 2], counts
+
+
+@pytest.mark.parametrize("recipe_name", ["none", "current", "mxfp8", "custom"])
+@pytest.mark.parametrize("model_name", ["LayerNormMLP", "LayerNormLinear", "Linear"])
+def test_modules_compiled_matches_eager(model_name, recipe_name, devices):
+    """The modules, forward compiled (``torch.compile(model)``-like) with the cache. (Delayed
+    scaling is covered on the block, both ways, and by the inductor case.)"""
+    counts = _compare(model_name, recipe_name, "module", CACHED_STEPS, devices)
+    assert counts == ([1] * 4 if recipe_name == "none" else [1, 2, 2, 2]), counts
+
+
+def test_inductor_delayed_scaling_with_cache(devices):
+    """One inductor case (its C++ compilation is slow): the block under delayed scaling (state
+    mutated in the forward and the backward graphs) with the cache; compiled forward, compiled
+    backward."""
+    counts = _compare("sequential", "delayed", "module", [True, False, False], devices,
+                      backend="inductor", exact=False)  # fmt: skip
+    assert counts == [1, 2, 2], counts
+
+
+# ---- graph breaks -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe_name", ALL_RECIPES)
+def test_no_graph_breaks(recipe_name):
+    """torch._dynamo.explain of a whole training step (forward, backward) of the block on the
+    cached path (an eager True step filled the cache; the traced step reads it): one graph, no
+    breaks. (Every other test compiles with fullgraph=True, which raises on a break.)"""
+    rec = RECIPES[recipe_name]
+    torch.manual_seed(0)
+    model = MODELS["sequential"]()
+    ((x, extra, g),) = _data("sequential", "cpu", 1)
+    _run(_train_step, "step", model, x, extra, g, rec, True)
+    x = x.requires_grad_(True)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        explained = torch._dynamo.explain(_train_step)(model, x, extra, g, rec, False)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+# ---- cache semantics under compile --------------------------------------------------------------
+
+
+def test_compiled_cache_follows_replaced_parameter_and_recipe():
+    """A replaced parameter and a changed recipe retrace (guards) and re-quantize, like eager."""
+    torch.manual_seed(0)
+    model = MODELS["Linear"]()
+    twin = copy.deepcopy(model)
+    counter = CountingBackend()
+    compiled = torch.compile(_forward, backend=counter, fullgraph=True)
+    data = _data("Linear", "cpu", 4)
+    plan = [(True, "current"), (False, "current"), ("replace", None), (False, "current"),
+            (False, "mxfp8")]  # fmt: skip
+    for i, (fm, rname) in enumerate(plan):
+        if fm == "replace":
+            new = torch.randn(FFN, HIDDEN)
+            model[0].weight = torch.nn.Parameter(new.clone())
+            twin[0].weight = torch.nn.Parameter(new.clone())
+            continue
+        x, extra, g = data[min(i, 3)]
+        got = _run(compiled, "module", model, x, extra, g, RECIPES[rname], fm)
+        want = _run(_forward, "module", twin, x, extra, g, RECIPES[rname], fm)
+        _assert_match(got, want, f"step {i}")
+    assert counter.compiles == 4  # True, False, False after the replacement, mxfp8
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="under torch.compile Tensor._version is an unbacked SymInt that dynamo cannot "
+    "guard on, so a compiled is_first_microbatch=False step cannot see in-place weight updates "
+    "and reuses the cached copy (eager re-quantizes); pass True after changing weights",
+)
+def test_compiled_cache_sees_inplace_update():
+    rec = RECIPES["current"]
+    torch.manual_seed(0)
+    model = MODELS["Linear"]()
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(_forward, backend="aot_eager", fullgraph=True)
+    (x, extra, g), (x2, extra2, g2) = _data("Linear", "cpu", 2)
+    _run(compiled, "module", model, x, extra, g, rec, True)
+    _run(_forward, "module", twin, x, extra, g, rec, True)
+    for m in (model, twin):
+        with torch.no_grad():
+            m[0].weight.add_(0.5)
+    got = _run(compiled, "module", model, x2, extra2, g2, rec, False)
+    want = _run(_forward, "module", twin, x2, extra2, g2, rec, False)
+    _assert_match(got, want, "after an in-place update")
