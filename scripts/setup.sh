@@ -27,7 +27,7 @@ PYEOF
   if command -v nvcc >/dev/null && ! ls "$(dirname "$(dirname "$(command -v nvcc)")")"/include/cublasLt.h >/dev/null 2>&1 \
      && [ ! -f /usr/local/cuda/include/cublasLt.h ] \
      && ! "$PY" -c "import nvidia.cu13, os, sys; sys.exit(0 if os.path.exists(os.path.join(nvidia.cu13.__path__[0], 'include', 'cublasLt.h')) else 1)" 2>/dev/null; then
-    "${PIP[@]}" "nvidia-cublas==13.*"
+    "${PIP[@]}" "nvidia-cublas==13.0.2.14"  # the version the build was verified with
   fi
 fi
 # --no-build-isolation: build with the torch-free toolchain installed above (works offline too).
