@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_testing import _name, _one_torch_thread, assert_bits_equal, bits  # noqa: F401
 
 import fusible._kernels  # noqa: F401  (registers torch.ops.fusible.*)
 
@@ -30,30 +31,6 @@ SHAPES = [(1, 1), (7, 7), (127, 127), (1, 4097), (4097, 3), (3, 5, 7), (0, 8)]
 # fp32 math is within a few ulps (activation_math.h); then one rounding to the output dtype.
 STEP = {torch.float32: 2e-5, torch.float16: 2.0**-10 + 2e-5, torch.bfloat16: 2.0**-7 + 2e-5}
 TINY = {torch.float32: 1e-12, torch.float16: 2.0**-24, torch.bfloat16: 1e-12}
-
-
-def _name(v: object) -> str:
-    return str(v).removeprefix("torch.")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu().contiguous()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {got.shape} != {want.shape}"
-    bad = bits(got) != bits(want)
-    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} elements differ"
 
 
 def assert_close_to(got, ref, dtype, what, atol=0.0):

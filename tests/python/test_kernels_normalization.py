@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_testing import _name, _one_torch_thread, assert_bits_equal, bits  # noqa: F401
 
 import fusible._kernels  # noqa: F401  (registers torch.ops.fusible.*)
 
@@ -29,30 +30,6 @@ EPS = 1e-5
 # Relative step of each dtype: one rounding of an fp32 result to it, plus fp32 sum-order error.
 STEP = {torch.float32: 2e-5, torch.float16: 2.0**-10 + 2e-5, torch.bfloat16: 2.0**-7 + 2e-5}
 TINY = {torch.float32: 1e-30, torch.float16: 2.0**-24, torch.bfloat16: 1e-30}
-
-
-def _name(v: object) -> str:
-    return str(v).removeprefix("torch.")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu().contiguous()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {got.shape} != {want.shape}"
-    bad = bits(got) != bits(want)
-    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} elements differ"
 
 
 def assert_close_to(got: torch.Tensor, ref: torch.Tensor, dtype, what: str, atol: float = 0.0):
