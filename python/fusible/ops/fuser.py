@@ -25,6 +25,7 @@ from fusible.ops.workspace import (
     workspace_meta,
 )
 from fusible.quantization import autocast as _autocast
+from fusible.quantization.recipe import recipe_from_key
 
 __all__ = ["Plan", "Unit", "build_plan", "run_plan"]
 
@@ -97,16 +98,17 @@ _PLAN_KEYS: dict[Any, int] = {}
 
 
 @torch._dynamo.assume_constant_result
-def plan_key_for(cache_key: tuple[Any, ...], recipe: Any) -> int:
+def plan_key_for(cache_key: tuple[Any, ...], recipe_key: str | None) -> int:
     """The key of the plan for ``cache_key`` (op uids first, then everything else a plan depends
-    on) and ``recipe``, built on first use. Under ``torch.compile`` this runs at trace time and
-    its result is a constant of the graph: planning is Python bookkeeping, never traced."""
-    cache_key = (*cache_key, None if recipe is None else (type(recipe), recipe))
+    on) and the recipe with key ``recipe_key`` (:attr:`Recipe.key`), built on first use. Under
+    ``torch.compile`` this runs at trace time and its result is a constant of the graph: planning
+    is Python bookkeeping, never traced. Only constants (ints, strings, tuples) cross into it."""
+    cache_key = (*cache_key, recipe_key)
     key = _PLAN_KEYS.get(cache_key)
     if key is None:
         ops = [OPS_BY_UID[uid] for uid in cache_key[0]]
         key = len(_PLANS)
-        _PLANS[key] = build_plan(ops, recipe)
+        _PLANS[key] = build_plan(ops, recipe_from_key(recipe_key))
         _PLAN_KEYS[cache_key] = key
     return key
 

@@ -10,12 +10,13 @@ import torch
 from fusible.ops import fuser, registry
 from fusible.ops.op import OPS_BY_UID, BasicOperation
 from fusible.quantization import autocast as _autocast
+from fusible.quantization.recipe import recipe_from_key
 
 __all__ = ["Sequential"]
 
 
 @torch._dynamo.assume_constant_result
-def _ensure_recipe_states(uids: tuple[int, ...], recipe: Any) -> int:
+def _ensure_recipe_states(uids: tuple[int, ...], recipe_key: str | None) -> int:
     """Build (or rebuild, when the recipe changed) the recipe states of the ops ``uids``.
 
     Under ``torch.compile`` this runs at trace time, outside the graph, like ``plan_key_for``:
@@ -26,10 +27,18 @@ def _ensure_recipe_states(uids: tuple[int, ...], recipe: Any) -> int:
     the immediate update), so AOTAutograd's partitioner finds forward outputs that depend on
     the backward ("Node ... was invalid, but is output"), and ``id()`` of the quantizers built
     in-trace (the weight-workspace cache key) cannot be reconstructed after the graph.
-    Returns 0 (a constant of the graph)."""
+    The recipe comes as its key (see :class:`fusible.recipe.Recipe`). Returns 0 (a constant).
+    """
+    recipe = recipe_from_key(recipe_key)
     for uid in uids:
         OPS_BY_UID[uid].ensure_recipe_state(recipe)
     return 0
+
+
+def _recipe_key(recipe: Any) -> str | None:
+    # str(): dynamo may track the attribute as a lazily guarded constant, which it cannot hand
+    # to an assume_constant_result function; the call makes a plain constant.
+    return None if recipe is None else str(recipe.key)
 
 
 class Sequential(torch.nn.Module):
@@ -97,7 +106,7 @@ class Sequential(torch.nn.Module):
             tuple(op.training for op in ops),
             registry.version(),
         )
-        plan_key = fuser.plan_key_for(key, recipe)
+        plan_key = fuser.plan_key_for(key, _recipe_key(recipe))
         return plan_key, fuser.get_plan(plan_key)
 
     # ---- execution -------------------------------------------------------------------------
@@ -120,7 +129,8 @@ class Sequential(torch.nn.Module):
                     f"Sequential.forward: the ops need {need} extra input(s) (AddExtraInput), "
                     f"got {len(extra_inputs)}"
                 )
-            _ensure_recipe_states(tuple(op.uid for op in ops), recipe)
+            uids = tuple(op.uid for op in ops)
+            _ensure_recipe_states(uids, _recipe_key(recipe))
             key, plan = self._plan_for(ops, x, recipe)
             x, outs = fuser.run_plan(key, plan, x, pending[:n_in], is_first_microbatch)
             pending = pending[n_in:]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -72,7 +72,26 @@ def _check_margin(obj: object, value: object) -> None:
 
 
 class Recipe:
-    """Base class of all recipes."""
+    """Base class of all recipes.
+
+    Every recipe gets a short string :attr:`key` when it is built, equal for equal recipes.
+    Where Python bookkeeping runs at ``torch.compile`` trace time (plans, recipe states), the
+    key stands in for the recipe: some torch versions cannot reconstruct a frozen dataclass as
+    an ``assume_constant_result`` argument ("can't reconstruct arbitrary frozen dataclass
+    instances", torch 2.11), and an int attribute that changes between compiles is made a
+    SymInt by automatic dynamic shapes; a string stays a guarded constant.
+    """
+
+    key: ClassVar[str]  # set per instance by _register_recipe (not a dataclass field)
+
+    # Pickles and copies carry the fields only; the copy is keyed in this process.
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "key"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        _register_recipe(self)
 
     def delayed(self) -> bool:
         return isinstance(self, DelayedScaling)
@@ -85,6 +104,33 @@ class Recipe:
 
     def custom(self) -> bool:
         return isinstance(self, CustomRecipe)
+
+
+_RECIPE_BY_KEY: dict[str, Recipe] = {}
+_KEY_BY_RECIPE: dict[Recipe, str] = {}
+
+
+def _register_recipe(recipe: Recipe) -> None:
+    """Give ``recipe`` its key: the key of an equal recipe registered before, else a new one
+    (unhashable recipes, e.g. with an unhashable factory, always get a new one)."""
+    try:
+        key = _KEY_BY_RECIPE.get(recipe)
+    except TypeError:
+        key = None
+        hashable = False
+    else:
+        hashable = True
+    if key is None:
+        key = f"{type(recipe).__name__}#{len(_RECIPE_BY_KEY)}"
+        _RECIPE_BY_KEY[key] = recipe
+        if hashable:
+            _KEY_BY_RECIPE[recipe] = key
+    object.__setattr__(recipe, "key", key)
+
+
+def recipe_from_key(key: str | None) -> Recipe | None:
+    """The recipe registered under ``key`` (None for None); see :class:`Recipe`."""
+    return None if key is None else _RECIPE_BY_KEY[key]
 
 
 @dataclass(frozen=True)
@@ -119,6 +165,7 @@ class DelayedScaling(Recipe):
             raise _fail(self, "amax_compute_algo", "'max' or 'most_recent'", self.amax_compute_algo)
         if not isinstance(self.reduce_amax, bool):
             raise _fail(self, "reduce_amax", "a bool", self.reduce_amax)
+        _register_recipe(self)
 
 
 @dataclass(frozen=True)
@@ -132,6 +179,7 @@ class Float8CurrentScaling(Recipe):
     def __post_init__(self) -> None:
         _check_format(self, self.fp8_format)
         _check_margin(self, self.margin)
+        _register_recipe(self)
 
 
 @dataclass(frozen=True)
@@ -143,6 +191,7 @@ class MXFP8BlockScaling(Recipe):
 
     def __post_init__(self) -> None:
         _check_format(self, self.fp8_format)
+        _register_recipe(self)
 
 
 #: What a rule maps a role to: a recipe, a quantizer factory ``role -> quantizer | None``, or
@@ -226,6 +275,7 @@ class CustomRecipe(Recipe):
                 self, "qfactory", "a callable role -> quantizer | None (or a RoleRules)",
                 self.qfactory,
             )  # fmt: skip
+        _register_recipe(self)
 
     @classmethod
     def from_rules(

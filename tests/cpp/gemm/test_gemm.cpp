@@ -1262,6 +1262,7 @@ TEST(GemmCuda, CapturedInACudaGraphIncludingTheFirstCallOnAStream) {
     ASSERT_EQ(cudaMemcpy(dev[i], p.init.b[i].data(), p.init.b[i].size(), cudaMemcpyHostToDevice),
               cudaSuccess);
   }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the copies above, before `stream` runs
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const fus_context ctx{FUS_DEVICE_CUDA, 0, stream};

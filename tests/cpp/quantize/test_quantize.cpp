@@ -1654,6 +1654,9 @@ TEST(CudaVsCpu, NonDefaultStream) {
     ASSERT_EQ(cudaMalloc(&p[i], dev.b[i].size()), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(p[i], dev.b[i].data(), dev.b[i].size(), cudaMemcpyHostToDevice), cudaSuccess);
   }
+  // A pageable-memory cudaMemcpy may return before its DMA lands, and a non-blocking stream does
+  // not order after the legacy default stream: wait for the copies before launching on `stream`.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   fus_tensor t{p[kIn], s.in_dtype, rows, cols};
   fus_quantized q{s.mode, s.fmt, rows, cols, p[kRow], p[kCol], p[kRowS], p[kColS], static_cast<float*>(p[kScale]),
                   static_cast<float*>(p[kAmax])};

@@ -171,3 +171,21 @@ def test_import_direction():
                 if m.startswith("fusible"):
                     used.add(m.removeprefix("fusible.").removeprefix("quantization."))
         assert used <= ok, f"{name}.py imports {sorted(used - ok)}"
+
+
+def test_recipe_key_equal_for_equal_recipes_and_survives_pickle_and_copy():
+    import copy
+    import pickle
+
+    from fusible.quantization.recipe import recipe_from_key
+
+    a, b = recipe.DelayedScaling(margin=1), recipe.DelayedScaling(margin=1)
+    c = recipe.DelayedScaling(margin=2)
+    assert isinstance(a.key, str) and a.key == b.key != c.key
+    assert recipe.Float8CurrentScaling().key != recipe.MXFP8BlockScaling().key
+    assert recipe_from_key(a.key) == a and recipe_from_key(None) is None
+    for clone in (pickle.loads(pickle.dumps(c)), copy.deepcopy(c), copy.copy(c)):
+        assert clone == c and clone.key == c.key
+    # the key is not a field: it takes no part in equality, repr or dataclasses.replace
+    assert "key" not in repr(a)
+    assert dataclasses.replace(a, margin=2).key == c.key

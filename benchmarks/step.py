@@ -1,0 +1,210 @@
+"""Training-step benchmark: one step (forward, backward, SGD update) of the
+LayerNorm(H) -> Linear(H, F) -> GELU -> Linear(F, H) block, per recipe, three ways:
+
+* ``eager``: fusible ops as they are;
+* ``compiled``: ``torch.compile(fullgraph=True)`` of the forward (autocast inside), backward and
+  optimizer outside;
+* ``graphed``: the whole step captured once with ``torch.cuda.graph`` and replayed.
+
+Three tables, all measured in the same run:
+
+1. step time at a large shape (GPU-bound);
+2. host overhead at a tiny shape (16 tokens, hidden 256): the time of one step when steps are
+   issued back to back is then the host's time per step; plain PyTorch eager is the yardstick;
+3. peak memory of one eager step (bytes allocated above what lives between steps) and the memory
+   that lives between steps (parameters, optimizer state, recipe state, cached workspaces), per
+   recipe, next to BF16.
+
+    python benchmarks/step.py [--tokens 8192] [--hidden 4096] [--ffn 16384] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import fusible
+from _common import environment, print_table, time_ms, write_json
+from fusible import ops, recipe
+
+RECIPES: dict[str, Any] = {
+    "bf16": None,
+    "delayed": recipe.DelayedScaling(),
+    "current": recipe.Float8CurrentScaling(),
+    "mxfp8": recipe.MXFP8BlockScaling(),
+}
+MIB = 2**20
+
+
+class TorchBlock(torch.nn.Module):
+    def __init__(self, h: int, f: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(h)
+        self.fc1, self.fc2 = torch.nn.Linear(h, f), torch.nn.Linear(f, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
+
+
+def fusible_block(h: int, f: int) -> ops.Sequential:
+    kw: dict[str, Any] = {"device": "cuda", "dtype": torch.bfloat16}
+    return ops.Sequential(
+        ops.LayerNorm(h, **kw), ops.Linear(h, f, **kw), ops.GELU(), ops.Linear(f, h, **kw)
+    )
+
+
+class Stepper:
+    """One model, its optimizer and fixed inputs; ``make(mode)`` returns a step callable."""
+
+    def __init__(self, model: torch.nn.Module, rec: Any, n: int, h: int) -> None:
+        self.model, self.rec = model, rec
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)
+        self.x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        self.dy = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with fusible.autocast(enabled=self.rec is not None, recipe=self.rec):
+            return self.model(x)
+
+    def make(self, mode: str) -> Callable[[], Any]:
+        fwd: Callable[[torch.Tensor], torch.Tensor] = self.forward
+        if mode == "compiled":
+            fwd = torch.compile(self.forward, fullgraph=True)
+
+        def step() -> torch.Tensor:
+            self.opt.zero_grad(set_to_none=False)
+            y = fwd(self.x)
+            y.backward(self.dy)
+            self.opt.step()
+            return y
+
+        if mode != "graphed":
+            return step
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return graph.replay
+
+
+def host_ms_per_step(step: Callable[[], Any], iters: int = 200) -> float:
+    """Wall time per step of ``iters`` steps issued back to back (after warm-up)."""
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def memory_mib(
+    make_model: Callable[[], torch.nn.Module], rec: Any, n: int, h: int
+) -> tuple[float, float]:
+    """(peak above the between-steps level during one eager step, between-steps level), MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    start = torch.cuda.memory_allocated()
+    s = Stepper(make_model(), rec, n, h)
+    step = s.make("eager")
+    for _ in range(2):  # optimizer and recipe state exist after the first step
+        step()
+    torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    return (peak - resident) / MIB, (resident - start) / MIB
+
+
+def _cell(fn: Callable[[], float]) -> float | str:
+    try:
+        return fn()
+    except Exception as e:  # a recipe that cannot run a shape is reported, not fatal
+        return f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--ffn", type=int, default=16384)
+    ap.add_argument("--tiny-tokens", type=int, default=16)
+    ap.add_argument("--tiny-hidden", type=int, default=256)
+    ap.add_argument("--modes", default="eager,compiled,graphed")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/step.py needs a CUDA GPU")
+    modes = args.modes.split(",")
+    n, h, f = args.tokens, args.hidden, args.ffn
+    tn, th = args.tiny_tokens, args.tiny_hidden
+
+    def torch_block(hh: int, ff: int) -> torch.nn.Module:
+        return TorchBlock(hh, ff).to("cuda", torch.bfloat16)
+
+    step_rows: list[dict[str, Any]] = []
+    torch_ms = time_ms(Stepper(torch_block(h, f), None, n, h).make("eager"), iters=20)
+    step_rows.append({"variant": "torch bf16 eager", "eager_ms": torch_ms})
+    for name, rec in RECIPES.items():
+        row: dict[str, Any] = {"variant": f"fusible {name}"}
+        s = Stepper(fusible_block(h, f), rec, n, h)
+        for mode in modes:
+            row[f"{mode}_ms"] = _cell(lambda: time_ms(s.make(mode), iters=20))
+        step_rows.append(row)
+        del s
+    print(f"step time, {n} tokens, hidden {h}, ffn {f}, bf16 parameters + SGD")
+    print_table(step_rows, ["variant", *[f"{m}_ms" for m in modes]])
+
+    tiny_rows: list[dict[str, Any]] = []
+    torch_host = host_ms_per_step(Stepper(torch_block(th, 4 * th), None, tn, th).make("eager"))
+    tiny_rows.append({"variant": "torch bf16 eager", "eager_ms": torch_host})
+    for name, rec in RECIPES.items():
+        row = {"variant": f"fusible {name}"}
+        s = Stepper(fusible_block(th, 4 * th), rec, tn, th)
+        for mode in modes:
+            row[f"{mode}_ms"] = _cell(lambda: host_ms_per_step(s.make(mode)))
+        eager = row.get("eager_ms")
+        if isinstance(eager, float):
+            row["eager_vs_torch_eager"] = eager / torch_host
+        tiny_rows.append(row)
+    print(f"host time per step, {tn} tokens, hidden {th} (steps issued back to back)")
+    print_table(tiny_rows, ["variant", *[f"{m}_ms" for m in modes], "eager_vs_torch_eager"])
+
+    mem_rows: list[dict[str, Any]] = []
+    for name, rec in {"torch bf16": None, **RECIPES}.items():
+        make: Callable[[], torch.nn.Module] = (
+            (lambda: torch_block(h, f)) if name == "torch bf16" else (lambda: fusible_block(h, f))
+        )
+        res = _cell(lambda: memory_mib(make, rec, n, h))
+        if isinstance(res, str):
+            mem_rows.append({"variant": name, "step_peak_MiB": res})
+        else:
+            mem_rows.append({"variant": name, "step_peak_MiB": res[0], "resident_MiB": res[1]})
+    print(f"memory, {n} tokens, hidden {h}, ffn {f}")
+    print_table(mem_rows, ["variant", "step_peak_MiB", "resident_MiB"])
+
+    payload = {
+        "env": environment(),
+        "shape": vars(args),
+        "step": step_rows,
+        "host_overhead": tiny_rows,
+        "memory": mem_rows,
+    }
+    print(f"wrote {write_json('step', payload, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
