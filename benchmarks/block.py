@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--ffn", type=int, default=16384)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="recipe name: print its fused step's kernels")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/block.py needs a CUDA GPU")
@@ -87,6 +88,27 @@ def main() -> None:
             rows.append({"variant": variant, "ms": ms, "TFLOP/s": flops / ms / 1e9,
                          "speedup_vs_torch_eager": eager_ms / ms})  # fmt: skip
     print_table(rows, ["variant", "ms", "TFLOP/s", "speedup_vs_torch_eager"])
+    if args.profile:
+        rec = RECIPES[args.profile]
+
+        def fused_step() -> None:
+            with fusible.autocast(enabled=rec is not None, recipe=rec):
+                y = model(x)
+            y.backward(dy)
+
+        fused_step()
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(3):
+                fused_step()
+            torch.cuda.synchronize()
+        print(f"profile of 3 fused steps, recipe {args.profile!r}:")
+        print(
+            prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=30, max_name_column_width=70
+            )
+        )
     path = write_json(
         "block", {"env": environment(), "shape": vars(args), "results": rows}, args.out
     )
