@@ -12,10 +12,13 @@ Outputs that were not requested are returned as empty tensors (custom ops cannot
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fusible import _C  # type: ignore[attr-defined]
 
@@ -63,6 +66,42 @@ def fp8_max(dtype: torch.dtype) -> float:
     if dtype not in _FP8_MAX:
         raise TypeError(f"fp8_max: expected one of {FP8_DTYPES}, got {dtype}")
     return _FP8_MAX[dtype]
+
+
+# ---- custom ops with an eager fast path ---------------------------------------------------------
+
+
+class _FusibleOp:
+    """A torch custom op (``torch.ops.fusible.<name>``) that eager code calls directly.
+
+    Under ``torch.compile`` (dynamo) or any dispatch-mode tracing (fake tensors, ``make_fx``) the
+    call goes through the custom op, so graphs hold ``fusible::<name>`` with its fake kernel. In
+    plain eager mode the implementation runs directly: the Python custom-op dispatch round trip
+    costs ~60 us of host time per call, more than most of these kernels take on the GPU at small
+    sizes. Both paths run the same function, so results are identical.
+    """
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+        self.fn: Callable[..., Any] = op._init_fn
+        functools.update_wrapper(self, self.fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+            return self.op(*args, **kwargs)
+        return self.fn(*args, **kwargs)
+
+    def register_fake(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return self.op.register_fake(fn)
+
+
+def _custom_op(name: str, mutates_args: Sequence[str] = ()) -> Callable[..., _FusibleOp]:
+    def wrap(fn: Callable[..., Any]) -> _FusibleOp:
+        return _FusibleOp(
+            torch.library.custom_op(f"fusible::{name}", mutates_args=mutates_args)(fn)
+        )
+
+    return wrap
 
 
 # ---- validation and C-struct helpers ------------------------------------------------------------
@@ -184,7 +223,7 @@ def _require_a_copy(op: str, rowwise: bool, columnwise: bool) -> None:
 # ---- per-tensor FP8 -----------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fusible::quantize_fp8", mutates_args=())
+@_custom_op("quantize_fp8")
 def quantize_fp8(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -218,7 +257,7 @@ def _(x, scale, fp8_dtype, rowwise, columnwise):
     return data, data_t, scale.new_empty(1), scale.new_empty(1)
 
 
-@torch.library.custom_op("fusible::quantize_fp8_current", mutates_args=())
+@_custom_op("quantize_fp8_current")
 def quantize_fp8_current(
     x: torch.Tensor, fp8_dtype: torch.dtype, margin: int, rowwise: bool, columnwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -249,7 +288,7 @@ def _(x, fp8_dtype, margin, rowwise, columnwise):
     return data, data_t, one, one.clone(), one.clone()
 
 
-@torch.library.custom_op("fusible::dequantize_fp8", mutates_args=())
+@_custom_op("dequantize_fp8")
 def dequantize_fp8(
     data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -281,7 +320,7 @@ def _check_out_dtype(op: str, dtype: torch.dtype) -> None:
         )
 
 
-@torch.library.custom_op("fusible::compute_amax", mutates_args=())
+@_custom_op("compute_amax")
 def compute_amax(x: torch.Tensor) -> torch.Tensor:
     """``max|x|`` as float32 of shape ``(1,)`` (NaN if ``x`` holds a NaN)."""
     _check_tensor("compute_amax", "x", x, HIGH_PRECISION_DTYPES)
@@ -296,7 +335,7 @@ def _(x):
     return torch.empty(1, dtype=torch.float32, device=x.device)
 
 
-@torch.library.custom_op("fusible::compute_scale", mutates_args=())
+@_custom_op("compute_scale")
 def compute_scale(
     amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,7 +382,7 @@ def _mx_outputs(
     return data, scale, col, col_scale
 
 
-@torch.library.custom_op("fusible::quantize_mxfp8", mutates_args=())
+@_custom_op("quantize_mxfp8")
 def quantize_mxfp8(
     x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -373,7 +412,7 @@ def _(x, fp8_dtype, rowwise, columnwise):
     return _mx_outputs(x, fp8_dtype, rowwise, columnwise)
 
 
-@torch.library.custom_op("fusible::dequantize_mxfp8", mutates_args=())
+@_custom_op("dequantize_mxfp8")
 def dequantize_mxfp8(
     data: torch.Tensor, scale: torch.Tensor, columnwise: bool, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -411,9 +450,7 @@ def _(data, scale, columnwise, out_dtype):
 # ---- delayed scaling ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op(
-    "fusible::delayed_scaling_update", mutates_args=("amax_histories", "scales")
-)
+@_custom_op("delayed_scaling_update", mutates_args=("amax_histories", "scales"))
 def delayed_scaling_update(
     amax_histories: list[torch.Tensor],
     scales: list[torch.Tensor],
@@ -580,7 +617,7 @@ def _gemm_check_mn(name: str, t: torch.Tensor, m: int, n: int) -> None:
         )
 
 
-@torch.library.custom_op("fusible::gemm", mutates_args=())
+@_custom_op("gemm")
 def gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -973,7 +1010,7 @@ def _norm_fwd_checks(
     return rows, cols
 
 
-@torch.library.custom_op("fusible::norm_fwd", mutates_args=())
+@_custom_op("norm_fwd")
 def norm_fwd(
     x: torch.Tensor,
     gamma: torch.Tensor,
@@ -1056,7 +1093,7 @@ def _norm_bwd_outputs(
     return dx, dgamma, dbeta
 
 
-@torch.library.custom_op("fusible::norm_bwd", mutates_args=())
+@_custom_op("norm_bwd")
 def norm_bwd(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -1142,7 +1179,7 @@ def _act_fwd_outputs(
     return (y, *_quant_outputs(shape, x.device, quant, fp8_dtype, rowwise, columnwise))
 
 
-@torch.library.custom_op("fusible::act_fwd", mutates_args=())
+@_custom_op("act_fwd")
 def act_fwd(
     x: torch.Tensor,
     kind: str,
@@ -1211,7 +1248,7 @@ def _act_bwd_outputs(
     return (dx, *q, dbias)
 
 
-@torch.library.custom_op("fusible::act_bwd", mutates_args=())
+@_custom_op("act_bwd")
 def act_bwd(
     grad: torch.Tensor,
     x: torch.Tensor,

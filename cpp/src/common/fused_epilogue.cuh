@@ -255,8 +255,18 @@ __device__ __forceinline__ void emit_tile(const EpilogueOut& o, EpilogueSmem& sm
     for (int j = 0; j < 8; ++j) vals[ty * (kTileCols + 1) + 8 * tx + j] = v[j];
     __syncthreads();
     if (tid < kTileCols) {
-      for (int i = 0; i < kTileRows && r0 + i < o.rows; ++i)
-        acc.colsum = f_add(acc.colsum, vals[i * (kTileCols + 1) + tid]);
+      if (r0 + kTileRows <= o.rows) {
+        // A full tile: issue the 32 shared-memory loads first, then the dependent adds (same
+        // order). The loop with a data-dependent exit serialised a load and an add per row.
+        float t[kTileRows];
+#pragma unroll
+        for (int i = 0; i < kTileRows; ++i) t[i] = vals[i * (kTileCols + 1) + tid];
+#pragma unroll
+        for (int i = 0; i < kTileRows; ++i) acc.colsum = f_add(acc.colsum, t[i]);
+      } else {
+        for (int i = 0; i < kTileRows && r0 + i < o.rows; ++i)
+          acc.colsum = f_add(acc.colsum, vals[i * (kTileCols + 1) + tid]);
+      }
     }
     __syncthreads();
   }

@@ -157,7 +157,10 @@ def test_make_graphed_callables_matches_eager(recipe_name: str, module: str) -> 
         x = torch.randn(TOKENS, HIDDEN, generator=g).cuda().requires_grad_(True)
         x_twin = x.detach().clone().requires_grad_(True)
         for m, o, xi in ((graphed, opt, x), (twin, twin_opt, x_twin)):
-            o.zero_grad(set_to_none=False)
+            # set_to_none: the graphed backward returns static gradient buffers, which
+            # AccumulateGrad may adopt as .grad; zeroing them in place would make the next
+            # replay's accumulation add the buffer to itself (PyTorch's documented usage).
+            o.zero_grad(set_to_none=True)
             y = m(xi)
             y.backward(torch.ones_like(y).cumsum(0) / TOKENS)
             o.step()
