@@ -19,8 +19,10 @@ step() { echo "== $1"; shift; "$@" 2>&1 | tee -a "$OUT_DIR/gpu_check.log"; local
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT_DIR/gpu_check.log"
 step build env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" bash scripts/setup.sh
 step ctest-build bash -c "cmake -S . -B build/ctest -G Ninja -DFUSIBLE_BUILD_TESTS=ON -DFUSIBLE_BUILD_PYTHON=OFF -DFUSIBLE_CUDA=ON >/dev/null && cmake --build build/ctest -j$(nproc)"
-step ctest ctest --test-dir build/ctest --output-on-failure -j4
-step pytest "$PY" -m pytest -q -p no:cacheprovider tests/python -x --junitxml="$OUT_DIR/pytest.xml"
+step ctest ctest --test-dir build/ctest --output-on-failure -j"$(nproc)"
+# pytest-xdist, where installed, spreads the tests over the cores (one GPU is plenty for them).
+XDIST=(); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "$(( $(nproc) < 14 ? $(nproc) : 14 ))")
+step pytest "$PY" -m pytest -q -p no:cacheprovider tests/python "${XDIST[@]}" -rf --junitxml="$OUT_DIR/pytest.xml"
 if [ "$SANITIZE" = 1 ]; then
   for t in build/ctest/tests/cpp/*/test_*; do
     [ -x "$t" ] || continue
@@ -29,7 +31,7 @@ if [ "$SANITIZE" = 1 ]; then
   done
 fi
 if [ "$BENCH" = 1 ]; then
-  for b in benchmarks/kernels.py benchmarks/gemm.py benchmarks/block.py; do
+  for b in benchmarks/kernels.py benchmarks/gemm.py benchmarks/block.py benchmarks/step.py; do
     step "bench $b" "$PY" "$b" --out "$OUT_DIR"
   done
 fi
