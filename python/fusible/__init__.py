@@ -2,14 +2,17 @@
 
 ``fusible.ops`` (ops, Sequential, fusion registry), ``fusible.recipe`` (recipes),
 ``fusible.autocast`` (the quantization context), ``fusible.quantization`` (roles, quantizers,
-RecipeState), and the modules ``Linear``, ``LayerNormLinear``, ``LayerNormMLP``.
+RecipeState), the modules ``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, and FP8 weights:
+``fusible.quantized_model_init`` (build Linear weights quantized) with ``fusible.optim``
+(``MasterWeightOptimizer``: fp32 master weights on the optimizer side).
 """
 
 __version__ = "0.1.0"
 
-from fusible import ops, quantization, recipe
+from fusible import ops, optim, quantization, recipe
 from fusible.modules import LayerNormLinear, LayerNormMLP, Linear
 from fusible.quantization.autocast import autocast
+from fusible.quantization.model_init import quantized_model_init
 
 __all__ = [
     "LayerNormLinear",
@@ -18,6 +21,8 @@ __all__ = [
     "__version__",
     "autocast",
     "ops",
+    "optim",
     "quantization",
+    "quantized_model_init",
     "recipe",
 ]

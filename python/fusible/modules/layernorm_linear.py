@@ -28,8 +28,8 @@ class LayerNormLinear(Sequential):
     ) -> None:
         norm = make_norm(normalization, in_features, eps, zero_centered_gamma, device, dtype,
                          "LayerNormLinear")  # fmt: skip
-        linear = BasicLinear(in_features, out_features, device=device, dtype=dtype, name=name)
-        linear.set_role_scope("layernorm_linear")
+        linear = BasicLinear(in_features, out_features, device=device, dtype=dtype, name=name,
+                             scope="layernorm_linear")  # fmt: skip
         ops: list[torch.nn.Module] = [norm, linear]
         if bias:
             ops.append(Bias(out_features, device=device, dtype=dtype))

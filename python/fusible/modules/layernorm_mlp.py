@@ -34,10 +34,12 @@ class LayerNormMLP(Sequential):
                          "LayerNormMLP")  # fmt: skip
         act = make_activation(activation, "LayerNormMLP")
         fc1_out = 2 * ffn_hidden_size if activation in GLU else ffn_hidden_size
-        fc1 = BasicLinear(hidden_size, fc1_out, device=device, dtype=dtype)
-        fc2 = BasicLinear(ffn_hidden_size, hidden_size, device=device, dtype=dtype)
-        fc1.set_role_scope("layernorm_mlp", "fc1")
-        fc2.set_role_scope("layernorm_mlp", "fc2")
+        # Scope and name at construction: a weight built inside quantized_model_init is
+        # quantized with its final role.
+        fc1 = BasicLinear(hidden_size, fc1_out, device=device, dtype=dtype, name="fc1",
+                          scope="layernorm_mlp")  # fmt: skip
+        fc2 = BasicLinear(ffn_hidden_size, hidden_size, device=device, dtype=dtype, name="fc2",
+                          scope="layernorm_mlp")  # fmt: skip
         ops: list[torch.nn.Module] = [norm, fc1]
         if bias:
             ops.append(Bias(fc1_out, device=device, dtype=dtype))

@@ -4,7 +4,7 @@ so each piece of math has one implementation."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ __all__ = [
     "HandOff",
     "as_2d",
     "dequantize",
+    "ensure_fp8_copy",
     "fused_quant_args",
     "gemm_dgrad",
     "gemm_fprop",
@@ -171,6 +172,25 @@ def _fp8_copy(x: Float8Data, which: str) -> torch.Tensor:
         raise RuntimeError(f"fusible: the {'rowwise' if which == 'r' else 'transposed'} FP8 copy "
                            "a GEMM needs was not produced (quantizer usage)")  # fmt: skip
     return as_2d(m) if which == "r" else m
+
+
+def ensure_fp8_copy(x: Any, which: str) -> Any:
+    """``x`` with the per-tensor FP8 copy ``which`` ("r": rowwise, "c": transposed) a GEMM needs,
+    made when missing by a byte transpose of the other copy (exact, same ``scale_inv``): how a
+    stored FP8 weight, which keeps its rowwise copy only, gets its transposed copy for dgrad.
+    The new copy lives in the returned container only (freed with it); ``x``'s tensors are
+    shared. Anything else (high precision, MXFP8, a copy already there) is returned as is."""
+    if not isinstance(x, Float8Data) or (x.data if which == "r" else x.data_t) is not None:
+        return x
+    if which == "c":
+        assert x.data is not None
+        return replace(x, data_t=_byte_transpose(as_2d(x.data)))
+    assert x.data_t is not None
+    return replace(x, data=_byte_transpose(x.data_t).reshape(x.shape))
+
+
+def _byte_transpose(m: torch.Tensor) -> torch.Tensor:
+    return m.view(torch.uint8).t().contiguous().view(m.dtype)
 
 
 def _fp8_gemm_aligned(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype) -> bool:

@@ -133,11 +133,14 @@ class BasicOperation(torch.nn.Module):
         # .to(device) / .cuda() / .cpu() move the recipe state with the parameters (a dtype
         # change never casts it: scaling state is float32).
         out = super()._apply(fn, recurse)
+        self._move_recipe_states()
+        return out
+
+    def _move_recipe_states(self) -> None:
         device = self._state_device()
         for state in self._recipe_states.values():
             if state is not None and state.device != device:
                 state.to(device)
-        return out
 
     # ---- checkpoints: recipe state as plain tensors under "<prefix>_extra_state" ------------
 

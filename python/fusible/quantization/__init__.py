@@ -1,7 +1,7 @@
 """fusible.quantization: recipes, semantic roles, quantizers, quantized data, RecipeState, autocast.
 
 Import direction inside the package: ``roles``, ``recipe`` <- ``quantizers`` <- ``state`` <-
-``autocast``. The user guide is ``docs/quantization.md``.
+``autocast``, ``model_init``. The user guide is ``docs/quantization.md``.
 
 ``fusible.quantization.autocast`` is the *module* (query functions, update points); the context
 manager is ``fusible.autocast`` (also ``fusible.quantization.autocast.autocast``).
@@ -18,6 +18,10 @@ from fusible.quantization.autocast import (
     get_recipe,
     is_fp8_enabled,
     pending_recipe_states,
+)
+from fusible.quantization.model_init import (
+    get_quantized_model_init_recipe,
+    quantized_model_init,
 )
 from fusible.quantization.quantizers import (
     Float8CurrentScalingQuantizer,
@@ -102,10 +106,12 @@ __all__ = [
     "forward_roles",
     "get_amax_reduction_group",
     "get_autocast_state",
+    "get_quantized_model_init_recipe",
     "get_recipe",
     "is_fp8_enabled",
     "load_recipe_state",
     "pending_recipe_states",
+    "quantized_model_init",
     "quantizer_for_recipe",
     "recipe_state_to_dict",
     "update_delayed_scaling",

@@ -19,13 +19,13 @@ they are attributes (``set_usage``) and can be overridden per call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Protocol
 
 import torch
 from torch.utils._pytree import tree_map
 
-import fusible._kernels  # noqa: F401  (registers torch.ops.fusible.*)
+from fusible import _kernels as _ops  # torch.ops.fusible.*, with the eager fast path
 from fusible._kernels import FP8_DTYPES, HIGH_PRECISION_DTYPES
 from fusible.quantization.recipe import Float8CurrentScaling, MXFP8BlockScaling, Recipe
 from fusible.quantization.roles import QuantizerRole, as_role
@@ -44,8 +44,6 @@ __all__ = [
     "ScalingBuffers",
     "quantizer_for_recipe",
 ]
-
-_ops = torch.ops.fusible
 
 
 def _nbytes(*ts: torch.Tensor | None) -> int:
@@ -487,8 +485,12 @@ class QuantizedTensor(torch.Tensor):
     Its nominal ``dtype`` (the high-precision dtype it stands for) and ``shape`` are those of the
     original tensor. ``detach()``, ``clone()`` and ``.to(device)`` keep it quantized; ``.to(dtype)``
     to another dtype, and every other op, see the exactly dequantized tensor (a plain tensor comes
-    back). ``copy_(src)`` re-quantizes ``src`` with the quantizer that made it. Other in-place ops
-    raise ``RuntimeError``. Use :func:`QuantizedTensor.wrap` (or ``Quantizer.quantize_tensor``).
+    back). ``copy_(src)`` re-quantizes ``src`` with the quantizer that made it (an fp32 / fp16 /
+    bf16 ``src`` as given, other dtypes through the nominal dtype), producing the copies already
+    held, and writes data and scales *in place* into the tensors it holds: references to them
+    (saved for backward, captured by a CUDA graph) stay valid. Other in-place ops raise
+    ``RuntimeError``. Use :func:`QuantizedTensor.wrap` (or ``Quantizer.quantize_tensor``). It can
+    be an ``nn.Parameter`` (see ``fusible.quantized_model_init`` for quantized Linear weights).
     """
 
     _qdata: QuantizedData
@@ -555,6 +557,12 @@ class QuantizedTensor(torch.Tensor):
         """Bytes actually held (quantized copies and scales)."""
         return self._qdata.nbytes
 
+    def load_qdata_(self, qdata: QuantizedData) -> QuantizedTensor:
+        """Write ``qdata``'s tensors into the ones this tensor holds, in place (``qdata`` must
+        have the same layout: container type, copies, shapes, dtypes); returns ``self``."""
+        _copy_into(self._qdata, qdata)
+        return self
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (
             f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
@@ -563,7 +571,10 @@ class QuantizedTensor(torch.Tensor):
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        return (_rebuild_quantized_tensor, (self._qdata, self.dtype, self.requires_grad))
+        # The quantizer (what copy_ re-quantizes with) and parameter-ness travel too.
+        is_param = bool(getattr(self, "_is_param", False))
+        args = (self._qdata, self.dtype, self.requires_grad, self._quantizer, is_param)
+        return (_rebuild_quantized_tensor, args)
 
     def _same(self, qdata: QuantizedData, dtype: torch.dtype | None = None) -> QuantizedTensor:
         return QuantizedTensor.wrap(
@@ -598,11 +609,15 @@ class QuantizedTensor(torch.Tensor):
                 value = args[1]
                 if isinstance(value, QuantizedTensor):
                     value = value.dequantize()
-                value = value.to(device=src.device, dtype=src.dtype).expand(src.shape)
+                # A high-precision source is quantized as given (an fp32 master weight rounds
+                # once, straight to FP8); other dtypes go through the nominal dtype.
+                dtype = value.dtype if value.dtype in HIGH_PRECISION_DTYPES else src.dtype
+                value = value.to(device=src.device, dtype=dtype).expand(src.shape)
                 q = src._qdata
-                src._qdata = src._quantizer.quantize(
+                new = src._quantizer.quantize(
                     value, rowwise=q.has_rowwise, columnwise=q.has_columnwise
                 )
+                _copy_into(q, new)
                 return src
         schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable:
@@ -610,13 +625,47 @@ class QuantizedTensor(torch.Tensor):
                 if a.is_write and isinstance(arg, QuantizedTensor):
                     raise RuntimeError(
                         f"{type(arg).__name__}: in-place op {func} is not supported on quantized "
-                        "tensors; dequantize() first, or assign with copy_()"
+                        "tensors; dequantize() first, or assign with copy_() (to train quantized "
+                        "weights, use fusible.optim.MasterWeightOptimizer)"
                     )
 
         def unwrap(t: Any) -> Any:
             return t.dequantize() if isinstance(t, QuantizedTensor) else t
 
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def qdata_tensors(qdata: QuantizedData) -> dict[str, torch.Tensor]:
+    """A container's tensors by field name, in field order (absent copies left out)."""
+    out = {}
+    for f in fields(qdata):
+        t = getattr(qdata, f.name)
+        if isinstance(t, torch.Tensor):
+            out[f.name] = t
+    return out
+
+
+def same_layout(a: QuantizedData, b: QuantizedData) -> bool:
+    """Same container type, same copies, and their tensors of the same shapes and dtypes."""
+    ta, tb = qdata_tensors(a), qdata_tensors(b)
+    return (
+        type(a) is type(b)
+        and ta.keys() == tb.keys()
+        and all(t.shape == tb[k].shape and t.dtype == tb[k].dtype for k, t in ta.items())
+    )
+
+
+def _copy_into(dst: QuantizedData, src: QuantizedData) -> None:
+    """Write ``src``'s tensors into ``dst``'s, in place: ``dst``'s tensors (and every alias of
+    them, e.g. saved references, CUDA-graph addresses) keep their storage."""
+    if not same_layout(dst, src):
+        raise RuntimeError(
+            f"QuantizedTensor: the new {type(src).__name__} does not have the layout of the "
+            "stored one (format, copies, shapes or dtypes differ); cannot update in place"
+        )
+    new = qdata_tensors(src)
+    for k, t in qdata_tensors(dst).items():
+        t.copy_(new[k])
 
 
 class Float8Tensor(QuantizedTensor):
@@ -628,6 +677,11 @@ class MXFP8Tensor(QuantizedTensor):
 
 
 def _rebuild_quantized_tensor(
-    qdata: QuantizedData, dtype: torch.dtype, requires_grad: bool
+    qdata: QuantizedData,
+    dtype: torch.dtype,
+    requires_grad: bool,
+    quantizer: Quantizer | None = None,
+    is_param: bool = False,
 ) -> QuantizedTensor:
-    return QuantizedTensor.wrap(qdata, dtype=dtype, requires_grad=requires_grad)
+    t = QuantizedTensor.wrap(qdata, dtype=dtype, quantizer=quantizer, requires_grad=requires_grad)
+    return torch.nn.Parameter(t, requires_grad=requires_grad) if is_param else t  # type: ignore[return-value]

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fusible import _kernels
 from fusible._kernels import fp8_max
 from fusible.quantization.quantizers import (
     Float8CurrentScalingQuantizer,
@@ -377,7 +378,7 @@ def update_delayed_scaling(states: Sequence[RecipeState], group: Any = None) -> 
         key = (d.amax_history.device, d.recipe.amax_compute_algo, d.recipe.margin)
         batches.setdefault(key, []).append(d)
     for (_, algo, margin), ds in batches.items():
-        torch.ops.fusible.delayed_scaling_update(
+        _kernels.delayed_scaling_update(
             [d.amax_history for d in ds], [d.scale for d in ds], [d.fp8_max for d in ds],
             algo, margin,
         )  # fmt: skip

@@ -225,8 +225,10 @@ def test_fusions_in_plan(recipe_name):
     assert "linear_bias_activation" in text and "dact_dbias_quantize" in text
     if RECIPES[recipe_name] is not None:
         assert "input:linear" in text and "grad_output:linear" in text
-    if recipe_name == "mxfp8":
-        assert "dequantized MXFP8" in text
+    gemms = [ln for ln in text.splitlines() if "kernels:" in ln and "gemm(" in ln]
+    assert len(gemms) == 4  # two fused fprops, two dgrad + wgrad lines
+    for ln in gemms:  # fused or not, every MXFP8 GEMM says it runs on dequantized operands
+        assert (ln.count("dequantized MXFP8") == ln.count("gemm(")) == (recipe_name == "mxfp8"), ln
 
 
 def test_erf_gelu_fusion_rejected_with_reason():

@@ -225,16 +225,16 @@ def test_delayed_scaling_20_steps_matches_reference(algo, margin, history_len, m
 
 
 def test_update_batches_many_states_into_one_launch(monkeypatch):
-    import torch as _torch
+    from fusible import _kernels
 
     launches = []
-    real = _torch.ops.fusible.delayed_scaling_update
+    real = _kernels.delayed_scaling_update
 
     def spy(histories, scales, maxes, algo, margin):
         launches.append((len(histories), algo, margin))
         return real(histories, scales, maxes, algo, margin)
 
-    monkeypatch.setattr(_torch.ops.fusible, "delayed_scaling_update", spy)
+    monkeypatch.setattr(_kernels, "delayed_scaling_update", spy)
     a = RecipeState.create(DelayedScaling(), "forward", 3)
     b = RecipeState.create(DelayedScaling(), "backward", 2)
     c = RecipeState.create(DelayedScaling(margin=1), "forward", 1)

@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from fusible._kernels import HIGH_PRECISION_DTYPES
 from fusible.ops import _compute as C
 from fusible.ops.op import BasicOperation, OpContext
 from fusible.ops.workspace import WorkspaceCache, quantize_weight
 from fusible.quantization import QuantizerRole
-from fusible.quantization.quantizers import MXFP8Quantizer, Quantizer
+from fusible.quantization.model_init import get_quantized_model_init_recipe, weight_init_quantizer
+from fusible.quantization.quantizers import (
+    Float8CurrentScalingQuantizer,
+    Float8Data,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    QuantizedData,
+    QuantizedTensor,
+    Quantizer,
+    qdata_tensors,
+    same_layout,
+)
+from fusible.quantization.recipe import Recipe
 
 __all__ = ["BasicLinear", "Bias"]
 
@@ -23,6 +38,27 @@ class BasicLinear(BasicOperation):
     ``grad_input`` (scope ``linear`` unless a module re-scopes it). Under FP8 per-tensor recipes the
     three GEMMs run in FP8 on cuBLASLt (CPU: the core library's reference GEMM) using the
     transposed copies the quantizers produce; MXFP8 GEMMs run on exactly dequantized operands.
+
+    ``scope`` / ``name``: the roles' scope (default ``linear``) and name, as
+    :meth:`set_role_scope` sets them; modules pass theirs here so that a weight built inside
+    ``fusible.quantized_model_init`` is quantized with its final role.
+
+    Quantized weights (built inside ``fusible.quantized_model_init``, or any
+    ``nn.Parameter(QuantizedTensor)`` assigned to ``weight``): the forward uses the stored data as
+    it is when the autocast recipe's weight quantizer asks for its format (per-tensor FP8 -- any
+    per-tensor quantizer -- or MXFP8, same FP8 dtype): no weight quantize kernel runs, and the
+    weight workspace cache is not used (``is_first_microbatch`` is ignored for it). A per-tensor
+    weight keeps its rowwise copy only; dgrad gets the transposed copy by a byte transpose in
+    backward (freed after). Otherwise (no autocast, another format) the op computes with the
+    exactly dequantized weight, as if it were a high-precision weight of those values. The
+    weight gradient is a plain tensor of the weight's nominal dtype. ``state_dict()`` holds the
+    dequantized weight (a plain tensor of the nominal dtype) under ``weight`` (the parameter
+    itself with ``keep_vars=True``) and the exact quantized data in ``_extra_state``; loading
+    re-quantizes into the stored weight in place, then restores the exact data when the
+    checkpoint's weight is its dequantization (``assign=True`` keeps the weight quantized too).
+    Module conversions (``.to()``, ``.cuda()``, ``.bfloat16()``) keep it quantized (see
+    ``_convert_quantized``); an op built on ``meta`` inside ``quantized_model_init`` gets its
+    quantized weight when materialised (``to_empty()``).
     """
 
     role_scope = "linear"
@@ -35,6 +71,7 @@ class BasicLinear(BasicOperation):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         name: str | None = None,
+        scope: str | None = None,
     ) -> None:
         super().__init__(name=name)
         if in_features <= 0 or out_features <= 0:
@@ -42,16 +79,67 @@ class BasicLinear(BasicOperation):
                 f"BasicLinear: in_features and out_features must be positive, got "
                 f"{in_features} and {out_features}"
             )
+        if scope is not None:
+            super().set_role_scope(scope)
         self.in_features, self.out_features = in_features, out_features
         self.weight = torch.nn.Parameter(
             torch.empty(out_features, in_features, device=device, dtype=dtype)
         )
         self.workspace_cache = WorkspaceCache()
+        # The quantized_model_init recipe active at construction (None: high-precision weight).
+        self.weight_init_recipe: Recipe | None = get_quantized_model_init_recipe()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.weight.device.type != "meta":
-            torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        """Kaiming-uniform initialisation. A quantized weight is re-initialised in place
+        (re-quantized with its quantizer); a weight built inside ``quantized_model_init`` (and
+        still high precision, e.g. built on ``meta`` and materialised with ``to_empty()``) is
+        initialised, then quantized."""
+        w = self.weight
+        if w.device.type == "meta":
+            return
+        if isinstance(w, QuantizedTensor):
+            value = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+            torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5))
+            with torch.no_grad():
+                w.copy_(value)
+            return
+        torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        if self.weight_init_recipe is not None:
+            self._quantize_weight_param(self.weight_init_recipe)
+
+    def _quantize_weight_param(self, recipe: Recipe) -> None:
+        """Replace the high-precision weight by its quantization with the weight quantizer
+        ``recipe`` gives this op's weight role (kept high precision if that is None). Per-tensor
+        FP8 stores the rowwise copy only; MXFP8 both (their scales differ)."""
+        w = self.weight
+        role = self.get_quantizer_roles(True)[1]
+        q = weight_init_quantizer(recipe, role, w.device)
+        if q is None:
+            return
+        mx = isinstance(q, MXFP8Quantizer)
+        qdata, _ = quantize_weight(w.detach(), q, None, False, columnwise=mx)
+        qt = QuantizedTensor.wrap(qdata, dtype=w.dtype, quantizer=q)
+        self.weight = torch.nn.Parameter(qt, requires_grad=w.requires_grad)
+
+    def set_role_scope(self, scope: str, name: str | None = None) -> None:
+        """Re-scope the roles (see :class:`BasicOperation`). A weight built inside
+        ``quantized_model_init`` follows: when its new role's quantizer has another format, it
+        is re-quantized from its dequantized value (one more rounding; pass ``scope`` / ``name``
+        to the constructor to quantize the initial weight once)."""
+        super().set_role_scope(scope, name)
+        recipe = getattr(self, "weight_init_recipe", None)
+        w = getattr(self, "weight", None)
+        if recipe is None or not isinstance(w, QuantizedTensor):
+            return
+        q = weight_init_quantizer(recipe, self.get_quantizer_roles(True)[1], w.device)
+        old = w.quantizer
+        if q is not None and old is not None and _same_quantization(q, old):
+            w._quantizer = q  # the stored bits are what q makes of the initial weight
+            return
+        self.weight = torch.nn.Parameter(w.dequantize(), requires_grad=w.requires_grad)
+        if q is not None:
+            self._quantize_weight_param(recipe)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -65,15 +153,42 @@ class BasicLinear(BasicOperation):
 
     def workspace_spec(self) -> tuple[torch.Tensor, Quantizer] | None:
         q = self.get_quantizer(True, "weight")
-        return None if q is None else (self.weight, q)
+        if q is None or isinstance(self.weight, QuantizedTensor):
+            return None  # a quantized weight is its own workspace
+        return (self.weight, q)
 
     def grad_output_quantizer(self) -> Quantizer | None:
         return self.get_quantizer(False, "grad_output")
 
     def kernels(self, fwd: bool) -> list[str]:
+        out = (
+            [self.gemm_kernel("fprop")]
+            if fwd
+            else [self.gemm_kernel(w) for w in ("dgrad", "wgrad")]
+        )
+        return self.weight_kernels(fwd) + out
+
+    def gemm_kernel(self, what: str) -> str:
+        """How ``explain()`` names one of this Linear's GEMMs (fused ops running it use it too):
+        MXFP8 GEMMs run on exactly dequantized operands here, and say so."""
         mx = isinstance(self.get_quantizer(True, "weight"), MXFP8Quantizer)
         how = " on dequantized MXFP8 operands (no native MXFP8 GEMM on this path)" if mx else ""
-        return [f"gemm(fprop){how}"] if fwd else [f"gemm(dgrad){how}", f"gemm(wgrad){how}"]
+        return f"gemm({what}){how}"
+
+    def weight_kernels(self, fwd: bool) -> list[str]:
+        """What a quantized weight adds to a pass (for ``explain()``; fused ops running this
+        Linear list it too)."""
+        w = self.weight
+        if not isinstance(w, QuantizedTensor):
+            return []
+        name = type(w).__name__
+        if not _stored_matches(w.qdata, self.get_quantizer(True, "weight"), need_columnwise=True):
+            return [f"dequantize(stored {name} weight: another format is active)"] if fwd else []
+        if fwd:
+            return [f"(stored {name} weight used as is: no weight quantize)"]
+        if isinstance(w.qdata, Float8Data):
+            return [f"fp8 byte transpose of the stored {name} weight (for dgrad)"]
+        return []
 
     def check_input(self, x: Any) -> None:
         k = x.shape[-1]
@@ -101,6 +216,13 @@ class BasicLinear(BasicOperation):
                 )
         ctx.attrs["need_wgrad"], ctx.attrs["need_dgrad"] = need_wgrad, need_dgrad
         xq: Any = x if qx is None else C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
+        if isinstance(w, QuantizedTensor):
+            if torch.compiler.is_compiling():
+                raise RuntimeError(_COMPILE_UNSUPPORTED.format(op=type(self).__name__))
+            if _stored_matches(w.qdata, qw, need_columnwise=need_dgrad):
+                # Used as it is (saved for dgrad without a copy); see the class docstring.
+                return xq, C.ensure_fp8_copy(w.qdata, "r")
+            w = w.dequantize()
         if qw is None:
             return xq, w
         wq, ctx.new_workspace = quantize_weight(
@@ -152,6 +274,7 @@ class BasicLinear(BasicOperation):
                 dw = dy2.t() @ C.as_2d(xq).to(dy2.dtype)
         else:
             if ctx.attrs["need_dgrad"]:
+                wq = C.ensure_fp8_copy(wq, "c")  # a stored FP8 weight: transposed on demand
                 dx, _ = C.gemm_dgrad(dy, wq, dtype, c=None if c is None else C.as_2d(c))
                 dx = dx.view(*lead, self.in_features)
             if ctx.attrs["need_wgrad"]:
@@ -163,6 +286,157 @@ class BasicLinear(BasicOperation):
     def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
         dx, dw = self.linear_backward(ctx, dy)
         return dx, [dw], []
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        # nn.Module._apply would give a quantized weight the converted tensor's storage
+        # (``param.data = fn(param)``, a dequantized copy for a dtype change): it is converted
+        # here instead, see _convert_quantized.
+        w = self._parameters.get("weight")
+        if not isinstance(w, QuantizedTensor):
+            out = super()._apply(fn, recurse)
+            if self.weight_init_recipe is not None and self.weight.device.type != "meta":
+                # Built on meta inside quantized_model_init, now materialised (to_empty()): FP8
+                # from here on; reset_parameters() or load_state_dict() fill in the values.
+                self._quantize_weight_param(self.weight_init_recipe)
+            return out
+        self._parameters["weight"] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._parameters["weight"] = w
+        _convert_quantized(w, fn)
+        self._move_recipe_states()
+        return self
+
+    # ---- checkpoints: a quantized weight is saved dequantized, loaded re-quantized ------------
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        w = self.weight
+        if isinstance(w, QuantizedTensor) and not keep_vars:
+            # A plain tensor of the nominal dtype: loadable with torch.load(weights_only=True)
+            # and by a model with high-precision weights.
+            destination[prefix + "weight"] = w.dequantize()
+
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        """Recipe state, and a quantized weight's exact data and scales (copies) under
+        ``weight.<field>`` (``weight.data``, ``weight.scale_inv`` / ``weight.scale``,
+        ``weight.col_data``, ``weight.col_scale``), so that loading restores it bit for bit."""
+        out = super().get_extra_state()
+        w = self.weight
+        if isinstance(w, QuantizedTensor):
+            for name, t in qdata_tensors(w.qdata).items():
+                out[f"weight.{name}"] = t.detach().clone()
+        return out
+
+    def set_extra_state(self, state: Any) -> None:
+        # ``weight.*`` entries are read by _load_from_state_dict (they need the checkpoint's
+        # weight); a model with a high-precision weight ignores them.
+        if isinstance(state, Mapping):
+            state = {k: v for k, v in state.items() if not str(k).startswith("weight.")}
+        super().set_extra_state(state)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        w, key = self.weight, prefix + "weight"
+        value = state_dict.get(key)
+        if isinstance(value, QuantizedTensor):
+            state_dict[key] = value = value.dequantize()
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        new = self.weight
+        if isinstance(w, QuantizedTensor) and new is not w and not isinstance(new, QuantizedTensor):
+            # load_state_dict(assign=True) put the checkpoint's plain tensor in: quantize it
+            # like the weight it replaced (same quantizer, same copies).
+            assert w.quantizer is not None
+            qdata = w.quantizer.quantize(new.detach(), rowwise=w.qdata.has_rowwise,
+                                         columnwise=w.qdata.has_columnwise)  # fmt: skip
+            qt = QuantizedTensor.wrap(qdata, dtype=new.dtype, quantizer=w.quantizer)
+            self.weight = new = torch.nn.Parameter(qt, requires_grad=new.requires_grad)
+        extra = state_dict.get(prefix + "_extra_state")
+        if isinstance(new, QuantizedTensor) and isinstance(value, torch.Tensor):
+            _restore_exact(new, value, extra)
+
+
+_COMPILE_UNSUPPORTED = (
+    "{op}: torch.compile does not support quantized weights (fusible.quantized_model_init) yet: "
+    "QuantizedTensor is not a traceable tensor subclass, and a traced graph would not route the "
+    "weight gradient to the parameter. Run the model eagerly, or build it without "
+    "quantized_model_init to compile it"
+)
+
+
+def _restore_exact(w: QuantizedTensor, value: torch.Tensor, extra: Any) -> None:
+    """After ``w`` was re-quantized from a checkpoint's dequantized ``value``: if the checkpoint
+    also holds the exact quantized weight (``weight.*`` in its extra state) with ``w``'s layout,
+    and that is what ``value`` was dequantized from (it was not edited), write it into ``w`` in
+    place. Re-quantizing a dequantized weight is not always exact: an MXFP8 columnwise copy, or
+    a per-tensor scale derived from an amax that the nominal dtype rounds, can come out
+    different."""
+    if not isinstance(extra, Mapping):
+        return
+    raw = {k[len("weight.") :]: v for k, v in extra.items() if str(k).startswith("weight.")}
+    mine = qdata_tensors(w.qdata)
+    if raw.keys() != mine.keys() or not all(isinstance(v, torch.Tensor) for v in raw.values()):
+        return
+    exact = replace(w.qdata, **{k: v.to(w.device) for k, v in raw.items()})
+    if not same_layout(exact, w.qdata):
+        return
+    if value.dtype in HIGH_PRECISION_DTYPES and torch.equal(
+        exact.dequantize(value.dtype), value.to(exact.device)
+    ):
+        w.load_qdata_(exact)
+
+
+def _stored_matches(qdata: QuantizedData, qw: Quantizer | None, *, need_columnwise: bool) -> bool:
+    """Whether a stored quantized weight is what the active weight quantizer ``qw`` asks for:
+    per-tensor FP8 for a per-tensor quantizer (delayed or current scaling: the stored scale is
+    as good as any), MXFP8 for MXFP8 (with the columnwise copy if dgrad needs it), same FP8
+    dtype."""
+    if qw is None or qdata.fp8_dtype != qw.dtype:
+        return False
+    if isinstance(qdata, Float8Data):
+        return isinstance(qw, (Float8Quantizer, Float8CurrentScalingQuantizer))
+    return (
+        isinstance(qw, MXFP8Quantizer)
+        and qdata.has_rowwise
+        and (qdata.has_columnwise or not need_columnwise)
+    )
+
+
+def _convert_quantized(w: QuantizedTensor, fn: Any) -> None:
+    """Apply a module conversion ``fn`` (``.to()``, ``.cuda()``, ``.bfloat16()``, ``to_empty()``)
+    to a quantized weight parameter, in place (``torch.utils.swap_tensors``, as torch does for
+    tensor subclasses): a device change moves the quantized data; a dtype change sets the nominal
+    dtype (fp32 / fp16 / bf16) and leaves the data as it is. Its gradient follows ``fn``."""
+    probe = fn(torch.empty(0, dtype=w.dtype, device=w.device))
+    if probe.dtype == w.dtype and probe.device == w.device:
+        return
+    if probe.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"BasicLinear: a quantized weight's nominal dtype must be float32, float16 or "
+            f"bfloat16, got a conversion to {probe.dtype}"
+        )
+    qdata = w.qdata
+    if probe.device != w.device:
+        if w.device.type == "meta":  # to_empty(): storage without values, as for any tensor
+            qdata = qdata._map(lambda t: torch.empty_like(t, device=probe.device))
+        else:
+            qdata = qdata.to(probe.device)
+    qt = QuantizedTensor.wrap(qdata, dtype=probe.dtype, quantizer=w.quantizer)
+    new = torch.nn.Parameter(qt, requires_grad=w.requires_grad)
+    grad = w.grad
+    w.grad = None
+    torch.utils.swap_tensors(w, new)
+    if grad is not None:
+        w.grad = fn(grad)
+
+
+def _same_quantization(a: Quantizer, b: Quantizer) -> bool:
+    """Whether ``a`` and ``b`` quantize every tensor to the same bits."""
+
+    def key(q: Quantizer) -> tuple[Any, ...]:
+        return (type(q), q.dtype, getattr(q, "margin", 0))
+
+    return key(a) == key(b)
 
 
 class Bias(BasicOperation):

@@ -23,7 +23,9 @@ class BackwardLinearAdd(FusedOperation):
     forward, backward = False, True
 
     def kernels(self, fwd: bool) -> list[str]:
-        return ["gemm(dgrad, beta=1 accumulate the branch gradient)", "gemm(wgrad)"]
+        linear: BasicLinear = self.ops[1]  # type: ignore[assignment]
+        dgrad = linear.gemm_kernel("dgrad, beta=1 accumulate the branch gradient")
+        return [*linear.weight_kernels(fwd), dgrad, linear.gemm_kernel("wgrad")]
 
     def fuser_backward(self, ctxs, dy, *, prev_grad_quantizer, extra_output_grads):
         linear: BasicLinear = self.ops[1]  # type: ignore[assignment]

@@ -31,7 +31,8 @@ class ForwardLinearBiasActivation(FusedOperation):
 
     def kernels(self, fwd: bool) -> list[str]:
         epi = "bias_gelu_aux" if len(self.ops) == 3 else "bias"
-        return [f"gemm(fprop, epilogue={epi})"]
+        linear: BasicLinear = self.ops[0]  # type: ignore[assignment]
+        return [*linear.weight_kernels(fwd), linear.gemm_kernel(f"fprop, epilogue={epi}")]
 
     def fuser_forward(self, ctxs, x, params, *, next_input_quantizer, extra_inputs):
         linear: BasicLinear = self.ops[0]  # type: ignore[assignment]

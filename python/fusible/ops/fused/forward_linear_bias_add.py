@@ -28,7 +28,9 @@ class ForwardLinearBiasAdd(FusedOperation):
 
     def kernels(self, fwd: bool) -> list[str]:
         epi = "bias" if isinstance(self.ops[1], Bias) else "none"
-        return [f"gemm(fprop, epilogue={epi}, beta=1 accumulate into the extra input)"]
+        linear: BasicLinear = self.ops[0]  # type: ignore[assignment]
+        what = f"fprop, epilogue={epi}, beta=1 accumulate into the extra input"
+        return [*linear.weight_kernels(fwd), linear.gemm_kernel(what)]
 
     def fuser_forward(self, ctxs, x, params, *, next_input_quantizer, extra_inputs):
         linear: BasicLinear = self.ops[0]  # type: ignore[assignment]
