@@ -11,9 +11,11 @@ Three tables, all measured in the same run:
 1. step time at a large shape (GPU-bound);
 2. host overhead at a tiny shape (16 tokens, hidden 256): the time of one step when steps are
    issued back to back is then the host's time per step; plain PyTorch eager is the yardstick;
-3. peak memory of one eager step (bytes allocated above what lives between steps) and the memory
-   that lives between steps (parameters, optimizer state, recipe state, cached workspaces), per
-   recipe, next to BF16.
+3. peak memory of one eager step (bytes allocated above what lives between steps), the memory
+   that lives between steps (parameters, gradients, optimizer state with any fp32 masters, recipe
+   state) and the parameters' own bytes, per recipe, next to BF16; ``+fp8w`` variants build the
+   Linear weights inside ``fusible.quantized_model_init`` (stored quantized) and train them with
+   ``fusible.optim.MasterWeightOptimizer`` (fp32 masters on the optimizer side).
 
     python benchmarks/step.py [--tokens 8192] [--hidden 4096] [--ffn 16384] [--out DIR]
 """
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 import fusible
 from _common import environment, print_table, time_ms, write_json
 from fusible import ops, recipe
+from fusible.quantization import QuantizedTensor
 
 RECIPES: dict[str, Any] = {
     "bf16": None,
@@ -38,6 +41,8 @@ RECIPES: dict[str, Any] = {
     "current": recipe.Float8CurrentScaling(),
     "mxfp8": recipe.MXFP8BlockScaling(),
 }
+# FP8-weight variants: (recipe name, weights stored quantized by this recipe).
+FP8_WEIGHTS: dict[str, Any] = {"current+fp8w": "current", "mxfp8+fp8w": "mxfp8"}
 MIB = 2**20
 
 
@@ -51,11 +56,35 @@ class TorchBlock(torch.nn.Module):
         return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
 
 
-def fusible_block(h: int, f: int) -> ops.Sequential:
+def fusible_block(h: int, f: int, weights_recipe: Any = None) -> ops.Sequential:
     kw: dict[str, Any] = {"device": "cuda", "dtype": torch.bfloat16}
-    return ops.Sequential(
-        ops.LayerNorm(h, **kw), ops.Linear(h, f, **kw), ops.GELU(), ops.Linear(f, h, **kw)
-    )
+    with fusible.quantized_model_init(weights_recipe, enabled=weights_recipe is not None):
+        return ops.Sequential(
+            ops.LayerNorm(h, **kw), ops.Linear(h, f, **kw), ops.GELU(), ops.Linear(f, h, **kw)
+        )
+
+
+def variants() -> dict[str, tuple[Any, Any]]:
+    """name -> (autocast recipe, quantized_model_init recipe or None)."""
+    out: dict[str, tuple[Any, Any]] = {name: (rec, None) for name, rec in RECIPES.items()}
+    for name, base in FP8_WEIGHTS.items():
+        out[name] = (RECIPES[base], RECIPES[base])
+    return out
+
+
+def param_mib(model: torch.nn.Module) -> float:
+    """Bytes of the parameters' storage (a quantized weight counts its data and scales)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        qdata = getattr(p, "qdata", None)
+        tensors = [t for t in vars(qdata).values() if isinstance(t, torch.Tensor)] if qdata else [p]
+        for t in tensors:
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total / MIB
 
 
 class Stepper:
@@ -63,7 +92,12 @@ class Stepper:
 
     def __init__(self, model: torch.nn.Module, rec: Any, n: int, h: int) -> None:
         self.model, self.rec = model, rec
-        self.opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)
+        params = list(model.parameters())
+        self.opt: torch.optim.Optimizer = (
+            fusible.optim.MasterWeightOptimizer(torch.optim.SGD, params, lr=1e-6, foreach=True)
+            if any(isinstance(p, QuantizedTensor) for p in params)  # fp32 masters for those
+            else torch.optim.SGD(params, lr=1e-6, foreach=True)
+        )
         self.x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         self.dy = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
 
@@ -126,7 +160,7 @@ def memory_mib(
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    return (peak - resident) / MIB, (resident - start) / MIB
+    return (peak - resident) / MIB, (resident - start) / MIB, param_mib(s.model)
 
 
 def _cell(fn: Callable[[], float]) -> float | str:
@@ -158,9 +192,9 @@ def main() -> None:
     step_rows: list[dict[str, Any]] = []
     torch_ms = time_ms(Stepper(torch_block(h, f), None, n, h).make("eager"), iters=20)
     step_rows.append({"variant": "torch bf16 eager", "eager_ms": torch_ms})
-    for name, rec in RECIPES.items():
+    for name, (rec, wrec) in variants().items():
         row: dict[str, Any] = {"variant": f"fusible {name}"}
-        s = Stepper(fusible_block(h, f), rec, n, h)
+        s = Stepper(fusible_block(h, f, wrec), rec, n, h)
         for mode in modes:
             row[f"{mode}_ms"] = _cell(lambda: time_ms(s.make(mode), iters=20))
         step_rows.append(row)
@@ -184,17 +218,20 @@ def main() -> None:
     print_table(tiny_rows, ["variant", *[f"{m}_ms" for m in modes], "eager_vs_torch_eager"])
 
     mem_rows: list[dict[str, Any]] = []
-    for name, rec in {"torch bf16": None, **RECIPES}.items():
+    for name, (rec, wrec) in {"torch bf16": (None, None), **variants()}.items():
         make: Callable[[], torch.nn.Module] = (
-            (lambda: torch_block(h, f)) if name == "torch bf16" else (lambda: fusible_block(h, f))
+            (lambda: torch_block(h, f))
+            if name == "torch bf16"
+            else (lambda: fusible_block(h, f, wrec))
         )
         res = _cell(lambda: memory_mib(make, rec, n, h))
         if isinstance(res, str):
             mem_rows.append({"variant": name, "step_peak_MiB": res})
         else:
-            mem_rows.append({"variant": name, "step_peak_MiB": res[0], "resident_MiB": res[1]})
+            mem_rows.append({"variant": name, "step_peak_MiB": res[0], "resident_MiB": res[1],
+                             "params_MiB": res[2]})  # fmt: skip
     print(f"memory, {n} tokens, hidden {h}, ffn {f}")
-    print_table(mem_rows, ["variant", "step_peak_MiB", "resident_MiB"])
+    print_table(mem_rows, ["variant", "step_peak_MiB", "resident_MiB", "params_MiB"])
 
     payload = {
         "env": environment(),

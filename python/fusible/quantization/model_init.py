@@ -52,7 +52,8 @@ class quantized_model_init(contextlib.ContextDecorator):
     """Build the Linear weights of ops created inside the region in quantized form.
 
     ``recipe``: a :mod:`fusible.recipe` recipe (see the module docstring for which are supported);
-    ``enabled``: False builds high-precision weights inside (regions nest and restore on exit).
+    ``enabled``: False builds high-precision weights inside (regions nest and restore on exit);
+    ``recipe`` may then be None, like ``fusible.autocast(enabled=False)``.
 
     Only construction is affected: the weights stay quantized afterwards, whatever region is
     active. Quantized weights are used as they are by forward and backward when the autocast
@@ -61,11 +62,15 @@ class quantized_model_init(contextlib.ContextDecorator):
     not at all without autocast). Train them with ``fusible.optim.MasterWeightOptimizer``.
     """
 
-    def __init__(self, recipe: Recipe, enabled: bool = True) -> None:
+    def __init__(self, recipe: Recipe | None, enabled: bool = True) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(
                 f"fusible.quantized_model_init: 'enabled' must be a bool, got {enabled!r}"
             )
+        self.recipe: Recipe | None = None
+        self.enabled = enabled
+        if recipe is None and not enabled:
+            return
         if not isinstance(recipe, Recipe):
             raise TypeError(
                 "fusible.quantized_model_init: 'recipe' must be a fusible.recipe recipe "
@@ -78,7 +83,6 @@ class quantized_model_init(contextlib.ContextDecorator):
                 f"at init. Supported: {_SUPPORTED}"
             )
         self.recipe = recipe
-        self.enabled = enabled
 
     def __enter__(self) -> quantized_model_init:
         _stack.append(self.recipe if self.enabled else None)

@@ -950,3 +950,11 @@ def test_cuda_graph_step_with_master_weights_matches_eager(recipe_name):
         assert torch.equal(static_y, want), i
         for a, b in zip(_linears(model), _linears(twin), strict=True):
             _assert_same_qdata(a.weight.qdata, b.weight.qdata, f"replay {i}")
+
+
+def test_disabled_region_takes_no_recipe():
+    with fusible.quantized_model_init(None, enabled=False):
+        lin = ops.Linear(32, 32)
+    assert not any(isinstance(p, QuantizedTensor) for p in lin.parameters())
+    with pytest.raises(TypeError, match="'recipe' must be"):
+        fusible.quantized_model_init(None)
