@@ -13,6 +13,7 @@ from fusible import ops, optim, quantization, recipe
 from fusible.modules import LayerNormLinear, LayerNormMLP, Linear
 from fusible.quantization.autocast import autocast
 from fusible.quantization.model_init import quantized_model_init
+from fusible.quantization.recompute import checkpoint
 
 __all__ = [
     "LayerNormLinear",
@@ -20,6 +21,7 @@ __all__ = [
     "Linear",
     "__version__",
     "autocast",
+    "checkpoint",
     "ops",
     "optim",
     "quantization",

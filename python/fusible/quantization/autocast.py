@@ -23,13 +23,14 @@ Delayed-scaling updates (see ``docs/quantization.md`` for the full contract):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch
 
+from fusible.quantization.quantizers import replaying_scales
 from fusible.quantization.recipe import DelayedScaling, Recipe
 from fusible.quantization.state import RecipeState, update_delayed_scaling
 
@@ -45,6 +46,7 @@ __all__ = [
     "get_recipe",
     "is_fp8_enabled",
     "pending_recipe_states",
+    "restored_state",
 ]
 
 #: The recipe of ``autocast(recipe=None)``.
@@ -165,6 +167,8 @@ def end_forward_pass(
     (tracing, or outside any region, or ``defer=False``): :func:`update_delayed_scaling` now.
     """
     ss = _check_states("end_forward_pass", states)
+    if replaying_scales():
+        return  # a checkpoint recomputation: its forward already registered these states
     if group is DEFAULT_GROUP:
         group = get_amax_reduction_group()
     if defer is None:
@@ -221,6 +225,20 @@ def pending_recipe_states(mode: str) -> list[RecipeState]:
         )
     pending = _pending_forward if mode == "forward" else _pending_backward
     return [s for s, _ in pending.items.values()]
+
+
+@contextlib.contextmanager
+def restored_state(state: AutocastState) -> Iterator[None]:
+    """Make ``state`` (captured with :func:`get_autocast_state`) the active one for the region,
+    without the enter/exit side effects of :class:`autocast` (no update on exit): how a
+    checkpoint recomputation sees its forward's quantization settings."""
+    global _state
+    prev = _state
+    _state = state
+    try:
+        yield
+    finally:
+        _state = prev
 
 
 class autocast(contextlib.ContextDecorator):

@@ -19,6 +19,8 @@ they are attributes (``set_usage``) and can be overridden per call.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Protocol
 
@@ -41,8 +43,11 @@ __all__ = [
     "QuantizedData",
     "QuantizedTensor",
     "Quantizer",
+    "ScaleLog",
     "ScalingBuffers",
     "quantizer_for_recipe",
+    "replaying_scales",
+    "scale_log",
 ]
 
 
@@ -317,6 +322,45 @@ class ScalingBuffers(Protocol):
     scale: torch.Tensor  # float32 [n]
 
 
+class ScaleLog:
+    """Delayed-scaling scales seen by a checkpointed forward, replayed by its recomputation.
+
+    While a log is *recording* (the first forward of a :func:`fusible.checkpoint` region), each
+    :class:`Float8Quantizer` that reads its scale leaves a copy of it here; while it is
+    *replaying* (the recomputation in backward, after the step's update may have changed the
+    state), quantizers cast with those copies and record no amax, so the recomputed tensors are
+    the forward's bit for bit. See ``fusible.quantization.recompute``."""
+
+    def __init__(self) -> None:
+        self.scales: dict[tuple[int, int], torch.Tensor] = {}
+        self.replaying = False
+
+
+#: The active log (None outside checkpointed regions).
+_scale_log: ScaleLog | None = None
+
+
+@contextlib.contextmanager
+def scale_log(log: ScaleLog | None, replaying: bool) -> Iterator[None]:
+    """Activate ``log`` (recording, or replaying) for the region; restores the previous one."""
+    global _scale_log
+    prev, prev_mode = _scale_log, None if log is None else log.replaying
+    _scale_log = log
+    if log is not None:
+        log.replaying = replaying
+    try:
+        yield
+    finally:
+        _scale_log = prev
+        if log is not None and prev_mode is not None:
+            log.replaying = prev_mode
+
+
+def replaying_scales() -> bool:
+    """True inside a checkpoint recomputation (no amax recording, no state updates)."""
+    return _scale_log is not None and _scale_log.replaying
+
+
 class _OwnBuffers:
     def __init__(self, amax_history: torch.Tensor, scale: torch.Tensor) -> None:
         self.amax_history = amax_history
@@ -370,8 +414,18 @@ class Float8Quantizer(Quantizer):
 
     @property
     def scale(self) -> torch.Tensor:
-        """This slot's current scale, a float32 ``(1,)`` view into the state's buffer."""
-        return self.buffers.scale[self.slot : self.slot + 1]
+        """This slot's current scale, a float32 ``(1,)`` view into the state's buffer (inside a
+        checkpoint recomputation: the copy its forward used, see :class:`ScaleLog`)."""
+        live = self.buffers.scale[self.slot : self.slot + 1]
+        log = _scale_log
+        if log is None:
+            return live
+        key = (id(self.buffers), self.slot)
+        if log.replaying:
+            return log.scales.get(key, live)
+        if key not in log.scales:
+            log.scales[key] = live.clone()
+        return live
 
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None
@@ -386,7 +440,10 @@ class Float8Quantizer(Quantizer):
 
     def record_amax(self, amax: torch.Tensor) -> None:
         """Fold ``amax`` (float32, one element) into this step's running max,
-        ``amax_history[0, slot]`` -- for casts done by fused kernels with :attr:`scale`."""
+        ``amax_history[0, slot]`` -- for casts done by fused kernels with :attr:`scale`. A
+        checkpoint recomputation records nothing (its forward did)."""
+        if replaying_scales():
+            return
         seen = self.buffers.amax_history[0, self.slot : self.slot + 1]
         seen.copy_(torch.maximum(seen, amax.reshape(1).to(seen)))
 

@@ -446,17 +446,56 @@ def test_activation_recompute_with_cache(recipe_name, counter):
     _assert_bits(got, want, "checkpointed vs not")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=torch.utils.checkpoint.CheckpointError,
-    reason="torch.utils.checkpoint does not restore fusible.autocast for the recomputation: "
-    "with backward outside the autocast region the forward is recomputed in high precision "
-    "and the recomputed saved tensors differ (CheckpointError)",
-)
-def test_activation_recompute_backward_outside_autocast():
-    rec = RECIPES["current"]
+def test_plain_checkpoint_with_backward_outside_autocast_raises():
+    """Why fusible.checkpoint exists: torch's recomputation runs outside the autocast region,
+    in high precision, and torch notices that the recomputed saved tensors differ."""
+    model = _model()
+    ((x, g),) = _data()
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        _step(model, x, g, RECIPES["current"], None, recompute=True)
+
+
+def _microbatches_backward_outside(model, data, rec, fms, *, recompute):
+    """Each micro-batch's forward in its own autocast region, backward after it has exited (the
+    usual training-loop shape); delayed-scaling states update after every forward and backward,
+    so a recomputation sees scales changed since its forward."""
+    model.zero_grad()
+    outs = []
+    for (x, g), fm in zip(data, fms, strict=True):
+        x = x.detach().requires_grad_(True)
+        with fusible.autocast(enabled=rec is not None, recipe=rec):
+            if recompute:
+                y = fusible.checkpoint(model, x, is_first_microbatch=fm)
+            else:
+                y = model(x, is_first_microbatch=fm)
+        y.backward(g)
+        outs += [y.detach(), x.grad]
+    return outs + _grads(model) + _states(model)
+
+
+@pytest.mark.parametrize("fms", [[None, None, None], FIRST_THEN_CACHED], ids=["plain", "cache"])
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+def test_fusible_checkpoint_backward_outside_autocast(recipe_name, fms, counter):
+    """fusible.checkpoint recomputes with the forward's recipe and (delayed scaling) the scales
+    its forward used, records no amax and registers no update: outputs, input and parameter
+    gradients and the recipe state equal the run without checkpointing bit for bit."""
+    rec = RECIPES[recipe_name]
     model = _model()
     twin = copy.deepcopy(model)
-    ((x, g),) = _data()
-    got = _step(model, x, g, rec, None, recompute=True) + _grads(model)
-    _assert_bits(got, _step(twin, x, g, rec, None) + _grads(twin), "checkpointed")
+    count = counter(model)
+    data = _data(len(fms))
+    got = _microbatches_backward_outside(model, data, rec, fms, recompute=True)
+    if rec is not None and fms == FIRST_THEN_CACHED:
+        # first micro-batch: forward and recomputation quantize; the others hit the cache
+        assert count.take() == [0, 1, 0, 1]
+    want = _microbatches_backward_outside(twin, data, rec, fms, recompute=False)
+    _assert_bits(got, want, "fusible.checkpoint vs no checkpoint")
+
+
+def test_fusible_checkpoint_arguments():
+    model = _model()
+    x = torch.randn(TOKENS, HIDDEN, requires_grad=True)
+    with pytest.raises(ValueError, match="use_reentrant=True is not supported"):
+        fusible.checkpoint(model, x, use_reentrant=True)
+    with pytest.raises(ValueError, match=r"'context_fn' is set by fusible\.checkpoint"):
+        fusible.checkpoint(model, x, context_fn=None)
