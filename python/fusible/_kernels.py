@@ -272,7 +272,11 @@ def quantize_fp8_current(
     _check_margin(op, margin)
     rows, cols = _matrix_shape(op, x)
     data, data_t = _fp8_outputs(op, x, fp8_dtype, rowwise, columnwise)
-    scale, scale_inv, amax = (torch.ones(1, dtype=torch.float32, device=x.device) for _ in range(3))
+    # All three are written by the call (amax first, then scale from it, then scale_inv): no
+    # fill kernels needed.
+    scale, scale_inv, amax = (
+        torch.empty(1, dtype=torch.float32, device=x.device) for _ in range(3)
+    )
     q = _C.Quantized(
         _SCALING_PER_TENSOR, _CODE[fp8_dtype], rows, cols,
         _ptr(data), _ptr(data_t), scale_inv.data_ptr(), 0, scale.data_ptr(), amax.data_ptr(),
