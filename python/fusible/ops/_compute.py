@@ -133,13 +133,17 @@ def _gemm(
     if isinstance(a, Float8Data) and isinstance(b, Float8Data):
         am, bm = _fp8_copy(a, which[0]), _fp8_copy(b, which[1])
         scales: tuple[torch.Tensor | None, torch.Tensor | None] = (a.scale_inv, b.scale_inv)
+        transa, transb = False, True  # the NT form: both operands K-contiguous
         if am.is_cuda and not _fp8_gemm_aligned(am, bm, out_dtype):
             f32 = torch.float32
-            am, bm = _dequant_copy(a, which[0], f32), _dequant_copy(b, which[1], f32)
+            (am, ta), (bm, tb) = _dequant_copy(a, which[0], f32), _dequant_copy(b, which[1], f32)
+            transa, transb = ta, not tb
             scales = (None, None)
     else:
         dt = _common_dtype(a, b, out_dtype)
-        am, bm = _dequant_copy(a, which[0], dt), _dequant_copy(b, which[1], dt)
+        (am, ta), (bm, tb) = _dequant_copy(a, which[0], dt), _dequant_copy(b, which[1], dt)
+        # A = [M, K] or, transposed, [K, M]; B^T's operand is [N, K] or, transposed, [K, N]
+        transa, transb = ta, not tb
         scales = (None, None)
     fp8 = scales[0] is not None
     gemm_out = out_dtype if fp8 or am.dtype == out_dtype else torch.float32
@@ -152,7 +156,7 @@ def _gemm(
     if fused and bias is not None:
         bias_arg = bias.to(torch.bfloat16 if fp8 and gemm_out == torch.float32 else gemm_out)
     d, aux, _, _ = K.gemm(
-        am, bm, False, True, scales[0], scales[1], gemm_out, bias_arg,
+        am, bm, transa, transb, scales[0], scales[1], gemm_out, bias_arg,
         epilogue if fused else "none", None, None if c is None else c.to(gemm_out), 1.0,
         0.0 if c is None else 1.0, None, False,
     )  # fmt: skip
@@ -203,20 +207,23 @@ def _fp8_gemm_aligned(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype
     )
 
 
-def _dequant_copy(x: Any, which: str, dtype: torch.dtype) -> torch.Tensor:
-    """The rowwise matrix (``which == "r"``) or the transposed matrix, in ``dtype``: a
-    high-precision tensor converted, quantized data dequantized (exact in ``dtype``, see
-    :func:`_common_dtype`)."""
+def _dequant_copy(x: Any, which: str, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """``(m, transposed)``: the rowwise matrix (``which == "r"``) or the transposed matrix, in
+    ``dtype`` -- a high-precision tensor converted, quantized data dequantized (exact in
+    ``dtype``, see :func:`_common_dtype`). Where that layout would cost a transpose copy (a
+    high-precision tensor or MXFP8's columnwise copy, both stored untransposed) ``m`` is the
+    untransposed matrix and ``transposed`` is True: the GEMM reads it through its transpose
+    flag, which is free."""
     if isinstance(x, torch.Tensor):
-        m = as_2d(x)
-        return (m if which == "r" else m.t()).to(dtype).contiguous()
-    if isinstance(x, Float8Data):
-        if which == "r":
-            return as_2d(K.dequantize_fp8(x.data, x.scale_inv, dtype))
-        return K.dequantize_fp8(x.data_t, x.scale_inv, dtype)
+        return as_2d(x).to(dtype).contiguous(), which != "r"
+    if isinstance(x, Float8Data):  # whichever copy exists, the asked one first
+        use_rows = x.data is not None if which == "r" else x.data_t is None
+        if use_rows:
+            return as_2d(K.dequantize_fp8(x.data, x.scale_inv, dtype)), which != "r"
+        return K.dequantize_fp8(x.data_t, x.scale_inv, dtype), which == "r"
     if which == "r":
-        return as_2d(K.dequantize_mxfp8(x.data, x.scale, False, dtype))
-    return as_2d(K.dequantize_mxfp8(x.col_data, x.col_scale, True, dtype)).t().contiguous()
+        return as_2d(K.dequantize_mxfp8(x.data, x.scale, False, dtype)), False
+    return as_2d(K.dequantize_mxfp8(x.col_data, x.col_scale, True, dtype)), True
 
 
 def _common_dtype(a: Any, b: Any, out_dtype: torch.dtype) -> torch.dtype:
