@@ -19,8 +19,6 @@ they are attributes (``set_usage``) and can be overridden per call.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Protocol
 
@@ -323,42 +321,58 @@ class ScalingBuffers(Protocol):
 
 
 class ScaleLog:
-    """Delayed-scaling scales seen by a checkpointed forward, replayed by its recomputation.
+    """Delayed-scaling scales read by a checkpointed forward, replayed by its recomputation.
 
-    While a log is *recording* (the first forward of a :func:`fusible.checkpoint` region), each
-    :class:`Float8Quantizer` that reads its scale leaves a copy of it here; while it is
-    *replaying* (the recomputation in backward, after the step's update may have changed the
-    state), quantizers cast with those copies and record no amax, so the recomputed tensors are
-    the forward's bit for bit. See ``fusible.quantization.recompute``."""
+    While a log is *recording* (the forward of a :func:`fusible.checkpoint` region), every read
+    of a :class:`Float8Quantizer`'s scale appends a copy to that quantizer's sequence; while it
+    is *replaying* (each recomputation in backward, when the step's update has usually changed
+    the state), the reads return the sequence in order, and no amax is recorded, so the
+    recomputed tensors are the forward's bit for bit. A recomputation runs the forward's code,
+    so it reads the scales in the forward's order (a scale updated between two uses inside the
+    region replays both values). See ``fusible.quantization.recompute``."""
 
     def __init__(self) -> None:
-        self.scales: dict[tuple[int, int], torch.Tensor] = {}
-        self.replaying = False
+        self.scales: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._cursor: dict[tuple[int, int], int] = {}
+
+    def record(self, key: tuple[int, int], value: torch.Tensor) -> None:
+        self.scales.setdefault(key, []).append(value.clone())
+
+    def replay(self, key: tuple[int, int], live: torch.Tensor) -> torch.Tensor:
+        seq, i = self.scales.get(key, []), self._cursor.get(key, 0)
+        if i >= len(seq):
+            return live  # not read by the forward (nothing to reproduce)
+        self._cursor[key] = i + 1
+        return seq[i]
+
+    def rewind(self) -> None:
+        self._cursor.clear()
 
 
-#: The active log (None outside checkpointed regions).
-_scale_log: ScaleLog | None = None
+#: Active logs, outermost first, each (log, replaying). Nested checkpoints stack: the innermost
+#: replaying log supplies scales; every recording log above records what was used.
+_log_stack: list[tuple[ScaleLog, bool]] = []
 
 
-@contextlib.contextmanager
-def scale_log(log: ScaleLog | None, replaying: bool) -> Iterator[None]:
-    """Activate ``log`` (recording, or replaying) for the region; restores the previous one."""
-    global _scale_log
-    prev, prev_mode = _scale_log, None if log is None else log.replaying
-    _scale_log = log
-    if log is not None:
-        log.replaying = replaying
-    try:
-        yield
-    finally:
-        _scale_log = prev
-        if log is not None and prev_mode is not None:
-            log.replaying = prev_mode
+class scale_log:
+    """Activate ``log`` (recording, or replaying from the start) for the region. Re-enterable:
+    torch enters the same recomputation context again for a second backward."""
+
+    def __init__(self, log: ScaleLog, replaying: bool) -> None:
+        self.log, self.replaying = log, replaying
+
+    def __enter__(self) -> None:
+        if self.replaying:
+            self.log.rewind()
+        _log_stack.append((self.log, self.replaying))
+
+    def __exit__(self, *exc_info: object) -> None:
+        _log_stack.pop()
 
 
 def replaying_scales() -> bool:
     """True inside a checkpoint recomputation (no amax recording, no state updates)."""
-    return _scale_log is not None and _scale_log.replaying
+    return any(replaying for _, replaying in _log_stack)
 
 
 class _OwnBuffers:
@@ -417,15 +431,18 @@ class Float8Quantizer(Quantizer):
         """This slot's current scale, a float32 ``(1,)`` view into the state's buffer (inside a
         checkpoint recomputation: the copy its forward used, see :class:`ScaleLog`)."""
         live = self.buffers.scale[self.slot : self.slot + 1]
-        log = _scale_log
-        if log is None:
+        if not _log_stack:
             return live
         key = (id(self.buffers), self.slot)
-        if log.replaying:
-            return log.scales.get(key, live)
-        if key not in log.scales:
-            log.scales[key] = live.clone()
-        return live
+        value = live
+        for log, replaying in reversed(_log_stack):
+            if replaying:
+                value = log.replay(key, live)
+                break
+        for log, replaying in _log_stack:
+            if not replaying:
+                log.record(key, value)
+        return value
 
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None

@@ -13,12 +13,12 @@ Gradients then equal those of the same step without checkpointing, bit for bit.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch.utils.checkpoint
 
-from fusible.quantization.autocast import get_autocast_state, restored_state
+from fusible.quantization.autocast import AutocastState, get_autocast_state, restored_state
 from fusible.quantization.quantizers import ScaleLog, scale_log
 
 __all__ = ["checkpoint"]
@@ -34,18 +34,30 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise ValueError("fusible.checkpoint: use_reentrant=True is not supported (use False)")
     if "context_fn" in kwargs:
         raise ValueError("fusible.checkpoint: 'context_fn' is set by fusible.checkpoint itself")
+    if torch.compiler.is_compiling():
+        # Compiled code recomputes from its own functional graph (the autocast state and scales
+        # are graph inputs there), and dynamo cannot trace a context_fn.
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
     state = get_autocast_state()
     log = ScaleLog()
-
-    @contextlib.contextmanager
-    def replay() -> Iterator[None]:
-        with restored_state(state), scale_log(log, replaying=True):
-            yield
-
-    def context_fn() -> tuple[Any, Any]:
-        # (entered around the forward, entered around the recomputation)
-        return scale_log(log, replaying=False), replay()
-
     return torch.utils.checkpoint.checkpoint(
-        function, *args, use_reentrant=False, context_fn=context_fn, **kwargs
-    )
+        function, *args, use_reentrant=False,
+        context_fn=lambda: (scale_log(log, replaying=False), _Replay(state, log)), **kwargs,
+    )  # fmt: skip
+
+
+class _Replay:
+    """The recomputation context: the forward's autocast state and its scales. Re-enterable."""
+
+    def __init__(self, state: AutocastState, log: ScaleLog) -> None:
+        self.state, self.log = state, log
+        self._stack: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(restored_state(self.state))
+        stack.enter_context(scale_log(self.log, replaying=True))
+        self._stack.append(stack)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stack.pop().close()

@@ -22,7 +22,7 @@ from ops_helpers import E4M3, RECIPES
 from torch.utils.checkpoint import checkpoint
 
 import fusible
-from fusible import ops
+from fusible import ops, recipe
 from fusible.ops.basic import BasicLinear
 from fusible.ops.workspace import WorkspaceCache, quantize_weight
 from fusible.quantization import (
@@ -499,3 +499,94 @@ def test_fusible_checkpoint_arguments():
         fusible.checkpoint(model, x, use_reentrant=True)
     with pytest.raises(ValueError, match=r"'context_fn' is set by fusible\.checkpoint"):
         fusible.checkpoint(model, x, context_fn=None)
+
+
+def _block():
+    return ops.Sequential(ops.LayerNorm(HIDDEN), ops.Linear(HIDDEN, 64), ops.GELU(),
+                          ops.Linear(64, HIDDEN))  # fmt: skip
+
+
+def _all_grads(*models):
+    return [p.grad.clone() for m in models for p in m.parameters()]
+
+
+def test_fusible_checkpoint_nested_equals_plain():
+    """A checkpoint inside a checkpoint: the inner region's forward runs again inside the outer
+    recomputation and must replay the outer log (not record live, updated scales), over
+    several steps of delayed scaling."""
+    rec = recipe.DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    m1, m2 = _block(), _block()
+    t1, t2 = copy.deepcopy(m1), copy.deepcopy(m2)
+    for step, (x, g) in enumerate(_data(3)):
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with fusible.autocast(recipe=rec):
+            ya = fusible.checkpoint(lambda t: m2(fusible.checkpoint(m1, t)), xa)
+        ya.backward(g)
+        with fusible.autocast(recipe=rec):
+            yb = t2(t1(xb))
+        yb.backward(g)
+        _assert_bits([ya, xa.grad, *_all_grads(m1, m2), *_states(m1), *_states(m2)],
+                     [yb, xb.grad, *_all_grads(t1, t2), *_states(t1), *_states(t2)],
+                     f"nested, step {step}")  # fmt: skip
+
+
+def test_fusible_checkpoint_replays_a_scale_updated_inside_the_region():
+    """The same op twice in one checkpointed function, each use in its own autocast region, so
+    the delayed-scaling update between them changes the scale: the recomputation replays both
+    values in order."""
+    rec = recipe.DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    m = _block()
+    t = copy.deepcopy(m)
+
+    def twice(model, u):
+        with fusible.autocast(recipe=rec):
+            u = model(u)
+        with fusible.autocast(recipe=rec):
+            return model(u)
+
+    ((x, g),) = _data()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya = fusible.checkpoint(lambda u: twice(m, u), xa)
+    ya.backward(g)
+    yb = twice(t, xb)
+    yb.backward(g)
+    _assert_bits([ya, xa.grad, *_all_grads(m), *_states(m)],
+                 [yb, xb.grad, *_all_grads(t), *_states(t)], "twice")  # fmt: skip
+
+
+def test_fusible_checkpoint_second_backward_recomputes_again():
+    # Current scaling: with delayed scaling the backward states update between the two
+    # backward passes, so their gradients differ with or without checkpointing.
+    torch.manual_seed(0)
+    m = _block()
+    x = torch.randn(TOKENS, HIDDEN, requires_grad=True)
+    with fusible.autocast(recipe=RECIPES["current"]):
+        y = fusible.checkpoint(m, x)
+    y.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    y.sum().backward()  # the recomputation context is entered a second time
+    assert torch.equal(x.grad, 2 * first)
+
+
+def test_fusible_checkpoint_under_torch_compile():
+    """Compiled code recomputes from its functional graph: fusible.checkpoint becomes torch's
+    checkpoint there, traced without graph breaks, equal to eager."""
+    torch.manual_seed(0)
+    m = _block()
+    t = copy.deepcopy(m)
+
+    def step(model, u):
+        with fusible.autocast(recipe=RECIPES["current"]):
+            return fusible.checkpoint(model, u)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    ((x, g),) = _data()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya = compiled(m, xa)
+    ya.backward(g)
+    yb = step(t, xb)
+    yb.backward(g)
+    _assert_bits([ya, xa.grad, *_all_grads(m)], [yb, xb.grad, *_all_grads(t)], "compiled")
+    torch._dynamo.reset()
