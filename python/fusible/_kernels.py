@@ -13,6 +13,7 @@ Outputs that were not requested are returned as empty tensors (custom ops cannot
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,24 +73,52 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 class _FusibleOp:
-    """A torch custom op (``torch.ops.fusible.<name>``) that eager code calls directly.
+    """A torch custom op (``torch.ops.fusible.<name>``) that plain eager code calls directly.
 
-    Under ``torch.compile`` (dynamo) or any dispatch-mode tracing (fake tensors, ``make_fx``) the
-    call goes through the custom op, so graphs hold ``fusible::<name>`` with its fake kernel. In
-    plain eager mode the implementation runs directly: the Python custom-op dispatch round trip
-    costs ~60 us of host time per call, more than most of these kernels take on the GPU at small
-    sizes. Both paths run the same function, so results are identical.
+    The Python custom-op dispatch round trip costs ~60 us of host time per call, more than most
+    of these kernels take on the GPU at small sizes; fusible's ops call the kernels with grad
+    mode off (inside their autograd function), where the direct call is equivalent. Everything
+    else goes through the custom op, which is what tracing and transforms need: grad mode on
+    (autograd then reports the missing formula), ``torch.compile``, dispatch modes (fake
+    tensors, ``make_fx``), ``torch.jit.trace``, functorch transforms (``vmap``), and tensor
+    subclasses with their own ``__torch_dispatch__`` (e.g. a ``QuantizedTensor`` argument).
+    Both paths run the same function; the direct path bumps the version counters of the
+    tensors an op mutates, as the custom op does.
     """
 
-    def __init__(self, op: Any) -> None:
+    def __init__(self, op: Any, mutates: Sequence[str] = ()) -> None:
         self.op = op
         self.fn: Callable[..., Any] = op._init_fn
+        self.mutates = tuple(mutates)
         functools.update_wrapper(self, self.fn)
 
+    def _direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        if (
+            torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or _get_current_dispatch_mode() is not None
+            or torch.jit.is_tracing()
+            or torch._C._are_functorch_transforms_active()
+        ):
+            return False
+        plain = torch.Tensor.__torch_dispatch__
+        for a in (*args, *kwargs.values()):
+            items = a if isinstance(a, (list, tuple)) else (a,)
+            for t in items:
+                if isinstance(t, torch.Tensor) and type(t).__torch_dispatch__ is not plain:
+                    return False
+        return True
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        if not self._direct(args, kwargs):
             return self.op(*args, **kwargs)
-        return self.fn(*args, **kwargs)
+        out = self.fn(*args, **kwargs)
+        if self.mutates:
+            bound = inspect.signature(self.fn).bind(*args, **kwargs)
+            mutated = [bound.arguments[name] for name in self.mutates]
+            flat = [t for m in mutated for t in (m if isinstance(m, (list, tuple)) else (m,))]
+            torch.autograd.graph.increment_version(flat)
+        return out
 
     def register_fake(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return self.op.register_fake(fn)
@@ -97,9 +126,8 @@ class _FusibleOp:
 
 def _custom_op(name: str, mutates_args: Sequence[str] = ()) -> Callable[..., _FusibleOp]:
     def wrap(fn: Callable[..., Any]) -> _FusibleOp:
-        return _FusibleOp(
-            torch.library.custom_op(f"fusible::{name}", mutates_args=mutates_args)(fn)
-        )
+        op = torch.library.custom_op(f"fusible::{name}", mutates_args=mutates_args)(fn)
+        return _FusibleOp(op, mutates_args)
 
     return wrap
 
