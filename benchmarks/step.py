@@ -145,8 +145,9 @@ def host_ms_per_step(step: Callable[[], Any], iters: int = 200) -> float:
 
 def memory_mib(
     make_model: Callable[[], torch.nn.Module], rec: Any, n: int, h: int
-) -> tuple[float, float]:
-    """(peak above the between-steps level during one eager step, between-steps level), MiB."""
+) -> tuple[float, float, float]:
+    """(peak above the between-steps level during one eager step, between-steps level,
+    parameter bytes), MiB."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     start = torch.cuda.memory_allocated()

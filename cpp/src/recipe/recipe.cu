@@ -1,5 +1,5 @@
-// CUDA backend of the recipe family. The per-column update is the shared
-// fusible::delayed_scaling_update_column, so results equal the CPU backend bit for bit.
+// CUDA backend of the recipe family: the delayed-scaling update (one block per column, see the
+// kernel) and the scale rule (the shared compute_scale); results equal the CPU backend bit for bit.
 #include <algorithm>
 
 #include "common/cuda_utils.h"

@@ -9,6 +9,8 @@ naming the class and the field. No environment variable changes a default.
 from __future__ import annotations
 
 import enum
+import itertools
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -106,13 +108,16 @@ class Recipe:
         return isinstance(self, CustomRecipe)
 
 
-_RECIPE_BY_KEY: dict[str, Recipe] = {}
-_KEY_BY_RECIPE: dict[Recipe, str] = {}
+# Weak on both sides: a recipe nobody holds is forgotten (with whatever its factory captured);
+# keys come from a counter, so a later recipe never reuses a dead one's key.
+_RECIPE_BY_KEY: weakref.WeakValueDictionary[str, Recipe] = weakref.WeakValueDictionary()
+_KEY_BY_RECIPE: weakref.WeakKeyDictionary[Recipe, str] = weakref.WeakKeyDictionary()
+_NEXT_KEY = itertools.count()
 
 
 def _register_recipe(recipe: Recipe) -> None:
-    """Give ``recipe`` its key: the key of an equal recipe registered before, else a new one
-    (unhashable recipes, e.g. with an unhashable factory, always get a new one)."""
+    """Give ``recipe`` its key: the key of an equal live recipe registered before, else a new
+    one (unhashable recipes, e.g. with an unhashable factory, always get a new one)."""
     try:
         key = _KEY_BY_RECIPE.get(recipe)
     except TypeError:
@@ -121,7 +126,7 @@ def _register_recipe(recipe: Recipe) -> None:
     else:
         hashable = True
     if key is None:
-        key = f"{type(recipe).__name__}#{len(_RECIPE_BY_KEY)}"
+        key = f"{type(recipe).__name__}#{next(_NEXT_KEY)}"
         _RECIPE_BY_KEY[key] = recipe
         if hashable:
             _KEY_BY_RECIPE[recipe] = key
