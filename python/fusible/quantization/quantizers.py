@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Protocol
 
 import torch
+import torch.utils._pytree as pytree
 from torch.utils._pytree import tree_map
 
 from fusible import _kernels as _ops  # torch.ops.fusible.*, with the eager fast path
@@ -223,6 +224,32 @@ class MXFP8Data:
 
 
 QuantizedData = Float8Data | MXFP8Data
+
+
+# The containers are pytree nodes (their tensors are the children), so that code flattening
+# saved state -- the ops' autograd function passing what backward needs through
+# save_for_backward -- sees the quantized tensors themselves: saved-tensor hooks such as
+# activation checkpointing then free and recompute them like any other activation.
+def _flatten_float8(d: Float8Data) -> tuple[list[Any], Any]:
+    return [d.data, d.data_t, d.scale_inv], (d.fp8_dtype, tuple(d.shape))
+
+
+def _unflatten_float8(children: Any, context: Any) -> Float8Data:
+    data, data_t, scale_inv = children
+    return Float8Data(data, data_t, scale_inv, context[0], torch.Size(context[1]))
+
+
+def _flatten_mxfp8(d: MXFP8Data) -> tuple[list[Any], Any]:
+    return [d.data, d.scale, d.col_data, d.col_scale], (d.fp8_dtype, tuple(d.shape))
+
+
+def _unflatten_mxfp8(children: Any, context: Any) -> MXFP8Data:
+    data, scale, col_data, col_scale = children
+    return MXFP8Data(data, scale, col_data, col_scale, context[0], torch.Size(context[1]))
+
+
+pytree.register_pytree_node(Float8Data, _flatten_float8, _unflatten_float8)
+pytree.register_pytree_node(MXFP8Data, _flatten_mxfp8, _unflatten_mxfp8)
 
 
 # ---- quantizers ---------------------------------------------------------------------------------

@@ -590,3 +590,24 @@ def test_fusible_checkpoint_under_torch_compile():
     yb.backward(g)
     _assert_bits([ya, xa.grad, *_all_grads(m)], [yb, xb.grad, *_all_grads(t)], "compiled")
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "mxfp8"])
+def test_quantized_operands_are_saved_tensors(recipe_name):
+    """The FP8 copies backward needs go through save_for_backward (the containers are pytree
+    nodes), so saved-tensor hooks -- activation checkpointing, offloading -- see them: a
+    checkpointed region keeps no FP8 operand alive between forward and backward."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    m = _block()
+    packed: list[torch.dtype] = []
+
+    def pack(t):
+        packed.append(t.dtype)
+        return t
+
+    x = torch.randn(TOKENS, HIDDEN, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fusible.autocast(recipe=RECIPES[recipe_name]):
+            y = m(x)
+    assert sum(d in fp8 for d in packed) >= 4, packed  # x and W copies of both Linears
+    y.sum().backward()
