@@ -17,6 +17,32 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+class TorchBlock(torch.nn.Module):
+    """The plain-PyTorch reference block: LayerNorm -> Linear -> GELU (tanh) -> Linear."""
+
+    def __init__(self, h: int, f: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(h)
+        self.fc1, self.fc2 = torch.nn.Linear(h, f), torch.nn.Linear(f, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gelu = torch.nn.functional.gelu
+        return self.fc2(gelu(self.fc1(self.norm(x)), approximate="tanh"))
+
+
+def fusible_block(h: int, f: int, weights_recipe: Any = None) -> torch.nn.Module:
+    """The same block as fusible ops (bf16, CUDA); weights stored quantized by
+    ``weights_recipe`` when given (``fusible.quantized_model_init``)."""
+    import fusible
+    from fusible import ops
+
+    kw: dict[str, Any] = {"device": "cuda", "dtype": torch.bfloat16}
+    with fusible.quantized_model_init(weights_recipe, enabled=weights_recipe is not None):
+        return ops.Sequential(
+            ops.LayerNorm(h, **kw), ops.Linear(h, f, **kw), ops.GELU(), ops.Linear(f, h, **kw)
+        )
+
+
 def time_ms(fn: Callable[[], Any], warmup: int = 5, iters: int = 30) -> float:
     """Median time of one ``fn`` call in milliseconds.
 

@@ -11,10 +11,9 @@ import argparse
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import fusible
-from _common import environment, print_table, time_ms, write_json
+from _common import TorchBlock, environment, fusible_block, print_table, time_ms, write_json
 from fusible import ops, recipe
 
 RECIPES: dict[str, Any] = {
@@ -23,16 +22,6 @@ RECIPES: dict[str, Any] = {
     "current": recipe.Float8CurrentScaling(),
     "mxfp8": recipe.MXFP8BlockScaling(),
 }
-
-
-class TorchBlock(torch.nn.Module):
-    def __init__(self, h: int, f: int) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(h)
-        self.fc1, self.fc2 = torch.nn.Linear(h, f), torch.nn.Linear(f, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
 
 
 def main() -> None:
@@ -65,12 +54,7 @@ def main() -> None:
     rows.append({"variant": "torch bf16 compile", "ms": ms, "TFLOP/s": flops / ms / 1e9,
                  "speedup_vs_torch_eager": eager_ms / ms})  # fmt: skip
 
-    model = ops.Sequential(
-        ops.LayerNorm(h, device=dev, dtype=dt),
-        ops.Linear(h, f, device=dev, dtype=dt),
-        ops.GELU(),
-        ops.Linear(f, h, device=dev, dtype=dt),
-    )
+    model = fusible_block(h, f)
     for name, rec in RECIPES.items():
         for fused in (True, False):
 

@@ -28,11 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import fusible
-from _common import environment, print_table, time_ms, write_json
-from fusible import ops, recipe
+from _common import TorchBlock, environment, fusible_block, print_table, time_ms, write_json
+from fusible import recipe
 from fusible.quantization import QuantizedTensor
 
 RECIPES: dict[str, Any] = {
@@ -44,24 +43,6 @@ RECIPES: dict[str, Any] = {
 # FP8-weight variants: (recipe name, weights stored quantized by this recipe).
 FP8_WEIGHTS: dict[str, Any] = {"current+fp8w": "current", "mxfp8+fp8w": "mxfp8"}
 MIB = 2**20
-
-
-class TorchBlock(torch.nn.Module):
-    def __init__(self, h: int, f: int) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(h)
-        self.fc1, self.fc2 = torch.nn.Linear(h, f), torch.nn.Linear(f, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
-
-
-def fusible_block(h: int, f: int, weights_recipe: Any = None) -> ops.Sequential:
-    kw: dict[str, Any] = {"device": "cuda", "dtype": torch.bfloat16}
-    with fusible.quantized_model_init(weights_recipe, enabled=weights_recipe is not None):
-        return ops.Sequential(
-            ops.LayerNorm(h, **kw), ops.Linear(h, f, **kw), ops.GELU(), ops.Linear(f, h, **kw)
-        )
 
 
 def variants() -> dict[str, tuple[Any, Any]]:

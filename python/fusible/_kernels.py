@@ -641,6 +641,15 @@ def _gemm_outputs(
     return d, aux_out, dbias, amax
 
 
+def _gemm_check_epilogue_operand(
+    arg: str, t: torch.Tensor | None, epilogue: str, needed_by: Any, what: str = ""
+) -> None:
+    """An operand given exactly when ``epilogue`` (one of ``needed_by`` or not) uses it."""
+    if (t is not None) != (epilogue in needed_by):
+        use = "required" if t is None else "not used"
+        raise ValueError(f"fusible.gemm: argument '{arg}'{what} is {use} by epilogue {epilogue!r}")
+
+
 def _gemm_check_mn(name: str, t: torch.Tensor, m: int, n: int) -> None:
     if t.dim() == 0 or t.shape[-1] != n or t.numel() != m * n:
         raise ValueError(
@@ -735,24 +744,16 @@ def gemm(
             raise ValueError(
                 f"fusible.{op}: argument 'want_amax' needs an FP8 out_dtype, got {out_dtype}"
             )
-    if (bias is not None) != (epilogue in _GEMM_USES_BIAS):
-        raise ValueError(
-            f"fusible.{op}: argument 'bias' is "
-            + ("required" if bias is None else "not used")
-            + f" by epilogue {epilogue!r}"
-        )
+    _gemm_check_epilogue_operand("bias", bias, epilogue, _GEMM_USES_BIAS)
     if bias is not None:
         _check_tensor(op, "bias", bias, HIGH_PRECISION_DTYPES, a.device)
         if tuple(bias.shape) != (n,):
             raise ValueError(
                 f"fusible.{op}: argument 'bias' has shape {tuple(bias.shape)}, expected ({n},)"
             )
-    if (aux is not None) != (epilogue in _GEMM_READS_AUX):
-        raise ValueError(
-            f"fusible.{op}: argument 'aux' (the GELU input, for dgelu) is "
-            + ("required" if aux is None else "not used")
-            + f" by epilogue {epilogue!r}"
-        )
+    _gemm_check_epilogue_operand(
+        "aux", aux, epilogue, _GEMM_READS_AUX, " (the GELU input, for dgelu)"
+    )
     if aux is not None:
         _check_tensor(op, "aux", aux, HIGH_PRECISION_DTYPES, a.device)
         _gemm_check_mn("aux", aux, m, n)

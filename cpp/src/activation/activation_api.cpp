@@ -10,10 +10,6 @@ namespace {
 constexpr std::initializer_list<fus_dtype> kHighPrecision = {FUS_FLOAT32, FUS_FLOAT16,
                                                              FUS_BFLOAT16};
 
-void require(bool cond, const char* fn, const std::string& what) {
-  if (!cond) throw Error(FUS_ERROR_INVALID_ARGUMENT, std::string(fn) + ": " + what);
-}
-
 bool valid_kind(fus_activation kind) {
   return static_cast<int>(kind) >= FUS_ACT_GELU && static_cast<int>(kind) <= FUS_ACT_GEGLU;
 }
@@ -100,16 +96,8 @@ fus_status fus_activation_forward(fus_activation kind, const fus_tensor* x, fus_
 
 fus_status fus_activation_backward_workspace_size(int64_t rows, int64_t cols,
                                                   const fus_context* ctx, size_t* bytes) {
-  constexpr const char* fn = "fus_activation_backward_workspace_size";
-  return guarded(fn, [&] {
-    check_context(fn, ctx);
-    require(bytes != nullptr, fn, "bytes is NULL");
-    require(
-        rows >= 0 && cols >= 0, fn,
-        "rows and cols must be >= 0, got " + std::to_string(rows) + " and " + std::to_string(cols));
-    *bytes = is_cuda(ctx) ? act_bwd_workspace_bytes(rows, cols) : 0;
-    return FUS_SUCCESS;
-  });
+  return workspace_size_query("fus_activation_backward_workspace_size", rows, cols, ctx, bytes,
+                              act_bwd_workspace_bytes);
 }
 
 fus_status fus_activation_backward(fus_activation kind, const fus_tensor* grad, const fus_tensor* x,

@@ -3,10 +3,16 @@
 #pragma once
 
 #include <initializer_list>
+#include <string>
 
 #include "common/status.h"
 
 namespace fusible {
+
+// Throws FUS_ERROR_INVALID_ARGUMENT "<fn>: <what>" unless cond.
+inline void require(bool cond, const char* fn, const std::string& what) {
+  if (!cond) throw Error(FUS_ERROR_INVALID_ARGUMENT, std::string(fn) + ": " + what);
+}
 
 void check_context(const char* fn, const fus_context* ctx);
 
@@ -22,5 +28,21 @@ void check_quantized(const char* fn, const char* arg, const fus_quantized* q, in
                      int64_t cols);
 
 bool is_cuda(const fus_context* ctx);
+
+// The body of a fus_*_workspace_size query: argument checks, then cuda_bytes(rows, cols) for a
+// CUDA context and 0 for the CPU backend (which needs no workspace).
+template <typename F>
+fus_status workspace_size_query(const char* fn, int64_t rows, int64_t cols, const fus_context* ctx,
+                                size_t* bytes, F cuda_bytes) {
+  return guarded(fn, [&] {
+    check_context(fn, ctx);
+    require(bytes != nullptr, fn, "bytes is NULL");
+    require(
+        rows >= 0 && cols >= 0, fn,
+        "rows and cols must be >= 0, got " + std::to_string(rows) + " and " + std::to_string(cols));
+    *bytes = is_cuda(ctx) ? cuda_bytes(rows, cols) : 0;
+    return FUS_SUCCESS;
+  });
+}
 
 }  // namespace fusible

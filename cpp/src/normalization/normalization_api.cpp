@@ -12,10 +12,6 @@ namespace {
 constexpr std::initializer_list<fus_dtype> kHighPrecision = {FUS_FLOAT32, FUS_FLOAT16,
                                                              FUS_BFLOAT16};
 
-void require(bool cond, const char* fn, const std::string& what) {
-  if (!cond) throw Error(FUS_ERROR_INVALID_ARGUMENT, std::string(fn) + ": " + what);
-}
-
 void check_kind(const char* fn, fus_norm_kind kind) {
   require(kind == FUS_NORM_LAYERNORM || kind == FUS_NORM_RMSNORM, fn,
           "kind must be FUS_NORM_LAYERNORM (0) or FUS_NORM_RMSNORM (1), got " +
@@ -100,16 +96,8 @@ fus_status fus_norm_forward(fus_norm_kind kind, const fus_tensor* x, const fus_t
 
 fus_status fus_norm_backward_workspace_size(int64_t rows, int64_t cols, const fus_context* ctx,
                                             size_t* bytes) {
-  constexpr const char* fn = "fus_norm_backward_workspace_size";
-  return guarded(fn, [&] {
-    check_context(fn, ctx);
-    require(bytes != nullptr, fn, "bytes is NULL");
-    require(
-        rows >= 0 && cols >= 0, fn,
-        "rows and cols must be >= 0, got " + std::to_string(rows) + " and " + std::to_string(cols));
-    *bytes = is_cuda(ctx) ? norm_bwd_workspace_bytes(rows, cols) : 0;
-    return FUS_SUCCESS;
-  });
+  return workspace_size_query("fus_norm_backward_workspace_size", rows, cols, ctx, bytes,
+                              norm_bwd_workspace_bytes);
 }
 
 fus_status fus_norm_backward(fus_norm_kind kind, const fus_tensor* dy, const fus_tensor* x,

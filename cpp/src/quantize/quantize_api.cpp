@@ -12,10 +12,6 @@ namespace {
 constexpr std::initializer_list<fus_dtype> kHighPrecision = {FUS_FLOAT32, FUS_FLOAT16,
                                                              FUS_BFLOAT16};
 
-void require(bool cond, const char* fn, const std::string& what) {
-  if (!cond) throw Error(FUS_ERROR_INVALID_ARGUMENT, std::string(fn) + ": " + what);
-}
-
 }  // namespace
 }  // namespace fusible
 
