@@ -90,6 +90,7 @@ class _FusibleOp:
         self.op = op
         self.fn: Callable[..., Any] = op._init_fn
         self.mutates = tuple(mutates)
+        self.signature = inspect.signature(self.fn) if mutates else None
         functools.update_wrapper(self, self.fn)
 
     def _direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -113,8 +114,8 @@ class _FusibleOp:
         if not self._direct(args, kwargs):
             return self.op(*args, **kwargs)
         out = self.fn(*args, **kwargs)
-        if self.mutates:
-            bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        if self.signature is not None:
+            bound = self.signature.bind(*args, **kwargs)
             mutated = [bound.arguments[name] for name in self.mutates]
             flat = [t for m in mutated for t in (m if isinstance(m, (list, tuple)) else (m,))]
             torch.autograd.graph.increment_version(flat)
