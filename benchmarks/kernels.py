@@ -79,6 +79,7 @@ def run(shapes: list[tuple[int, int]]) -> tuple[list[dict[str, Any]], float]:
     compiled_ct = torch.compile(torch_cast_transpose)
     compiled_cur = torch.compile(torch_current_cast_transpose)
     compiled_mx = torch.compile(torch_mxfp8)
+    compiled_tr = torch.compile(lambda m: m.t().contiguous())
     for r, c in shapes:
         x = torch.randn(r, c, device=dev, dtype=torch.bfloat16)
         scale = torch.tensor([2.0], device=dev)
@@ -120,6 +121,15 @@ def run(shapes: list[tuple[int, int]]) -> tuple[list[dict[str, Any]], float]:
         q = K.quantize_fp8(x, scale, E4M3, True, False)
         mx = K.quantize_mxfp8(x, E4M3, True, False)
         cases += [
+            (
+                "fp8_transpose",
+                2 * n,
+                {
+                    "fusible": lambda: K.transpose_fp8(q[0]),
+                    "torch_eager": lambda: q[0].view(torch.uint8).t().contiguous(),
+                    "torch_compile": lambda: compiled_tr(q[0].view(torch.uint8)),
+                },
+            ),
             (
                 "fp8_dequantize",
                 n + 2 * n,

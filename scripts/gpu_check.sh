@@ -31,7 +31,7 @@ if [ "$SANITIZE" = 1 ]; then
   done
 fi
 if [ "$BENCH" = 1 ]; then
-  for b in benchmarks/kernels.py benchmarks/gemm.py benchmarks/block.py benchmarks/step.py; do
+  for b in benchmarks/kernels.py benchmarks/ops_kernels.py benchmarks/gemm.py benchmarks/block.py benchmarks/step.py; do
     step "bench $b" "$PY" "$b" --out "$OUT_DIR"
   done
 fi

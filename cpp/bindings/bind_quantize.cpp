@@ -20,6 +20,9 @@ void bind_quantize(py::module_& m) {
         [](const fus_quantized& in, bool columnwise, fus_tensor out, const fus_context& ctx) {
           check(fus_dequantize(&in, columnwise ? 1 : 0, &out, &ctx));
         });
+  m.def("transpose_fp8", [](const fus_tensor& in, fus_tensor out, const fus_context& ctx) {
+    check(fus_transpose_fp8(&in, &out, &ctx));
+  });
 }
 
 void bind_recipe(py::module_& m) {

@@ -37,6 +37,7 @@ __all__ = [
     "quantize_fp8",
     "quantize_fp8_current",
     "quantize_mxfp8",
+    "transpose_fp8",
 ]
 
 MXFP8_BLOCK = 32
@@ -351,6 +352,36 @@ def _check_out_dtype(op: str, dtype: torch.dtype) -> None:
         raise TypeError(
             f"fusible.{op}: argument 'out_dtype' must be float32, float16 or bfloat16, got {dtype}"
         )
+
+
+def _transpose_shape(op: str, x: torch.Tensor) -> tuple[int, int]:
+    if x.dim() != 2:
+        raise ValueError(
+            f"fusible.{op}: argument 'x' must be a 2-D matrix [rows, cols], got shape "
+            f"{tuple(x.shape)}"
+        )
+    return x.shape[0], x.shape[1]
+
+
+@_custom_op("transpose_fp8")
+def transpose_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Byte transpose of an FP8 matrix: ``x`` ``[rows, cols]`` -> ``[cols, rows]``, bits unchanged.
+
+    The transposed (columnwise) copy of a per-tensor FP8 tensor made from its rowwise copy: the two
+    share one ``scale_inv``.
+    """
+    op = "transpose_fp8"
+    _check_tensor(op, "x", x, FP8_DTYPES)
+    rows, cols = _transpose_shape(op, x)
+    out = torch.empty((cols, rows), dtype=x.dtype, device=x.device)
+    _C.transpose_fp8(_mat(x, rows, cols), _mat(out, cols, rows), _ctx(x))
+    return out
+
+
+@transpose_fp8.register_fake
+def _(x):
+    rows, cols = _transpose_shape("transpose_fp8", x)
+    return x.new_empty((cols, rows))
 
 
 @_custom_op("compute_amax")

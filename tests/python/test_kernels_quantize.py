@@ -444,6 +444,45 @@ def test_dequantize_fp8_rounds_through_fp32(out_dtype, scale_inv, single_roundin
     assert want != single_rounding  # the case really distinguishes the two rules
 
 
+# ---- FP8 transpose ------------------------------------------------------------------------------
+
+TRANSPOSE_SHAPES = [(1, 1), (1, 17), (17, 1), (2, 3), (31, 33), (129, 77), (127, 4097), (4096, 16),
+                    (256, 512), (0, 5), (5, 0), (0, 0)]  # fmt: skip
+
+
+def ref_transpose(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8).t().contiguous()
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "offset"])
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=_name)
+@pytest.mark.parametrize("shape", TRANSPOSE_SHAPES, ids=str)
+def test_transpose_fp8_matches_torch(shape, fp8_dtype, aligned, devices):
+    """Every byte (random bits: NaN codes included) moves to its transposed place. ``offset``
+    starts the input one byte into its storage, off the 16-byte alignment."""
+    n = math.prod(shape)
+    base = random_bits((n + 1,), fp8_dtype).to(devices)
+    x = base[:n] if aligned else base[1:]
+    x = x.view(shape)
+    got = ops.transpose_fp8(x)
+    assert got.dtype == fp8_dtype and got.device == x.device
+    assert tuple(got.shape) == (shape[1], shape[0])
+    assert_bits_equal(got.view(torch.uint8), ref_transpose(x), "transpose_fp8")
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=_name)
+def test_transpose_fp8_of_rowwise_copy_is_columnwise_copy(fp8_dtype, devices):
+    """The columnwise copy of a per-tensor FP8 tensor, made from its rowwise copy, is the one
+    quantize_fp8 writes (and both dequantize with the same scale_inv)."""
+    x = make_input((65, 97), torch.bfloat16).to(devices)
+    scale = torch.tensor([0.5], device=devices)
+    data, data_t, scale_inv, _ = ops.quantize_fp8(x, scale, fp8_dtype, True, True)
+    got = ops.transpose_fp8(data)
+    assert_bits_equal(got, data_t, "transpose of the rowwise copy")
+    deq = ops.dequantize_fp8(data, scale_inv, torch.float32)
+    assert_equal_nan(ops.dequantize_fp8(got, scale_inv, torch.float32), deq.t(), "dequantized")
+
+
 # ---- MXFP8 --------------------------------------------------------------------------------------
 
 
@@ -729,6 +768,11 @@ def _gpu_dequantize_fp8(x, f):
     return [ops.dequantize_fp8(d, scale_inv, o) for d in (data, data_t) for o in HP_DTYPES]
 
 
+def _gpu_transpose_fp8(x, f):
+    data = ops.quantize_fp8(as_matrix(x), torch.tensor([0.37], device=x.device), f, True, False)[0]
+    return ops.transpose_fp8(data)
+
+
 def _gpu_dequantize_mxfp8(x, f):
     data, scale, col, col_scale = ops.quantize_mxfp8(x, f, True, True)
     return [
@@ -745,6 +789,7 @@ _GPU_OPS = {
     "quantize_mxfp8": lambda x, f: ops.quantize_mxfp8(x, f, True, True),
     "dequantize_fp8": _gpu_dequantize_fp8,
     "dequantize_mxfp8": _gpu_dequantize_mxfp8,
+    "transpose_fp8": _gpu_transpose_fp8,
 }
 
 
@@ -820,7 +865,7 @@ def test_torch_compile_fullgraph_matches_eager():
         current = ops.quantize_fp8_current(x, E4M3, 0, True, True)
         mx = ops.quantize_mxfp8(x, E5M2, True, True)
         deq = ops.dequantize_mxfp8(mx[2], mx[3], True, torch.bfloat16)
-        return (*fp8, *current, *mx, deq, ops.compute_amax(x))
+        return (*fp8, *current, *mx, deq, ops.compute_amax(x), ops.transpose_fp8(fp8[0]))
 
     x = make_input((65, 97), torch.bfloat16)
     scale = torch.tensor([0.25])
@@ -861,6 +906,7 @@ def _opcheck_cases(device):
             "max",
             0,
         ),
+        "transpose_fp8": (q,),
     }
 
 
@@ -947,6 +993,13 @@ _ERRORS = [
      (_Q[0, 0], torch.zeros(1, 1, dtype=_U8), False, torch.float32)),
     ("demx_out_dtype", TypeError, "dequantize_mxfp8", "out_dtype",
      (_Q, torch.zeros(4, 2, dtype=_U8), False, E4M3)),
+    ("tr_hp_x", TypeError, "transpose_fp8", "x", (_X,)),
+    ("tr_u8_x", TypeError, "transpose_fp8", "x", (_Q.view(_U8),)),
+    ("tr_scalar", ValueError, "transpose_fp8", "x", (_Q[0, 0],)),
+    ("tr_1d", ValueError, "transpose_fp8", "x", (_Q[0],)),
+    ("tr_3d", ValueError, "transpose_fp8", "x", (_Q.view(2, 2, 64),)),
+    ("tr_transposed", ValueError, "transpose_fp8", "x", (_Q.t(),)),
+    ("tr_strided", ValueError, "transpose_fp8", "x", (_Q[:, ::2],)),
     ("dsu_lengths", ValueError, "delayed_scaling_update", "scales", (_H, [], [448.0], "max", 0)),
     ("dsu_lengths_max", ValueError, "delayed_scaling_update", "fp8_maxes",
      (_H, _HS, [448.0, 448.0], "max", 0)),
@@ -1007,6 +1060,8 @@ def test_cuda_tensor_on_cpu_only_build(monkeypatch):
         ops.quantize_fp8(x, torch.ones(1, device="cuda"), E4M3, True, False)
     with pytest.raises(RuntimeError, match=r"fusible\.quantize_mxfp8: argument 'x'"):
         ops.quantize_mxfp8(x, E4M3, True, False)
+    with pytest.raises(RuntimeError, match=r"fusible\.transpose_fp8: argument 'x'"):
+        ops.transpose_fp8(torch.zeros(4, 64, dtype=torch.uint8, device="cuda").view(E4M3))
 
 
 @pytest.mark.skipif(K.has_cuda(), reason="checks the CPU-only build of the core library")
@@ -1019,3 +1074,5 @@ def test_core_library_refuses_cuda_context_without_cuda_backend():
     with pytest.raises(TypeError, match=r"fus_quantize: .*no CUDA backend"):
         q = _C.Quantized(0, 3, 4, 4, 0, 0, 0, 0, 0, 0)
         _C.quantize(_C.Tensor(0, 0, 4, 4), q, cuda_ctx)
+    with pytest.raises(TypeError, match=r"fus_transpose_fp8: .*no CUDA backend"):
+        _C.transpose_fp8(_C.Tensor(0, 3, 4, 4), _C.Tensor(0, 3, 4, 4), cuda_ctx)

@@ -62,6 +62,14 @@ fus_status fus_quantize_current_scaling(const fus_tensor* input, fus_quantized* 
 fus_status fus_dequantize(const fus_quantized* in, int columnwise, fus_tensor* output,
                           const fus_context* ctx);
 
+/*
+ * Byte transpose of an FP8 matrix: output[c, r] = input[r, c], bits unchanged (exact).
+ * input [rows, cols] and output [cols, rows], both FUS_FLOAT8_E4M3 or both FUS_FLOAT8_E5M2; the
+ * buffers must not overlap. Makes the transposed (columnwise) copy of a per-tensor FP8 tensor from
+ * its rowwise copy: the two share the same scale_inv.
+ */
+fus_status fus_transpose_fp8(const fus_tensor* input, fus_tensor* output, const fus_context* ctx);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -69,6 +69,17 @@ inline int sm_count() {
   return count;
 }
 
+// Grid of a persistent (grid-stride) kernel that has `blocks` blocks of work: at most the blocks
+// of `threads` threads that are resident at once, since a partial second wave would leave most
+// SMs idle.
+template <typename K>
+unsigned persistent_blocks(K kernel, int threads, int64_t blocks) {
+  int per_sm = 0;
+  FUS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  const int64_t resident = static_cast<int64_t>(per_sm > 0 ? per_sm : 1) * sm_count();
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < resident ? blocks : resident));
+}
+
 inline bool is_aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }

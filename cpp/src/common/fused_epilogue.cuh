@@ -82,30 +82,39 @@ __device__ __forceinline__ void store8(void* p, fus_dtype dt, int64_t i, int n, 
     if (j < n) store_hp(p, dt, i + j, v[j]);
 }
 
-// Stores the first n of 8 bytes at dst. vec: n == 8 may be one 8-byte store (dst 8-byte aligned).
-__device__ __forceinline__ void store_bytes8(uint8_t* dst, int n, bool vec, const uint8_t (&b)[8]) {
+// ---- casts (run-time FP8 format; uniform branches)
+// ------------------------------------------------
+
+// fp8(v[j] * s[j]) for eight values, byte j of the two words, exactly as the quantize family
+// casts (numerics.h scaled_fp8x4: paired conversions, defined NaN rule).
+__device__ __forceinline__ uint2 cast8(bool e5m2, const float (&v)[8], const float (&s)[8]) {
+  const float v0[4] = {v[0], v[1], v[2], v[3]}, v1[4] = {v[4], v[5], v[6], v[7]};
+  const float s0[4] = {s[0], s[1], s[2], s[3]}, s1[4] = {s[4], s[5], s[6], s[7]};
+  if (e5m2)
+    return make_uint2(scaled_fp8x4<Fp8Format::kE5M2>(v0, s0),
+                      scaled_fp8x4<Fp8Format::kE5M2>(v1, s1));
+  return make_uint2(scaled_fp8x4<Fp8Format::kE4M3>(v0, s0), scaled_fp8x4<Fp8Format::kE4M3>(v1, s1));
+}
+
+__device__ __forceinline__ uint2 cast8(bool e5m2, const float (&v)[8], float s) {
+  const float ss[8] = {s, s, s, s, s, s, s, s};
+  return cast8(e5m2, v, ss);
+}
+
+__device__ __forceinline__ uint8_t byte_of(uint2 w, int j) {
+  return static_cast<uint8_t>((j < 4 ? w.x : w.y) >> (8 * (j % 4)));
+}
+
+// Stores the first n of the 8 bytes in w at dst. vec: n == 8 may be one 8-byte store (dst 8-byte
+// aligned).
+__device__ __forceinline__ void store_words8(uint8_t* dst, int n, bool vec, uint2 w) {
   if (vec && n == 8) {
-    uint32_t lo = 0, hi = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      lo |= static_cast<uint32_t>(b[j]) << (8 * j);
-      hi |= static_cast<uint32_t>(b[j + 4]) << (8 * j);
-    }
-    *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+    *reinterpret_cast<uint2*>(dst) = w;
     return;
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j)
-    if (j < n) dst[j] = b[j];
-}
-
-// ---- casts (run-time FP8 format; uniform branches)
-// ------------------------------------------------
-
-// fp8(v * s) exactly as the quantize family casts (numerics.h scale_element: defined NaN rule).
-__device__ __forceinline__ uint8_t cast_fp8(bool e5m2, float v, float s) {
-  const float x = scale_element(v, s);
-  return e5m2 ? float_to_fp8<Fp8Format::kE5M2>(x) : float_to_fp8<Fp8Format::kE4M3>(x);
+    if (j < n) dst[j] = byte_of(w, j);
 }
 
 __device__ __forceinline__ uint8_t e8m0_for(bool e5m2, uint32_t amax_bits) {
@@ -192,24 +201,20 @@ __device__ __forceinline__ void emit_tile(const EpilogueOut& o, EpilogueSmem& sm
   if (o.amax) acc.amax = max(acc.amax, m);
 
   if (o.qmode == 1) {
-    const float s = *o.scale;
-    uint8_t q[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) q[j] = cast_fp8(o.e5m2, v[j], s);
-    if (o.q_row && n > 0) store_bytes8(o.q_row + at, n, o.vec_q_row, q);
+    const uint2 q = cast8(o.e5m2, v, *o.scale);
+    if (o.q_row && n > 0) store_words8(o.q_row + at, n, o.vec_q_row, q);
     if (o.q_col) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) sm.qt[8 * tx + j][ty] = q[j];
+      for (int j = 0; j < 8; ++j) sm.qt[8 * tx + j][ty] = byte_of(q, j);
       __syncthreads();
       const int cl = tid / 4, part = tid % 4;
       const int64_t rr = r0 + 8 * part;
       if (cl < strip_cols && rr < o.rows) {
-        uint8_t b[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) b[j] = sm.qt[cl][8 * part + j];
+        // Rows are kTileRows + 4 bytes apart: 4-byte aligned, so two word reads.
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(&sm.qt[cl][8 * part]);
         const int64_t left = o.rows - rr;
-        store_bytes8(o.q_col + (c0s + cl) * o.rows + rr, left < 8 ? static_cast<int>(left) : 8,
-                     o.vec_q_t, b);
+        store_words8(o.q_col + (c0s + cl) * o.rows + rr, left < 8 ? static_cast<int>(left) : 8,
+                     o.vec_q_t, make_uint2(src[0], src[1]));
       }
       __syncthreads();
     }
@@ -221,10 +226,7 @@ __device__ __forceinline__ void emit_tile(const EpilogueOut& o, EpilogueSmem& sm
       bm = max(bm, __shfl_xor_sync(kFull, bm, 2));
       const uint8_t e = e8m0_for(o.e5m2, bm);
       const float mult = e8m0_inverse(e);
-      uint8_t q[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) q[j] = cast_fp8(o.e5m2, v[j], mult);
-      if (n > 0) store_bytes8(o.q_row + at, n, o.vec_q_row, q);
+      if (n > 0) store_words8(o.q_row + at, n, o.vec_q_row, cast8(o.e5m2, v, mult));
       if (tx % 4 == 0 && n > 0) o.s_row[r * ((o.out_cols + 31) / 32) + col / 32] = e;
     }
     if (o.q_col) {
@@ -240,10 +242,10 @@ __device__ __forceinline__ void emit_tile(const EpilogueOut& o, EpilogueSmem& sm
         if (tid < strip_cols && r0 < o.rows) o.s_col[(r0 / 32) * o.out_cols + c0s + tid] = e;
       }
       __syncthreads();
-      uint8_t q[8];
+      float mc[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) q[j] = cast_fp8(o.e5m2, v[j], e8m0_inverse(sm.ecol[8 * tx + j]));
-      if (n > 0) store_bytes8(o.q_col + at, n, o.vec_q_row, q);
+      for (int j = 0; j < 8; ++j) mc[j] = e8m0_inverse(sm.ecol[8 * tx + j]);
+      if (n > 0) store_words8(o.q_col + at, n, o.vec_q_row, cast8(o.e5m2, v, mc));
       __syncthreads();
     }
   }

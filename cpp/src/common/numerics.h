@@ -53,13 +53,21 @@ FUS_HD float bf16_to_float(uint16_t h) { return bits_as_float(static_cast<uint32
 FUS_HD uint16_t float_to_bf16(float f) {
   uint32_t u = float_as_bits(f);
   if (is_nan_bits(u)) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // quiet NaN, keep sign
-  u += 0x7fffu + ((u >> 16) & 1u);                                       // round to nearest even
+#if defined(__CUDA_ARCH__)
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));  // cvt.rn.bf16.f32: the same RNE
+#endif
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
   return static_cast<uint16_t>(u >> 16);
 }
 
-// Software on both sides: the device's __half2float drops the sign of NaN, and the bits must match.
+// Exact widening. The device's __half2float drops the sign and payload of a NaN, so NaNs are
+// widened in software on both sides.
 FUS_HD float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+#if defined(__CUDA_ARCH__)
+  if ((h & 0x7fffu) <= 0x7c00u) return __half2float(__ushort_as_half(h));
+  return bits_as_float(sign | 0x7f800000u | (static_cast<uint32_t>(h & 0x3ffu) << 13));
+#endif
   const uint32_t exp = (h >> 10) & 0x1fu;
   const uint32_t man = h & 0x3ffu;
   if (exp == 0x1f) return bits_as_float(sign | 0x7f800000u | (man << 13));
@@ -152,8 +160,8 @@ template <Fp8Format F>
 FUS_HD uint8_t float_to_fp8(float f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   // Hardware cvt.rn.satfinite; only the NaN encoding differs from the specification.
-  const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(
-      f, __NV_SATFINITE, F == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2);
+  const __nv_fp8_storage_t q =
+      __nv_cvt_float_to_fp8(f, __NV_SATFINITE, F == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2);
   const uint32_t u = float_as_bits(f);
   return is_nan_bits(u) ? static_cast<uint8_t>(((u >> 24) & 0x80u) | 0x7fu)
                         : static_cast<uint8_t>(q);
@@ -176,7 +184,8 @@ FUS_HD float fp8_to_float(uint8_t q) {
   }
   if (exp == 0) {
     // subnormal: man * 2^(1 - bias - mant), exact
-    const float v = static_cast<float>(man) / static_cast<float>(1u << (T::kBias - 1 + T::kMantBits));
+    const float v =
+        static_cast<float>(man) / static_cast<float>(1u << (T::kBias - 1 + T::kMantBits));
     return sign ? -v : v;
   }
   return bits_as_float(sign | ((exp + 127u - T::kBias) << 23) | (man << (23 - T::kMantBits)));
@@ -240,6 +249,41 @@ FUS_HD float scale_element(float x, float s) {
   if (is_nan_bits(float_as_bits(x))) return x;
   const float p = x * s;
   return is_nan_bits(float_as_bits(p)) ? bits_as_float(0x7fc00000u) : p;
+}
+
+// fp8(scale_element(x[i], s[i])) for four elements, byte i of the word: the cast every kernel
+// does. On sm_89+ the products go through paired hardware conversions (cvt.rn.satfinite.*x2,
+// first element in the low byte); only when a product is NaN (rare) does the word come from the
+// per-element path, which defines the NaN's sign. The result is the per-element one either way:
+// a product that is not NaN comes from an x that is not NaN, and scale_element returns it as is.
+template <Fp8Format F>
+FUS_HD uint32_t scaled_fp8x4(const float (&x)[4], const float (&s)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  float p[4];
+  bool nan = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    p[i] = x[i] * s[i];
+    nan |= p[i] != p[i];
+  }
+  if (!nan) {
+    constexpr __nv_fp8_interpretation_t kInterp = F == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2;
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(p[0], p[1]), __NV_SATFINITE, kInterp);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(p[2], p[3]), __NV_SATFINITE, kInterp);
+    return lo | (hi << 16);
+  }
+#endif
+  uint32_t w = 0;
+  for (int i = 0; i < 4; ++i)
+    w |= static_cast<uint32_t>(float_to_fp8<F>(scale_element(x[i], s[i]))) << (8 * i);
+  return w;
+}
+
+// The same with one multiplier for all four.
+template <Fp8Format F>
+FUS_HD uint32_t scaled_fp8x4(const float (&x)[4], float s) {
+  const float ss[4] = {s, s, s, s};
+  return scaled_fp8x4<F>(x, ss);
 }
 
 // ---- element loads / stores by dtype code (fusible/common.h values) -----------------------------

@@ -10,9 +10,12 @@
 //    the passes re-read the row, which then comes from L1/L2). The output pass writes y, the
 //    rowwise FP8 / MXFP8 copy (32-wide blocks = 4 adjacent lanes, combined by shuffles), mean,
 //    rstd and the block's amax (one atomicMax).
-//  - norm_col_kernel, only for a columnwise copy (per-tensor transpose, MXFP8 columnwise): 32 x 64
-//    tiles, recomputing y from x, mean and rstd (same formula, same bits) and writing through the
-//    shared tile epilogue (common/fused_epilogue.cuh).
+//  - norm_fwd_fast_kernel: the same for the common case (16-bit dtypes throughout, aligned, whole
+//    chunks, no MXFP8) with those choices fixed at compile time; persistent over rows.
+//  - a per-tensor transposed copy: the rowwise copy's bytes transposed (quantize family).
+//  - norm_col_kernel, for an MXFP8 columnwise copy (or a transposed copy without a rowwise one):
+//    32 x 64 tiles, recomputing y from x, mean and rstd (same formula, same bits) and writing
+//    through the shared tile epilogue (common/fused_epilogue.cuh).
 // Backward:
 //  - norm_bwd_kernel: one block per row group, `teams` teams per block; per row two team sums,
 //    then dx; dgamma / dbeta accumulate per team in registers (fp32), are combined across the
@@ -22,6 +25,7 @@
 #include "common/fused_epilogue.cuh"
 #include "normalization/normalization_impl.h"
 #include "normalization/normalization_math.h"
+#include "quantize/quantize_impl.h"
 
 namespace fusible {
 namespace {
@@ -55,6 +59,13 @@ __device__ __forceinline__ float team_sum(float v, int lanes, float* red) {
 __device__ __forceinline__ int chunk_len(int64_t cols, int64_t col) {
   return static_cast<int>(fused::imax(0, fused::imin(8, cols - col)));
 }
+
+// Eight 16-bit elements as one 16-byte vector.
+template <typename T>
+union Chunk8 {
+  uint4 u;
+  T e[8];
+};
 
 // ---- forward, rowwise
 // -----------------------------------------------------------------------------
@@ -185,13 +196,115 @@ __global__ void __launch_bounds__(512) norm_fwd_kernel(const NormFwdParams p) {
           e = fused::e8m0_for(p.e5m2, m);
           mult = e8m0_inverse(e);
         }
-        uint8_t q[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) q[j] = fused::cast_fp8(p.e5m2, y[j], mult);
-        if (n > 0) fused::store_bytes8(p.q_row + base + col, n, p.vec_q, q);
+        if (n > 0)
+          fused::store_words8(p.q_row + base + col, n, p.vec_q, fused::cast8(p.e5m2, y, mult));
         if (p.qmode == 2 && lane % 4 == 0 && n > 0) p.s_row[row * nb + col / 32] = e;
       }
     }
+  }
+  if (p.amax) fused::block_amax(am, p.amax);
+  if (p.scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *p.scale_inv = f_div(1.0f, *p.scale);
+}
+
+// ---- forward, rowwise: the fast path
+// --------------------------------------------------------------
+
+// norm_fwd_kernel's common case with the dtypes and output kind fixed at compile time: x, gamma,
+// beta and y all of the 16-bit type T, 16-byte aligned, every lane owning exactly C whole chunks,
+// no output or a per-tensor FP8 one (kQ). Same plan, same formulas, same bits. Persistent: a team
+// walks rows with a grid stride, loading the next row's x while it reduces and writes the current
+// one; gamma and beta are re-read per row through L1 (registers are what limits occupancy).
+template <typename T, int C, bool kLn, bool kQ, Fp8Format F>
+__global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams p) {
+  static_assert(sizeof(T) == 2, "16-bit rows");
+  __shared__ float red[16];
+  const int L = p.lanes, teams = blockDim.x / L, team = threadIdx.x / L, lane = threadIdx.x % L;
+  const int64_t H = p.cols;
+  const bool has_beta = p.beta != nullptr;
+  auto elem = [](const uint4& raw, int j) {
+    Chunk8<T> c;
+    c.u = raw;
+    return Element<T>::load(c.e, j);
+  };
+  const float scale = kQ ? *p.scale : 1.0f;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * teams;
+  auto load_row = [&](int64_t row, uint4(&xr)[C]) {
+    if (row >= p.rows) return;
+    const T* src = static_cast<const T*>(p.x) + row * H + lane * 8;
+#pragma unroll
+    for (int k = 0; k < C; ++k) xr[k] = __ldcs(reinterpret_cast<const uint4*>(src + k * L * 8));
+  };
+
+  uint32_t am = 0;
+  uint4 x[C];
+  int64_t row = static_cast<int64_t>(blockIdx.x) * teams + team;
+  load_row(row, x);
+  // Every team of the block takes the same number of steps (team_sum synchronises the block).
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * teams; first < p.rows;
+       first += step, row += step) {
+    uint4 xn[C];
+    load_row(row + step, xn);
+    const bool active = row < p.rows;
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < C; ++k)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float v = elem(x[k], j);
+        s = kLn ? f_add(s, v) : f_fma(v, v, s);
+      }
+    s = team_sum(s, L, red);
+    float mean = 0.0f, rstd;
+    if constexpr (kLn) {
+      mean = norm_mean(s, H);
+      float s2 = 0.0f;
+#pragma unroll
+      for (int k = 0; k < C; ++k)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float d = f_sub(elem(x[k], j), mean);
+          s2 = f_fma(d, d, s2);
+        }
+      rstd = norm_rstd(team_sum(s2, L, red), H, p.eps);
+    } else {
+      rstd = norm_rstd(s, H, p.eps);
+    }
+    if (active) {
+      if (lane == 0) {
+        if (p.mean) p.mean[row] = mean;
+        p.rstd[row] = rstd;
+      }
+#pragma unroll
+      for (int k = 0; k < C; ++k) {
+        const int64_t col = (static_cast<int64_t>(k) * L + lane) * 8, at = row * H + col;
+        const uint4 gk =
+            __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.gamma) + col));
+        const uint4 bk =
+            has_beta ? __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.beta) + col))
+                     : make_uint4(0, 0, 0, 0);
+        float y[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float xh = norm_xhat(kLn, elem(x[k], j), mean, rstd);
+          y[j] = round_to<T>(
+              norm_y(kLn, xh, norm_weight(elem(gk, j), p.zc), has_beta ? elem(bk, j) : 0.0f));
+          am = max(am, abs_bits(y[j]));
+        }
+        if (p.y) {
+          Chunk8<T> o;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) Element<T>::store(o.e, j, y[j]);
+          *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + at) = o.u;
+        }
+        if constexpr (kQ) {
+          const float y0[4] = {y[0], y[1], y[2], y[3]}, y1[4] = {y[4], y[5], y[6], y[7]};
+          *reinterpret_cast<uint2*>(p.q_row + at) =
+              make_uint2(scaled_fp8x4<F>(y0, scale), scaled_fp8x4<F>(y1, scale));
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < C; ++k) x[k] = xn[k];
   }
   if (p.amax) fused::block_amax(am, p.amax);
   if (p.scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *p.scale_inv = f_div(1.0f, *p.scale);
@@ -437,6 +550,86 @@ __global__ void __launch_bounds__(512) norm_bwd_kernel(const NormBwdParams p) {
 
 bool aligned(const void* p, size_t bytes) { return p == nullptr || is_aligned(p, bytes); }
 
+template <typename T, bool kLn, bool kQ, Fp8Format F>
+void launch_fast(const NormFwdParams& p, int64_t blocks, int threads, cudaStream_t stream) {
+  const auto kernel = norm_fwd_fast_kernel<T, 4, kLn, kQ, F>;
+  kernel<<<persistent_blocks(kernel, threads, blocks), threads, 0, stream>>>(p);
+  FUS_CUDA_CHECK_LAUNCH("norm_fwd_fast_kernel");
+}
+
+// norm_fwd_fast_kernel for the 16-bit dtype dt (C = 4 chunks a lane).
+void launch_norm_fwd_fast(const NormFwdParams& p, fus_dtype dt, int64_t blocks, int threads,
+                          cudaStream_t stream) {
+  auto by_out = [&](auto t, auto ln) {
+    using T = decltype(t);
+    constexpr bool kLn = decltype(ln)::value;
+    if (p.qmode == 0)
+      launch_fast<T, kLn, false, Fp8Format::kE4M3>(p, blocks, threads, stream);
+    else if (p.e5m2)
+      launch_fast<T, kLn, true, Fp8Format::kE5M2>(p, blocks, threads, stream);
+    else
+      launch_fast<T, kLn, true, Fp8Format::kE4M3>(p, blocks, threads, stream);
+  };
+  auto by_kind = [&](auto t) {
+    if (p.ln)
+      by_out(t, std::true_type{});
+    else
+      by_out(t, std::false_type{});
+  };
+  if (dt == FUS_BFLOAT16)
+    by_kind(Bf16{});
+  else
+    by_kind(Half{});
+}
+
+// The columnwise copy of a quantized forward output, after the rowwise kernel.
+void finish_norm_forward(const NormFwdArgs& a, const NormFwdParams& p, const fus_quantized* q,
+                         bool per_tensor, const fus_context& ctx) {
+  const cudaStream_t stream = stream_of(ctx);
+  const int64_t rows = a.x.rows, H = a.x.cols;
+  const bool vec = H % 8 == 0;
+  if (q && q->columnwise_data && per_tensor && q->rowwise_data) {
+    // Per tensor, the transposed copy is the rowwise one's bytes transposed (same scale): a byte
+    // transpose moves half the bytes norm_col_kernel would and does no arithmetic.
+    transpose_fp8_cuda(fus_tensor{q->rowwise_data, q->dtype, rows, H},
+                       fus_tensor{q->columnwise_data, q->dtype, H, rows}, ctx);
+  } else if (q && q->columnwise_data) {
+    NormColParams c{};
+    c.ln = a.layernorm;
+    c.zc = a.zero_centered;
+    c.x = a.x.data;
+    c.x_dt = a.x.dtype;
+    c.vec_x = p.vec_x;
+    c.gamma = a.gamma.data;
+    c.g_dt = a.gamma.dtype;
+    c.beta = a.beta;
+    c.b_dt = a.beta_dtype;
+    c.mean = a.mean;
+    c.rstd = a.rstd;
+    c.rows = rows;
+    c.cols = H;
+    const int64_t tiles = (rows + fused::kTileRows - 1) / fused::kTileRows;
+    c.rows_per_block = fused::kTileRows * ((tiles + 65534) / 65535);
+    fused::EpilogueOut& o = c.out;
+    o.hp = nullptr;
+    o.hp_dtype = a.round_dtype;
+    o.round_dtype = a.round_dtype;
+    o.qmode = p.qmode;
+    o.e5m2 = p.e5m2;
+    o.q_col = static_cast<uint8_t*>(q->columnwise_data);
+    o.s_col = per_tensor ? nullptr : static_cast<uint8_t*>(q->columnwise_scale_inv);
+    o.scale = p.scale;
+    o.vec_q_row = vec && aligned(o.q_col, 8);
+    o.vec_q_t = per_tensor && rows % 8 == 0 && aligned(o.q_col, 8);
+    o.rows = rows;
+    o.out_cols = H;
+    const dim3 grid(static_cast<unsigned>((H + fused::kTileCols - 1) / fused::kTileCols),
+                    static_cast<unsigned>((rows + c.rows_per_block - 1) / c.rows_per_block));
+    norm_col_kernel<<<grid, fused::kTileThreads, 0, stream>>>(c);
+    FUS_CUDA_CHECK_LAUNCH("norm_col_kernel");
+  }
+}
+
 }  // namespace
 
 void norm_forward_cuda(const NormFwdArgs& a, const fus_context& ctx) {
@@ -493,6 +686,16 @@ void norm_forward_cuda(const NormFwdArgs& a, const fus_context& ctx) {
   const int threads = p.lanes < 128 ? 128 : p.lanes;
   const int64_t teams = threads / p.lanes;
   const unsigned blocks = static_cast<unsigned>((rows + teams - 1) / teams);
+  const bool same_dt = a.x.dtype != FUS_FLOAT32 && a.gamma.dtype == a.x.dtype &&
+                       (!a.beta || a.beta_dtype == a.x.dtype) && a.round_dtype == a.x.dtype &&
+                       p.y_dt == a.x.dtype;
+  const bool fast = same_dt && p.qmode != 2 && p.kmax == 4 &&
+                    norm_chunks(H) == 4 * static_cast<int64_t>(p.lanes) && p.vec_x && p.vec_g &&
+                    p.vec_b && p.vec_y && (!p.q_row || p.vec_q);
+  if (fast) {
+    launch_norm_fwd_fast(p, a.x.dtype, blocks, threads, stream);
+    return finish_norm_forward(a, p, q, per_tensor, ctx);
+  }
   switch (p.kmax) {
     case 1: norm_fwd_kernel<1><<<blocks, threads, 0, stream>>>(p); break;
     case 2: norm_fwd_kernel<2><<<blocks, threads, 0, stream>>>(p); break;
@@ -501,42 +704,7 @@ void norm_forward_cuda(const NormFwdArgs& a, const fus_context& ctx) {
     default: norm_fwd_kernel<0><<<blocks, threads, 0, stream>>>(p); break;
   }
   FUS_CUDA_CHECK_LAUNCH("norm_fwd_kernel");
-
-  if (q && q->columnwise_data) {
-    NormColParams c{};
-    c.ln = a.layernorm;
-    c.zc = a.zero_centered;
-    c.x = a.x.data;
-    c.x_dt = a.x.dtype;
-    c.vec_x = p.vec_x;
-    c.gamma = a.gamma.data;
-    c.g_dt = a.gamma.dtype;
-    c.beta = a.beta;
-    c.b_dt = a.beta_dtype;
-    c.mean = a.mean;
-    c.rstd = a.rstd;
-    c.rows = rows;
-    c.cols = H;
-    const int64_t tiles = (rows + fused::kTileRows - 1) / fused::kTileRows;
-    c.rows_per_block = fused::kTileRows * ((tiles + 65534) / 65535);
-    fused::EpilogueOut& o = c.out;
-    o.hp = nullptr;
-    o.hp_dtype = a.round_dtype;
-    o.round_dtype = a.round_dtype;
-    o.qmode = p.qmode;
-    o.e5m2 = p.e5m2;
-    o.q_col = static_cast<uint8_t*>(q->columnwise_data);
-    o.s_col = per_tensor ? nullptr : static_cast<uint8_t*>(q->columnwise_scale_inv);
-    o.scale = p.scale;
-    o.vec_q_row = vec && aligned(o.q_col, 8);
-    o.vec_q_t = per_tensor && rows % 8 == 0 && aligned(o.q_col, 8);
-    o.rows = rows;
-    o.out_cols = H;
-    const dim3 grid(static_cast<unsigned>((H + fused::kTileCols - 1) / fused::kTileCols),
-                    static_cast<unsigned>((rows + c.rows_per_block - 1) / c.rows_per_block));
-    norm_col_kernel<<<grid, fused::kTileThreads, 0, stream>>>(c);
-    FUS_CUDA_CHECK_LAUNCH("norm_col_kernel");
-  }
+  finish_norm_forward(a, p, q, per_tensor, ctx);
 }
 
 void norm_backward_cuda(const NormBwdArgs& a, const fus_context& ctx) {

@@ -17,6 +17,9 @@
 //  - dequantize_kernel: 16-byte fp8 loads, several per thread in flight; fp8 decoding through a
 //    256-entry shared table built with the shared numerics (per tensor the table holds the final
 //    output bits).
+//  - transpose_fp8_kernel: a byte transpose in 128 x 128 tiles, persistent like the casts (next
+//    tile's 16-byte row pieces in flight by cp.async into a second stage), gathered as in
+//    cast_transpose_kernel and stored as 16-byte pieces (128 contiguous bytes per 8 lanes).
 // amax is a max over abs_bits (uint32), so NaN propagates; blocks combine with one atomicMax on
 // the bits of a float zeroed by cudaMemsetAsync on the same stream.
 #include <climits>
@@ -55,19 +58,34 @@ template <typename T, Fp8Format F, int N = kVec<T>>
 __device__ __forceinline__ void cast_chunk(const uint4& raw, const float (&s)[N],
                                            uint32_t (&w)[N / 4]) {
 #pragma unroll
-  for (int j = 0; j < N / 4; ++j) w[j] = 0;
+  for (int j = 0; j < N / 4; ++j) {
+    float x[4], m[4];
 #pragma unroll
-  for (int i = 0; i < N; ++i)
-    w[i / 4] |= static_cast<uint32_t>(float_to_fp8<F>(scale_element(chunk_elem<T>(raw, i), s[i])))
-                << (8 * (i % 4));
+    for (int i = 0; i < 4; ++i) {
+      x[i] = chunk_elem<T>(raw, 4 * j + i);
+      m[i] = s[4 * j + i];
+    }
+    w[j] = scaled_fp8x4<F>(x, m);
+  }
 }
 
 template <typename T, int N = kVec<T>>
 __device__ __forceinline__ uint32_t chunk_amax(const uint4& raw) {
-  uint32_t m = 0;
+  if constexpr (sizeof(T) == 2) {
+    // On the 16-bit magnitudes, two at a time: widening to fp32 is monotonic in them (inf and
+    // NaN payloads included), so the max can be taken before it.
+    constexpr uint32_t kMag = 0x7fff7fffu;
+    uint32_t m =
+        __vmaxu2(__vmaxu2(raw.x & kMag, raw.y & kMag), __vmaxu2(raw.z & kMag, raw.w & kMag));
+    Chunk<T> c;
+    c.u = make_uint4(max(m & 0xffffu, m >> 16), 0, 0, 0);
+    return abs_bits(Element<T>::load(c.e, 0));
+  } else {
+    uint32_t m = 0;
 #pragma unroll
-  for (int i = 0; i < N; ++i) m = max(m, abs_bits(chunk_elem<T>(raw, i)));
-  return m;
+    for (int i = 0; i < N; ++i) m = max(m, abs_bits(chunk_elem<T>(raw, i)));
+    return m;
+  }
 }
 
 // Stores N packed bytes to an N-byte aligned dst with one vector store.
@@ -598,14 +616,110 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DqParams p) 
   }
 }
 
-// Grid of a persistent (grid-stride) kernel that needs `blocks` blocks of work: at most the
-// blocks that are resident at once, since a partial second wave would leave most SMs idle.
-template <typename K>
-unsigned persistent_grid(int64_t blocks, K kernel) {
-  int per_sm = 0;
-  FUS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  const int64_t resident = static_cast<int64_t>(per_sm > 0 ? per_sm : 1) * sm_count();
-  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < resident ? blocks : resident));
+// ---- FP8 byte transpose -------------------------------------------------------------------------
+
+// Tiles of kTp x kTp bytes. Each thread loads kTpSteps 16-byte row pieces of a tile (tile rows
+// threadIdx.x / 8 + k * kTpRps, columns threadIdx.x % 8 * 16 ...) and, after the barrier, gathers
+// 16 tile rows x 4 tile columns: one 16-byte piece of each of 4 output rows.
+constexpr int kTp = 128;
+constexpr int kTpCpr = kTp / 16;           // 16-byte pieces per tile row
+constexpr int kTpRps = kThreads / kTpCpr;  // tile rows one load step covers
+constexpr int kTpSteps = kTp / kTpRps;     // load steps per tile
+constexpr int kTpGroupPad = 16;            // bytes after every 16 tile rows
+constexpr int kTpTileBytes = kTp * kTp + kTp / 16 * kTpGroupPad;
+constexpr int kTpStages = 2;  // one tile in flight while one is stored
+static_assert(kTp / 16 * (kTp / 4) == kThreads, "one gather task of 16 x 4 bytes per thread");
+
+// Byte offset of tile element (r, c). The padding puts the 16-row groups 4 banks apart, so the
+// gather's word reads (8 row groups x 4 column words per warp) hit 32 distinct banks; a quarter
+// warp's 16-byte writes cover one 128-byte tile row.
+__device__ __forceinline__ int tp_at(int r, int c) { return r * kTp + (r >> 4) * kTpGroupPad + c; }
+
+// Loads tile w (if any) of the [rows, cols] byte matrix p.x into `tile` and commits one cp.async
+// group (always, so the group count stays in step with the tiles). Pieces outside the matrix are
+// zero-filled; they are never stored. Without vec_in the pieces are read byte by byte.
+__device__ __forceinline__ void tp_issue(const CastParams& p, uint8_t* tile, const TileWalk& w) {
+  if (w.valid(p)) {
+    const uint8_t* __restrict__ x = static_cast<const uint8_t*>(p.x);
+    const int64_t rows = p.rows, cols = p.cols;
+    const int64_t r0 = static_cast<int64_t>(w.tr) * kTp, c0 = static_cast<int64_t>(w.tc) * kTp;
+    const int tr = threadIdx.x / kTpCpr, tc = threadIdx.x % kTpCpr * 16;
+    const int64_t r = r0 + tr, c = c0 + tc;
+    if (p.vec_in && r0 + kTp <= rows && c0 + kTp <= cols) {
+      const uint8_t* src = x + r * cols + c;
+#pragma unroll
+      for (int k = 0; k < kTpSteps; ++k)
+        cp_async16(reinterpret_cast<uint4*>(tile + tp_at(tr + k * kTpRps, tc)),
+                   src + k * kTpRps * cols, true);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kTpSteps; ++k) {
+        const int64_t rr = r + k * kTpRps;
+        uint4* dst = reinterpret_cast<uint4*>(tile + tp_at(tr + k * kTpRps, tc));
+        if (p.vec_in) {  // cols % 16 == 0: a piece is wholly inside or outside
+          const bool in = rr < rows && c < cols;
+          cp_async16(dst, in ? x + rr * cols + c : x, in);
+        } else {
+          Chunk<uint8_t> ch;
+#pragma unroll
+          for (int i = 0; i < 16; ++i)
+            ch.e[i] = rr < rows && c + i < cols ? x[rr * cols + c + i] : 0;
+          *dst = ch.u;
+        }
+      }
+    }
+  }
+  cp_async_commit();
+}
+
+// out[c, r] = in[r, c] for the byte matrix in = p.x [rows, cols], out = p.col [cols, rows].
+// Persistent: the tiles of a block are walked with a grid stride, the next tile's loads (cp.async
+// into the other shared-memory stage) in flight while the current one is transposed and stored.
+// The gather reads 4 x 4 byte blocks as words, transposes them with byte permutes and stores
+// 16-byte pieces of output rows: the 8 lanes of one row group store 128 contiguous bytes.
+__global__ void __launch_bounds__(kThreads) transpose_fp8_kernel(const CastParams p) {
+  __shared__ alignas(16) uint8_t tiles[kTpStages][kTpTileBytes];
+  const int64_t rows = p.rows, cols = p.cols;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int j = lane & 7, cg = warp * 4 + (lane >> 3);  // tile rows 16 * j ..., columns 4 * cg ...
+
+  TileWalk ahead(p, blockIdx.x);
+#pragma unroll
+  for (int d = 0; d < kTpStages - 1; ++d, ahead.next(p)) tp_issue(p, tiles[d], ahead);
+  int stage = 0;
+  for (TileWalk w(p, blockIdx.x); w.valid(p); w.next(p), ahead.next(p)) {
+    tp_issue(p, tiles[(stage + kTpStages - 1) % kTpStages], ahead);
+    cp_async_wait<kTpStages - 1>();  // this thread's pieces of tile w have landed
+    __syncthreads();                 // and every other thread's
+
+    const uint8_t* tile = tiles[stage];
+    uint32_t piece[4][4];  // [tile column 4 * cg + i][rows 16 * j + 4 * m ...]
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      uint32_t rw[4], cw[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        rw[i] = *reinterpret_cast<const uint32_t*>(tile + tp_at(16 * j + 4 * m + i, 4 * cg));
+      transpose4x4(rw, cw);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) piece[i][m] = cw[i];
+    }
+    const int64_t r0 = static_cast<int64_t>(w.tr) * kTp, c0 = static_cast<int64_t>(w.tc) * kTp;
+    const int64_t r = r0 + 16 * j, cc = c0 + 4 * cg;
+    const bool fast = p.vec_col && r0 + kTp <= rows && c0 + kTp <= cols;
+    uint8_t* out = p.col + cc * rows + r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (fast) {
+        store_vec<16>(out + i * rows, piece[i]);
+      } else if (cc + i < cols) {
+        store_bytes<16>(out + i * rows, rows - r, p.vec_col, piece[i]);
+      }
+    }
+    __syncthreads();  // the stage is reloaded by the next iteration's issue
+    stage = (stage + 1) % kTpStages;
+  }
+  cp_async_wait<0>();
 }
 
 }  // namespace
@@ -657,7 +771,7 @@ void quantize_cuda(const fus_tensor& input, const fus_quantized& out, const fus_
     dispatch_fp8(out.dtype, [&](auto f) {
       constexpr Fp8Format F = decltype(f)::value;
       const auto kernel = per_tensor ? cast_transpose_kernel<T, F> : mxfp8_kernel<T, F>;
-      kernel<<<persistent_grid(tiles, kernel), kThreads, 0, stream>>>(p);
+      kernel<<<persistent_blocks(kernel, kThreads, tiles), kThreads, 0, stream>>>(p);
       FUS_CUDA_CHECK_LAUNCH(per_tensor ? "cast_transpose_kernel" : "mxfp8_kernel");
     });
   });
@@ -675,8 +789,8 @@ void amax_cuda(const fus_tensor& input, float* amax, const fus_context& ctx) {
     const uintptr_t addr = reinterpret_cast<uintptr_t>(input.data);
     int64_t head = addr % sizeof(T) ? n : static_cast<int64_t>((16 - addr % 16) % 16 / sizeof(T));
     if (head > n) head = n;
-    const unsigned grid =
-        persistent_grid(ceil_div((n - head) / kVec<T> / 4 + head, kThreads), amax_kernel<T>);
+    const unsigned grid = persistent_blocks(amax_kernel<T>, kThreads,
+                                            ceil_div((n - head) / kVec<T> / 4 + head, kThreads));
     amax_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(input.data), n, head, amax);
     FUS_CUDA_CHECK_LAUNCH("amax_kernel");
   });
@@ -708,10 +822,38 @@ void dequantize_cuda(const fus_quantized& in, bool columnwise, const fus_tensor&
       const auto kernel = per_tensor   ? dequantize_kernel<T, F, DqMode::kPerTensor>
                           : columnwise ? dequantize_kernel<T, F, DqMode::kMxCol>
                                        : dequantize_kernel<T, F, DqMode::kMxRow>;
-      kernel<<<persistent_grid(ceil_div(work, kThreads), kernel), kThreads, 0, stream>>>(p);
+      kernel<<<persistent_blocks(kernel, kThreads, ceil_div(work, kThreads)), kThreads, 0,
+               stream>>>(p);
       FUS_CUDA_CHECK_LAUNCH("dequantize_kernel");
     });
   });
+}
+
+void transpose_fp8_cuda(const fus_tensor& input, const fus_tensor& output, const fus_context& ctx) {
+  CudaDeviceGuard guard(ctx.device_index);
+  const cudaStream_t stream = stream_of(ctx);
+  const int64_t rows = input.rows, cols = input.cols;
+  if (rows * cols == 0) return;
+  const int64_t tiles = ceil_div(rows, kTp) * ceil_div(cols, kTp);
+  if (tiles > INT_MAX)
+    throw Error(FUS_ERROR_UNSUPPORTED, "fus_transpose_fp8: matrix too large for the CUDA backend");
+  // The transpose reuses the cast's tile walk: x is the input, col the [cols, rows] output.
+  CastParams p{};
+  p.x = input.data;
+  p.col = static_cast<uint8_t*>(output.data);
+  p.rows = rows;
+  p.cols = cols;
+  p.tiles_r = static_cast<unsigned>(ceil_div(rows, kTp));
+  p.tiles_c = static_cast<unsigned>(ceil_div(cols, kTp));
+  p.vec_in = cols % 16 == 0 && is_aligned(p.x, 16);
+  p.vec_col = rows % 16 == 0 && is_aligned(p.col, 16);
+  // As many tiles for every block (a block with one tile more than the others would run alone at
+  // the end): the fewest blocks that need no more tiles each than the resident blocks would.
+  const auto kernel = transpose_fp8_kernel;
+  const int64_t per_block = ceil_div(tiles, persistent_blocks(kernel, kThreads, tiles));
+  const auto grid = static_cast<unsigned>(ceil_div(tiles, per_block));
+  kernel<<<grid, kThreads, 0, stream>>>(p);
+  FUS_CUDA_CHECK_LAUNCH("transpose_fp8_kernel");
 }
 
 }  // namespace fusible

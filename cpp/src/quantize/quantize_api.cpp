@@ -11,6 +11,7 @@ namespace {
 
 constexpr std::initializer_list<fus_dtype> kHighPrecision = {FUS_FLOAT32, FUS_FLOAT16,
                                                              FUS_BFLOAT16};
+constexpr std::initializer_list<fus_dtype> kFp8 = {FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2};
 
 }  // namespace
 }  // namespace fusible
@@ -99,6 +100,34 @@ fus_status fus_dequantize(const fus_quantized* in, int columnwise, fus_tensor* o
 #endif
     } else {
       dequantize_cpu(*in, columnwise != 0, *output);
+    }
+    return FUS_SUCCESS;
+  });
+}
+
+fus_status fus_transpose_fp8(const fus_tensor* input, fus_tensor* output, const fus_context* ctx) {
+  constexpr const char* fn = "fus_transpose_fp8";
+  return guarded(fn, [&] {
+    check_context(fn, ctx);
+    check_matrix(fn, "input", input, kFp8);
+    check_matrix(fn, "output", output, kFp8);
+    require(output->dtype == input->dtype, fn,
+            std::string("output has dtype ") + dtype_name(output->dtype) +
+                ", expected the input's dtype " + dtype_name(input->dtype));
+    check_same_shape(fn, "output", output, input->cols, input->rows);
+    if (input->rows * input->cols > 0) {
+      const auto n = static_cast<uintptr_t>(input->rows * input->cols);
+      const auto in = reinterpret_cast<uintptr_t>(input->data);
+      const auto out = reinterpret_cast<uintptr_t>(output->data);
+      require(out + n <= in || in + n <= out, fn,
+              "output overlaps input; expected separate buffers (no in-place transpose)");
+    }
+    if (is_cuda(ctx)) {
+#if defined(FUSIBLE_WITH_CUDA)
+      transpose_fp8_cuda(*input, *output, *ctx);
+#endif
+    } else {
+      transpose_fp8_cpu(*input, *output);
     }
     return FUS_SUCCESS;
   });

@@ -154,4 +154,18 @@ void dequantize_cpu(const fus_quantized& in, bool columnwise, const fus_tensor& 
   });
 }
 
+void transpose_fp8_cpu(const fus_tensor& input, const fus_tensor& output) {
+  // A byte move: the dtype (E4M3 or E5M2) does not matter.
+  const uint8_t* x = static_cast<const uint8_t*>(input.data);
+  uint8_t* y = static_cast<uint8_t*>(output.data);
+  const int64_t rows = input.rows, cols = input.cols;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+      const int64_t r1 = std::min(rows, r0 + kTile), c1 = std::min(cols, c0 + kTile);
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t r = r0; r < r1; ++r) y[c * rows + r] = x[r * cols + c];
+    }
+  }
+}
+
 }  // namespace fusible

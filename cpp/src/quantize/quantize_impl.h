@@ -9,12 +9,14 @@ namespace fusible {
 void quantize_cpu(const fus_tensor& input, const fus_quantized& out);
 void amax_cpu(const fus_tensor& input, float* amax);
 void dequantize_cpu(const fus_quantized& in, bool columnwise, const fus_tensor& output);
+void transpose_fp8_cpu(const fus_tensor& input, const fus_tensor& output);
 
 #if defined(FUSIBLE_WITH_CUDA)
 void quantize_cuda(const fus_tensor& input, const fus_quantized& out, const fus_context& ctx);
 void amax_cuda(const fus_tensor& input, float* amax, const fus_context& ctx);
 void dequantize_cuda(const fus_quantized& in, bool columnwise, const fus_tensor& output,
                      const fus_context& ctx);
+void transpose_fp8_cuda(const fus_tensor& input, const fus_tensor& output, const fus_context& ctx);
 #endif
 
 }  // namespace fusible

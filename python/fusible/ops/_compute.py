@@ -120,6 +120,7 @@ def _gemm(
     bias: torch.Tensor | None = None,
     epilogue: str = "none",
     c: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(d, aux)``: D = A @ B^T (+ bias, GELU with its input as aux, + c) on the copies ``which``
     names ("rr": rowwise A and B; "rc": rowwise A, columnwise B; "cc": both columnwise), the NT
@@ -158,7 +159,7 @@ def _gemm(
     d, aux, _, _ = K.gemm(
         am, bm, transa, transb, scales[0], scales[1], gemm_out, bias_arg,
         epilogue if fused else "none", None, None if c is None else c.to(gemm_out), 1.0,
-        0.0 if c is None else 1.0, None, False,
+        0.0 if c is None else 1.0, None, False, fast_accum=fast_accum and fp8,
     )  # fmt: skip
     if not fused and epilogue != "none":
         if bias is not None:
@@ -194,7 +195,7 @@ def ensure_fp8_copy(x: Any, which: str) -> Any:
 
 
 def _byte_transpose(m: torch.Tensor) -> torch.Tensor:
-    return m.view(torch.uint8).t().contiguous().view(m.dtype)
+    return K.transpose_fp8(m.contiguous())
 
 
 def _fp8_gemm_aligned(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -238,8 +239,10 @@ def _common_dtype(a: Any, b: Any, out_dtype: torch.dtype) -> torch.dtype:
 
 
 def gemm_fprop(x: Any, w: Any, out_dtype: torch.dtype, **kw: Any) -> tuple[torch.Tensor, Any]:
-    """y[M,N] = x[M,K] @ w[N,K]^T (+ epilogue)."""
-    return _gemm(x, w, "rr", out_dtype, **kw)
+    """y[M,N] = x[M,K] @ w[N,K]^T (+ epilogue). FP8 operands accumulate without cuBLASLt's
+    periodic promotion (fast accumulation), as TransformerEngine's recipes do for the forward
+    GEMM; the two backward GEMMs, whose errors accumulate into weight updates, keep it."""
+    return _gemm(x, w, "rr", out_dtype, fast_accum=True, **kw)
 
 
 def gemm_dgrad(dy: Any, w: Any, out_dtype: torch.dtype, **kw: Any) -> tuple[torch.Tensor, Any]:

@@ -1242,6 +1242,113 @@ TEST(Dequantize, RoundTripOfFp8ValuesIntoHalfAndBf16) {
 }
 
 // =================================================================================================
+// FP8 transpose
+// =================================================================================================
+
+// A fus_transpose_fp8 call on the buffers {input [rows, cols], output [cols, rows]}. in_off /
+// out_off: the data starts that many bytes into its buffer (unaligned pointers).
+struct TransposeSetup {
+  int64_t rows = 0, cols = 0;
+  fus_dtype fmt = kE4M3;
+  int in_off = 0, out_off = 0;
+};
+
+// Random bytes (every code, NaN codes included) in front of and in the input, a fill pattern in
+// the output buffer. Empty matrices get NULL data.
+Buffers transpose_buffers(const TransposeSetup& s, uint32_t seed) {
+  const size_t n = static_cast<size_t>(s.rows * s.cols);
+  std::vector<uint8_t> in(n ? n + s.in_off : 0);
+  std::mt19937 rng(seed);
+  for (auto& v : in) v = static_cast<uint8_t>(rng());
+  Buffers b;
+  b.add_bytes(in);
+  b.add_filled(n ? n + s.out_off : 0);
+  return b;
+}
+
+ApiCall transpose_call(const TransposeSetup& s) {
+  return [s](const std::vector<void*>& p, const fus_context& ctx) {
+    auto at = [](void* q, int off) -> void* {
+      return q ? static_cast<uint8_t*>(q) + off : nullptr;
+    };
+    fus_tensor in{at(p[0], s.in_off), s.fmt, s.rows, s.cols};
+    fus_tensor out{at(p[1], s.out_off), s.fmt, s.cols, s.rows};
+    return fus_transpose_fp8(&in, &out, &ctx);
+  };
+}
+
+// output[c, r] == input[r, c] for every byte, and the bytes in front of the output untouched.
+::testing::AssertionResult is_transpose(const Buffers& b, const TransposeSetup& s) {
+  const std::vector<uint8_t>& in = b.b[0];
+  const std::vector<uint8_t>& out = b.b[1];
+  int64_t bad = 0;
+  ::testing::AssertionResult res = ::testing::AssertionFailure();
+  for (int64_t r = 0; r < s.rows; ++r) {
+    for (int64_t c = 0; c < s.cols; ++c) {
+      const uint8_t want = in[s.in_off + r * s.cols + c], got = out[s.out_off + c * s.rows + r];
+      if (got != want && ++bad <= 8)
+        res << "\n  output[" << c << ", " << r << "] = " << hex(got) << ", want input[" << r << ", "
+            << c << "] = " << hex(want);
+    }
+  }
+  for (int i = 0; i < s.out_off && !out.empty(); ++i)
+    if (out[i] != 0xA5 && ++bad <= 8) res << "\n  byte " << i << " before the output written";
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return res << "\n  " << bad << " bytes wrong";
+}
+
+using TransposeParam = std::tuple<std::pair<int64_t, int64_t>, fus_dtype>;
+std::string TransposeParamName(const ::testing::TestParamInfo<TransposeParam>& info) {
+  return shape_name(std::get<0>(info.param).first, std::get<0>(info.param).second) + "_" +
+         fmt_name(std::get<1>(info.param));
+}
+
+class TransposeTest : public ::testing::TestWithParam<TransposeParam> {};
+
+TEST_P(TransposeTest, EveryByteMovesToItsTransposedPlace) {
+  const auto [shape, fmt] = GetParam();
+  const auto [rows, cols] = shape;
+  for (const auto& [in_off, out_off] : {std::pair<int, int>{0, 0}, {1, 3}}) {
+    SCOPED_TRACE("offsets " + std::to_string(in_off) + ", " + std::to_string(out_off));
+    const TransposeSetup s{rows, cols, fmt, in_off, out_off};
+    Buffers b = transpose_buffers(s, static_cast<uint32_t>(rows * 31 + cols));
+    ASSERT_EQ(run_cpu(b, transpose_call(s)), FUS_SUCCESS) << fus_last_error();
+    EXPECT_TRUE(is_transpose(b, s));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, TransposeTest,
+    ::testing::Combine(
+        ::testing::Values(
+            std::make_pair<int64_t, int64_t>(1, 1), std::make_pair<int64_t, int64_t>(1, 17),
+            std::make_pair<int64_t, int64_t>(17, 1), std::make_pair<int64_t, int64_t>(2, 3),
+            std::make_pair<int64_t, int64_t>(31, 33), std::make_pair<int64_t, int64_t>(64, 64),
+            std::make_pair<int64_t, int64_t>(127, 4097), std::make_pair<int64_t, int64_t>(4097, 3),
+            std::make_pair<int64_t, int64_t>(0, 5), std::make_pair<int64_t, int64_t>(5, 0)),
+        ::testing::ValuesIn(kFormats)),
+    TransposeParamName);
+
+// The transpose of a per-tensor rowwise copy is the columnwise copy fus_quantize writes.
+TEST(Transpose, OfRowwiseCopyIsTheQuantizedColumnwiseCopy) {
+  for (fus_dtype fmt : kFormats) {
+    for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{33, 65}, {1, 129}, {128, 16}}) {
+      SCOPED_TRACE(std::string(fmt_name(fmt)) + " " + shape_name(rows, cols));
+      HostMatrix in(FUS_BFLOAT16, rows, cols, random_values(static_cast<size_t>(rows * cols), 5));
+      QuantizeSetup s{FUS_BFLOAT16, rows, cols, fmt, FUS_SCALING_PER_TENSOR};
+      s.scale = 3.0f;
+      Buffers q = quantize_buffers(in, s);
+      ASSERT_EQ(run_cpu(q, quantize_call(s)), FUS_SUCCESS) << fus_last_error();
+      std::vector<uint8_t> t(q.b[kRow].size(), 0xA5);
+      fus_tensor src{q.b[kRow].data(), fmt, rows, cols}, dst{t.data(), fmt, cols, rows};
+      const fus_context ctx = cpu_ctx();
+      ASSERT_EQ(fus_transpose_fp8(&src, &dst, &ctx), FUS_SUCCESS) << fus_last_error();
+      EXPECT_EQ(t, q.b[kCol]);
+    }
+  }
+}
+
+// =================================================================================================
 // Argument validation
 // =================================================================================================
 
@@ -1350,6 +1457,9 @@ TEST_F(ErrFixture, CudaContextInCpuOnlyBuildIsUnsupported) {
   EXPECT_TRUE(is_error(fus_quantize_current_scaling(&in, &q, 0, &ctx), FUS_ERROR_UNSUPPORTED,
                        {"fus_quantize_current_scaling", "CUDA"}));
   EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_UNSUPPORTED, {"fus_dequantize", "CUDA"}));
+  fus_tensor t_in{row.data(), kE4M3, 3, 4}, t_out{col.data(), kE4M3, 4, 3};
+  EXPECT_TRUE(is_error(fus_transpose_fp8(&t_in, &t_out, &ctx), FUS_ERROR_UNSUPPORTED,
+                       {"fus_transpose_fp8", "CUDA"}));
   EXPECT_EQ(amax, -7.0f);
 }
 
@@ -1421,6 +1531,74 @@ TEST_F(ErrFixture, DequantizeArguments) {
   q.mode = FUS_SCALING_MXFP8;
   q.rowwise_scale_inv = nullptr;
   EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "rowwise_scale_inv"}));
+}
+
+TEST_F(ErrFixture, TransposeArguments) {
+  const char* fn = "fus_transpose_fp8";
+  for (size_t i = 0; i < row.size(); ++i) row[i] = static_cast<uint8_t>(i + 1);
+  std::fill(col.begin(), col.end(), 0xA5);
+  fus_tensor src{row.data(), kE4M3, 3, 4}, dst{col.data(), kE4M3, 4, 3};
+  EXPECT_TRUE(is_error(fus_transpose_fp8(nullptr, &dst, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "input", "NULL"}));
+  EXPECT_TRUE(is_error(fus_transpose_fp8(&src, nullptr, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "output", "NULL"}));
+  EXPECT_TRUE(
+      is_error(fus_transpose_fp8(&src, &dst, nullptr), FUS_ERROR_INVALID_ARGUMENT, {fn, "ctx"}));
+  // The output of a [3, 4] input is [4, 3]: [3, 4] and [4, 4] are wrong.
+  dst.rows = 3;
+  dst.cols = 4;
+  EXPECT_TRUE(is_error(fus_transpose_fp8(&src, &dst, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "output", "[4, 3]"}));
+  dst.rows = 4;
+  EXPECT_TRUE(is_error(fus_transpose_fp8(&src, &dst, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "output", "[4, 3]"}));
+  dst.cols = 3;
+  // FP8 only, and the same FP8 dtype on both sides.
+  dst.dtype = kE5M2;
+  EXPECT_TRUE(is_error(fus_transpose_fp8(&src, &dst, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "output", "dtype"}));
+  src.dtype = FUS_FLOAT32;
+  dst.dtype = FUS_FLOAT32;
+  EXPECT_TRUE(is_error(fus_transpose_fp8(&src, &dst, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "input", "dtype"}));
+  src.dtype = FUS_E8M0;
+  EXPECT_TRUE(is_error(fus_transpose_fp8(&src, &dst, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "input", "dtype"}));
+  src.dtype = kE4M3;
+  dst.dtype = FUS_BFLOAT16;
+  EXPECT_TRUE(is_error(fus_transpose_fp8(&src, &dst, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "output", "dtype"}));
+  dst.dtype = kE4M3;
+  src.rows = -3;
+  EXPECT_TRUE(is_error(fus_transpose_fp8(&src, &dst, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "input", "negative"}));
+  src.rows = 3;
+  src.data = nullptr;
+  EXPECT_TRUE(is_error(fus_transpose_fp8(&src, &dst, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "input", "NULL"}));
+  src.data = row.data();
+  dst.data = nullptr;
+  EXPECT_TRUE(is_error(fus_transpose_fp8(&src, &dst, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "output", "NULL"}));
+  // No in-place transpose: overlapping buffers are rejected (before anything is written).
+  dst.data = row.data() + 11;
+  EXPECT_TRUE(is_error(fus_transpose_fp8(&src, &dst, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "output", "overlaps"}));
+  dst.data = row.data();
+  EXPECT_TRUE(is_error(fus_transpose_fp8(&src, &dst, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "output", "overlaps"}));
+  for (size_t i = 0; i < row.size(); ++i)
+    EXPECT_EQ(row[i], i + 1) << "a failed call must not write outputs";
+  for (uint8_t b : col) EXPECT_EQ(b, 0xA5) << "a failed call must not write outputs";
+  dst.data = col.data();
+  EXPECT_EQ(fus_transpose_fp8(&src, &dst, &ctx), FUS_SUCCESS) << fus_last_error();
+  EXPECT_EQ(col[1], row[4]) << "output[0, 1] = input[1, 0]";
+  // Empty matrices need no data.
+  fus_tensor e_src{nullptr, kE5M2, 0, 5}, e_dst{nullptr, kE5M2, 5, 0};
+  EXPECT_EQ(fus_transpose_fp8(&e_src, &e_dst, &ctx), FUS_SUCCESS) << fus_last_error();
+  e_dst.rows = 0;
+  EXPECT_TRUE(is_error(fus_transpose_fp8(&e_src, &e_dst, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "output", "[5, 0]"}));
 }
 
 // =================================================================================================
@@ -1636,6 +1814,52 @@ TEST(CudaVsCpu, DequantizeAllCodesEachFormatAndOutputType) {
   }
 }
 
+// Transpose: the CUDA bytes equal the CPU bytes, over aligned (16-byte pieces), unaligned and
+// degenerate shapes, and with data pointers off the 16-byte alignment.
+class CudaVsCpuTransposeTest : public ::testing::TestWithParam<TransposeParam> {};
+
+TEST_P(CudaVsCpuTransposeTest, SameBytes) {
+  FUSTEST_REQUIRE_CUDA();
+  const auto [shape, fmt] = GetParam();
+  const auto [rows, cols] = shape;
+  for (const auto& [in_off, out_off] :
+       {std::pair<int, int>{0, 0}, {1, 0}, {0, 1}, {3, 5}, {16, 32}}) {
+    SCOPED_TRACE("offsets " + std::to_string(in_off) + ", " + std::to_string(out_off));
+    const TransposeSetup s{rows, cols, fmt, in_off, out_off};
+    const DualResult r =
+        run_both(transpose_buffers(s, static_cast<uint32_t>(rows * 7 + cols)), transpose_call(s));
+    ASSERT_EQ(r.cpu_status, FUS_SUCCESS) << fus_last_error();
+    ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
+    EXPECT_TRUE(same_bits<uint8_t>(r.cpu, r.cuda, 1, "output"));
+    EXPECT_TRUE(is_transpose(r.cuda, s));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaVsCpuTransposeTest,
+    ::testing::Combine(
+        ::testing::Values(
+            std::make_pair<int64_t, int64_t>(1, 1), std::make_pair<int64_t, int64_t>(256, 512),
+            std::make_pair<int64_t, int64_t>(129, 77), std::make_pair<int64_t, int64_t>(4096, 16),
+            std::make_pair<int64_t, int64_t>(16, 4096), std::make_pair<int64_t, int64_t>(1, 4097),
+            std::make_pair<int64_t, int64_t>(4097, 1), std::make_pair<int64_t, int64_t>(127, 128),
+            std::make_pair<int64_t, int64_t>(128, 127), std::make_pair<int64_t, int64_t>(144, 272),
+            std::make_pair<int64_t, int64_t>(255, 1023), std::make_pair<int64_t, int64_t>(0, 5)),
+        ::testing::ValuesIn(kFormats)),
+    TransposeParamName);
+
+// More tiles than resident blocks: every block walks several, full and partial (1040 = 8 * 128 +
+// 16 rows, 16400 = 128 * 128 + 16 columns), on the 16-byte path.
+TEST(CudaVsCpu, TransposeSeveralTilesPerBlock) {
+  FUSTEST_REQUIRE_CUDA();
+  const TransposeSetup s{1040, 16400, kE4M3};
+  const DualResult r = run_both(transpose_buffers(s, 17), transpose_call(s));
+  ASSERT_EQ(r.cpu_status, FUS_SUCCESS) << fus_last_error();
+  ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
+  EXPECT_TRUE(same_bits<uint8_t>(r.cpu, r.cuda, 1, "output"));
+  EXPECT_TRUE(is_transpose(r.cuda, s));
+}
+
 #if defined(FUSIBLE_WITH_CUDA)
 // The CUDA backend honours ctx->stream.
 TEST(CudaVsCpu, NonDefaultStream) {
@@ -1670,6 +1894,37 @@ TEST(CudaVsCpu, NonDefaultStream) {
   }
   cudaStreamDestroy(stream);
   for (int slot : {kRow, kCol, kRowS, kScale, kAmax}) EXPECT_EQ(dev.b[slot], cpu.b[slot]) << "slot " << slot;
+}
+
+// The transpose honours ctx->stream too.
+TEST(CudaVsCpu, TransposeOnNonDefaultStream) {
+  FUSTEST_REQUIRE_CUDA();
+  const int64_t rows = 384, cols = 1040;
+  const TransposeSetup s{rows, cols, kE5M2};
+  Buffers cpu = transpose_buffers(s, 91);
+  ASSERT_EQ(run_cpu(cpu, transpose_call(s)), FUS_SUCCESS) << fus_last_error();
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  Buffers dev = transpose_buffers(s, 91);
+  std::vector<void*> p(dev.b.size(), nullptr);
+  for (size_t i = 0; i < dev.b.size(); ++i) {
+    ASSERT_EQ(cudaMalloc(&p[i], dev.b[i].size()), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(p[i], dev.b[i].data(), dev.b[i].size(), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  // As in NonDefaultStream: the copies land before the launch on a non-blocking stream.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const fus_context ctx{FUS_DEVICE_CUDA, 0, stream};
+  ASSERT_EQ(transpose_call(s)(p, ctx), FUS_SUCCESS) << fus_last_error();
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  for (size_t i = 0; i < dev.b.size(); ++i) {
+    ASSERT_EQ(cudaMemcpy(dev.b[i].data(), p[i], dev.b[i].size(), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    cudaFree(p[i]);
+  }
+  cudaStreamDestroy(stream);
+  EXPECT_TRUE(same_bits<uint8_t>(cpu, dev, 1, "output"));
+  EXPECT_TRUE(is_transpose(dev, s));
 }
 #endif
 
