@@ -24,7 +24,7 @@ step ctest ctest --test-dir build/ctest --output-on-failure -j"$(nproc)"
 XDIST=(); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "$(( $(nproc) < 14 ? $(nproc) : 14 ))")
 step pytest "$PY" -m pytest -q -p no:cacheprovider tests/python "${XDIST[@]}" -rf --junitxml="$OUT_DIR/pytest.xml"
 if [ "$SANITIZE" = 1 ]; then
-  for t in build/ctest/tests/cpp/*/test_*; do
+  for t in build/ctest/tests/cpp/test_*; do
     [ -x "$t" ] || continue
     step "memcheck $t" compute-sanitizer --tool memcheck --error-exitcode 9 "$t" --gtest_filter='*Cuda*:*CUDA*:*Gpu*:*GPU*'
     step "racecheck $t" compute-sanitizer --tool racecheck --error-exitcode 9 "$t" --gtest_filter='*Cuda*:*CUDA*:*Gpu*:*GPU*'
