@@ -380,6 +380,57 @@ struct NormBwdParams {
   float* pb;  // [groups, cols] dbeta partials, or null
 };
 
+// Writes a block's dgamma / dbeta partial sums (C chunks a lane in dg / db) as its group's row
+// of the workspace: group result = 0 + team 0 + team 1 + ... (in order).
+template <int C>
+__device__ __forceinline__ void write_group_partials(const NormBwdParams& p,
+                                                     const float (&dg)[8 * C],
+                                                     const float (&db)[8 * C], int team, int lane,
+                                                     float* pg, float* pb, float* team_part) {
+  const int L = p.lanes, T = p.teams;
+  const int64_t H = p.cols;
+  auto col_of = [&](int64_t k) { return (k * L + lane) * 8; };
+  if (T == 1) {
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      const int64_t col = col_of(k);
+      const int nn = chunk_len(H, col);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (j < nn) {
+          pg[col + j] = f_add(0.0f, dg[k * 8 + j]);
+          if (pb) pb[col + j] = f_add(0.0f, db[k * 8 + j]);
+        }
+      }
+    }
+    return;
+  }
+  float* sg = team_part;
+  float* sb = team_part + static_cast<int64_t>(T) * H;
+#pragma unroll
+  for (int k = 0; k < C; ++k) {
+    const int64_t col = col_of(k);
+    const int nn = chunk_len(H, col);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < nn) {
+        sg[team * H + col + j] = dg[k * 8 + j];
+        sb[team * H + col + j] = db[k * 8 + j];
+      }
+    }
+  }
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+    float ag = 0.0f, ab = 0.0f;
+    for (int t = 0; t < T; ++t) {
+      ag = f_add(ag, sg[t * H + c]);
+      ab = f_add(ab, sb[t * H + c]);
+    }
+    pg[c] = ag;
+    if (pb) pb[c] = ab;
+  }
+}
+
 // C: chunks a lane owns (1, 2 or 4, accumulators in registers; 0: any number, accumulators in the
 // workspace, one team per block). kCache: keep dy and x in registers between the two passes.
 template <int C, bool kCache>
@@ -507,45 +558,89 @@ __global__ void __launch_bounds__(512) norm_bwd_kernel(const NormBwdParams p) {
         if (pb) pb[col + j] = f_add(0.0f, pb[col + j]);
       }
     }
-  } else if (T == 1) {
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-      const int64_t col = col_of(k);
-      const int nn = chunk_len(H, col);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (j < nn) {
-          pg[col + j] = f_add(0.0f, dg[k * 8 + j]);
-          if (pb) pb[col + j] = f_add(0.0f, db[k * 8 + j]);
-        }
-      }
-    }
   } else {
-    float* sg = team_part;
-    float* sb = team_part + static_cast<int64_t>(T) * H;
+    write_group_partials<C>(p, dg, db, team, lane, pg, pb, team_part);
+  }
+}
+
+// norm_bwd_kernel's common case: dy, x, gamma and dx all of the 16-bit type T, 16-byte aligned,
+// every lane owning exactly C whole chunks. Same plan and bits; dy and x stay in registers as
+// 16-bit vectors between the two passes, and the team loads its next row while it reduces and
+// writes the current one (the generic kernel waits for each row's loads).
+template <typename T, int C, bool kLn>
+__global__ void __launch_bounds__(512) norm_bwd_fast_kernel(const NormBwdParams p) {
+  extern __shared__ float team_part[];  // teams > 1: [teams][cols] dgamma, then dbeta
+  __shared__ float red[16];
+  const int L = p.lanes, T_ = p.teams, team = threadIdx.x / L, lane = threadIdx.x % L;
+  const int64_t H = p.cols, g = blockIdx.x;
+  const int64_t rbeg = g * p.rows_per_group, rend = fused::imin(p.rows, rbeg + p.rows_per_group);
+  const int64_t iters = (rend - rbeg + T_ - 1) / T_;
+  auto elem = [](const uint4& raw, int j) {
+    Chunk8<T> c;
+    c.u = raw;
+    return Element<T>::load(c.e, j);
+  };
+  auto col_of = [&](int k) { return (static_cast<int64_t>(k) * L + lane) * 8; };
+  uint4 w[C];
+  float dg[8 * C], db[8 * C];
+#pragma unroll
+  for (int k = 0; k < C; ++k) {
+    w[k] = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.gamma) + col_of(k));
+#pragma unroll
+    for (int j = 0; j < 8; ++j) dg[k * 8 + j] = db[k * 8 + j] = 0.0f;
+  }
+  auto load_row = [&](int64_t row, uint4(&d)[C], uint4(&x)[C]) {
+    if (row >= rend) return;
 #pragma unroll
     for (int k = 0; k < C; ++k) {
-      const int64_t col = col_of(k);
-      const int nn = chunk_len(H, col);
+      const int64_t at = row * H + col_of(k);
+      d[k] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const T*>(p.dy) + at));
+      x[k] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + at));
+    }
+  };
+  uint4 d[C], x[C];
+  load_row(rbeg + team, d, x);
+  for (int64_t it = 0; it < iters; ++it) {
+    const int64_t row = rbeg + team + it * T_;
+    const bool active = row < rend;
+    uint4 dn[C], xn[C];
+    load_row(row + T_, dn, xn);
+    const float mean = active && kLn ? p.mean[row] : 0.0f, rstd = active ? p.rstd[row] : 0.0f;
+    float s1 = 0.0f, s2 = 0.0f;
+    if (active) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (j < nn) {
-          sg[team * H + col + j] = dg[k * 8 + j];
-          sb[team * H + col + j] = db[k * 8 + j];
+      for (int k = 0; k < C; ++k)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float xh = norm_xhat(kLn, elem(x[k], j), mean, rstd);
+          const float dyw = f_mul(elem(d[k], j), norm_weight(elem(w[k], j), p.zc));
+          s1 = f_fma(dyw, xh, s1);
+          s2 = f_add(s2, dyw);
         }
+    }
+    s1 = team_sum(s1, L, red);
+    if (kLn) s2 = team_sum(s2, L, red);
+    const float m1 = norm_mean(s1, H), m2 = kLn ? norm_mean(s2, H) : 0.0f;
+    if (active) {
+#pragma unroll
+      for (int k = 0; k < C; ++k) {
+        Chunk8<T> out;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float dj = elem(d[k], j), xh = norm_xhat(kLn, elem(x[k], j), mean, rstd);
+          const float dyw = f_mul(dj, norm_weight(elem(w[k], j), p.zc));
+          Element<T>::store(out.e, j, norm_dx(kLn, dyw, xh, m1, m2, rstd));
+          dg[k * 8 + j] = f_fma(dj, xh, dg[k * 8 + j]);
+          db[k * 8 + j] = f_add(db[k * 8 + j], dj);
+        }
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.dx) + row * H + col_of(k)) = out.u;
       }
     }
-    __syncthreads();
-    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
-      float ag = 0.0f, ab = 0.0f;
-      for (int t = 0; t < T; ++t) {
-        ag = f_add(ag, sg[t * H + c]);
-        ab = f_add(ab, sb[t * H + c]);
-      }
-      pg[c] = ag;
-      if (pb) pb[c] = ab;
-    }
+#pragma unroll
+    for (int k = 0; k < C; ++k) d[k] = dn[k], x[k] = xn[k];
   }
+  write_group_partials<C>(p, dg, db, team, lane, p.pg + g * H, p.pb ? p.pb + g * H : nullptr,
+                          team_part);
 }
 
 bool aligned(const void* p, size_t bytes) { return p == nullptr || is_aligned(p, bytes); }
@@ -749,12 +844,31 @@ void norm_backward_cuda(const NormBwdArgs& a, const fus_context& ctx) {
   const int threads = p.lanes * p.teams;
   const size_t smem = p.teams > 1 ? 2 * sizeof(float) * p.teams * H : 0;
   const unsigned blocks = static_cast<unsigned>(plan.groups);
-  switch (p.kmax) {
-    case 1: norm_bwd_kernel<1, true><<<blocks, threads, smem, stream>>>(p); break;
-    case 2: norm_bwd_kernel<2, true><<<blocks, threads, smem, stream>>>(p); break;
-    case 3:
-    case 4: norm_bwd_kernel<4, false><<<blocks, threads, smem, stream>>>(p); break;
-    default: norm_bwd_kernel<0, false><<<blocks, threads, smem, stream>>>(p); break;
+  const fus_dtype dt = a.x.dtype;
+  const bool fast = dt != FUS_FLOAT32 && a.dy.dtype == dt && a.gamma.dtype == dt &&
+                    a.dx.dtype == dt && p.kmax == 2 &&
+                    norm_chunks(H) == 2 * static_cast<int64_t>(p.lanes) && p.vec_dy && p.vec_x &&
+                    p.vec_g && p.vec_dx;
+  if (fast) {
+    auto launch = [&](auto t) {
+      using T = decltype(t);
+      if (p.ln)
+        norm_bwd_fast_kernel<T, 2, true><<<blocks, threads, smem, stream>>>(p);
+      else
+        norm_bwd_fast_kernel<T, 2, false><<<blocks, threads, smem, stream>>>(p);
+    };
+    if (dt == FUS_BFLOAT16)
+      launch(Bf16{});
+    else
+      launch(Half{});
+  } else {
+    switch (p.kmax) {
+      case 1: norm_bwd_kernel<1, true><<<blocks, threads, smem, stream>>>(p); break;
+      case 2: norm_bwd_kernel<2, true><<<blocks, threads, smem, stream>>>(p); break;
+      case 3:
+      case 4: norm_bwd_kernel<4, false><<<blocks, threads, smem, stream>>>(p); break;
+      default: norm_bwd_kernel<0, false><<<blocks, threads, smem, stream>>>(p); break;
+    }
   }
   FUS_CUDA_CHECK_LAUNCH("norm_bwd_kernel");
   const unsigned fb = static_cast<unsigned>((H + 255) / 256);
