@@ -229,6 +229,9 @@ def test_fusions_in_plan(recipe_name):
     assert len(gemms) == 4  # two fused fprops, two dgrad + wgrad lines
     for ln in gemms:  # fused or not, every MXFP8 GEMM says it runs on dequantized operands
         assert (ln.count("dequantized MXFP8") == ln.count("gemm(")) == (recipe_name == "mxfp8"), ln
+        # per-tensor FP8 forward GEMMs accumulate fast (as TransformerEngine's fprop); no others
+        per_tensor = recipe_name in ("delayed", "current", "custom")
+        assert ("fast accumulation" in ln) == (per_tensor and "gemm(fprop" in ln), ln
 
 
 def test_erf_gelu_fusion_rejected_with_reason():

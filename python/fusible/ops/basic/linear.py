@@ -170,9 +170,14 @@ class BasicLinear(BasicOperation):
 
     def gemm_kernel(self, what: str) -> str:
         """How ``explain()`` names one of this Linear's GEMMs (fused ops running it use it too):
-        MXFP8 GEMMs run on exactly dequantized operands here, and say so."""
-        mx = isinstance(self.get_quantizer(True, "weight"), MXFP8Quantizer)
-        how = " on dequantized MXFP8 operands (no native MXFP8 GEMM on this path)" if mx else ""
+        MXFP8 GEMMs run on exactly dequantized operands here, and say so; per-tensor FP8
+        forward GEMMs use fast accumulation (``_compute.gemm_fprop``), and say so."""
+        qw = self.get_quantizer(True, "weight")
+        how = ""
+        if isinstance(qw, MXFP8Quantizer):
+            how = " on dequantized MXFP8 operands (no native MXFP8 GEMM on this path)"
+        elif qw is not None and what.startswith("fprop"):
+            how = " with fast accumulation"
         return f"gemm({what}){how}"
 
     def weight_kernels(self, fwd: bool) -> list[str]:
