@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/hp_access.h"
 #include "common/numerics.h"
@@ -120,6 +121,60 @@ __device__ __forceinline__ void store_words8(uint8_t* dst, int n, bool vec, uint
 __device__ __forceinline__ uint8_t e8m0_for(bool e5m2, uint32_t amax_bits) {
   const float a = bits_as_float(amax_bits);
   return e5m2 ? e8m0_from_amax<Fp8Format::kE5M2>(a) : e8m0_from_amax<Fp8Format::kE4M3>(a);
+}
+
+// Rounds v[0..7] to the 16-bit type T in place (as numerics.h float_to_bf16 / float_to_half, bit
+// for bit) and returns them packed as one 16-byte vector. Without a NaN among them (the usual case)
+// the values go through two-at-a-time hardware conversions; a NaN, whose sign and payload the
+// hardware would not keep, sends the chunk through the scalar path.
+template <typename T>
+__device__ __forceinline__ uint4 round_pack8(float (&v)[8]) {
+  static_assert(sizeof(T) == 2, "16-bit types");
+  bool nan = false;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) nan |= v[j] != v[j];
+  uint32_t w[4];
+  if (!nan) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (std::is_same_v<T, Bf16>) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+        w[k] = *reinterpret_cast<const uint32_t*>(&h);
+        v[2 * k] = bits_as_float(w[k] << 16);
+        v[2 * k + 1] = bits_as_float(w[k] & 0xffff0000u);
+      } else {
+        const __half2 h = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
+        w[k] = *reinterpret_cast<const uint32_t*>(&h);
+        v[2 * k] = __half2float(__low2half(h));
+        v[2 * k + 1] = __half2float(__high2half(h));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      T lo, hi;
+      Element<T>::store(&lo, 0, v[2 * k]);
+      Element<T>::store(&hi, 0, v[2 * k + 1]);
+      v[2 * k] = Element<T>::load(&lo, 0);
+      v[2 * k + 1] = Element<T>::load(&hi, 0);
+      w[k] = static_cast<uint32_t>(lo.bits) | (static_cast<uint32_t>(hi.bits) << 16);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Running max of the 16-bit magnitudes of a packed vector's eight values, two per word: widening
+// to fp32 is monotonic in them, so amax16_bits turns the final max into abs_bits of the value.
+__device__ __forceinline__ uint32_t amax16_update(uint32_t m, const uint4& w) {
+  constexpr uint32_t kMag = 0x7fff7fffu;
+  return __vmaxu2(__vmaxu2(m, __vmaxu2(w.x & kMag, w.y & kMag)), __vmaxu2(w.z & kMag, w.w & kMag));
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t amax16_bits(uint32_t m) {
+  T h;
+  h.bits = static_cast<uint16_t>(max(m & 0xffffu, m >> 16));
+  return abs_bits(Element<T>::load(&h, 0));
 }
 
 // ---- amax

@@ -235,10 +235,36 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
     for (int k = 0; k < C; ++k) xr[k] = __ldcs(reinterpret_cast<const uint4*>(src + k * L * 8));
   };
 
-  uint32_t am = 0;
+  uint32_t am16 = 0;  // packed 16-bit magnitudes (fused::amax16_update)
   uint4 x[C];
   int64_t row = static_cast<int64_t>(blockIdx.x) * teams + team;
   load_row(row, x);
+  // The output pass, with zero-centred gamma and beta fixed at compile time.
+  auto emit = [&](auto zc, auto with_beta, float mean, float rstd) {
+    constexpr bool kZc = decltype(zc)::value, kBeta = decltype(with_beta)::value;
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      const int64_t col = (static_cast<int64_t>(k) * L + lane) * 8, at = row * H + col;
+      const uint4 gk = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.gamma) + col));
+      uint4 bk = make_uint4(0, 0, 0, 0);
+      if constexpr (kBeta)
+        bk = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.beta) + col));
+      float y[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float xh = norm_xhat(kLn, elem(x[k], j), mean, rstd);
+        y[j] = norm_y(kLn, xh, norm_weight(elem(gk, j), kZc), kBeta ? elem(bk, j) : 0.0f);
+      }
+      const uint4 packed = fused::round_pack8<T>(y);
+      am16 = fused::amax16_update(am16, packed);
+      if (p.y) *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + at) = packed;
+      if constexpr (kQ) {
+        const float y0[4] = {y[0], y[1], y[2], y[3]}, y1[4] = {y[4], y[5], y[6], y[7]};
+        *reinterpret_cast<uint2*>(p.q_row + at) =
+            make_uint2(scaled_fp8x4<F>(y0, scale), scaled_fp8x4<F>(y1, scale));
+      }
+    }
+  };
   // Every team of the block takes the same number of steps (team_sum synchronises the block).
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * teams; first < p.rows;
        first += step, row += step) {
@@ -274,38 +300,24 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
         if (p.mean) p.mean[row] = mean;
         p.rstd[row] = rstd;
       }
-#pragma unroll
-      for (int k = 0; k < C; ++k) {
-        const int64_t col = (static_cast<int64_t>(k) * L + lane) * 8, at = row * H + col;
-        const uint4 gk =
-            __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.gamma) + col));
-        const uint4 bk =
-            has_beta ? __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.beta) + col))
-                     : make_uint4(0, 0, 0, 0);
-        float y[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float xh = norm_xhat(kLn, elem(x[k], j), mean, rstd);
-          y[j] = round_to<T>(
-              norm_y(kLn, xh, norm_weight(elem(gk, j), p.zc), has_beta ? elem(bk, j) : 0.0f));
-          am = max(am, abs_bits(y[j]));
-        }
-        if (p.y) {
-          Chunk8<T> o;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) Element<T>::store(o.e, j, y[j]);
-          *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + at) = o.u;
-        }
-        if constexpr (kQ) {
-          const float y0[4] = {y[0], y[1], y[2], y[3]}, y1[4] = {y[4], y[5], y[6], y[7]};
-          *reinterpret_cast<uint2*>(p.q_row + at) =
-              make_uint2(scaled_fp8x4<F>(y0, scale), scaled_fp8x4<F>(y1, scale));
-        }
+      using Yes = std::true_type;
+      using No = std::false_type;
+      if (p.zc) {
+        if (has_beta)
+          emit(Yes{}, Yes{}, mean, rstd);
+        else
+          emit(Yes{}, No{}, mean, rstd);
+      } else {
+        if (has_beta)
+          emit(No{}, Yes{}, mean, rstd);
+        else
+          emit(No{}, No{}, mean, rstd);
       }
     }
 #pragma unroll
     for (int k = 0; k < C; ++k) x[k] = xn[k];
   }
+  const uint32_t am = fused::amax16_bits<T>(am16);
   if (p.amax) fused::block_amax(am, p.amax);
   if (p.scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *p.scale_inv = f_div(1.0f, *p.scale);
 }
