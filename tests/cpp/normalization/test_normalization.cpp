@@ -689,6 +689,45 @@ INSTANTIATE_TEST_SUITE_P(All, NormCudaBackward,
                                             ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
                                                               FUS_BFLOAT16)));
 
+// Rows holding NaN (either sign, with a payload), inf, and values whose output overflows the
+// 16-bit type: the fast paths' paired conversions must hand these to the scalar rules (NaN sign
+// and payload kept, overflow to inf) exactly as the CPU backend does.
+TEST(NormCuda, NonFiniteRowsMatchCpu) {
+  FUSTEST_REQUIRE_CUDA();
+  for (fus_dtype dt : {FUS_BFLOAT16, FUS_FLOAT16}) {
+    for (fus_norm_kind kind : {FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM}) {
+      for (int qmode : {0, 1}) {
+        FwdSetup s;
+        s.kind = kind;
+        s.x_dt = s.g_dt = s.y_dt = dt;
+        s.has_beta = kind == FUS_NORM_LAYERNORM;
+        s.rows = 40;
+        s.cols = 4096;  // the 16-bit fast path (four whole chunks a lane)
+        s.q.mode = qmode;
+        s.q.scale = 3.0f;
+        s.q.col = qmode == 1;
+        SCOPED_TRACE(describe(s));
+        FwdData d = fwd_data(s);
+        auto put = [&](int64_t r, int64_t c, uint16_t bits) {
+          std::memcpy(d.bufs.b[kX].data() + (r * s.cols + c) * 2, &bits, 2);
+        };
+        const bool bf = dt == FUS_BFLOAT16;
+        put(3, 5, bf ? 0x7fc1 : 0x7e01);     // +NaN with payload
+        put(7, 4000, bf ? 0xffc3 : 0xfe03);  // -NaN with payload
+        put(11, 17, bf ? 0x7f80 : 0x7c00);   // +inf
+        put(12, 18, bf ? 0xff80 : 0xfc00);   // -inf
+        for (int64_t c = 0; c < s.cols; c += 2) put(20, c, bf ? 0x7f7f : 0x7bff);  // max finite
+        const DualResult r = run_both(d.bufs, fwd_call(s));
+        ASSERT_EQ(r.cpu_status, FUS_SUCCESS) << fus_last_error();
+        ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
+        for (size_t i = 0; i < d.bufs.b.size(); ++i)
+          EXPECT_TRUE(same_bits<uint8_t>(r.cpu, r.cuda, static_cast<int>(i),
+                                         ("buffer " + std::to_string(i)).c_str()));
+      }
+    }
+  }
+}
+
 TEST(NormCuda, ZeroRows) {
   FUSTEST_REQUIRE_CUDA();
   FwdSetup s;
