@@ -211,9 +211,10 @@ __global__ void __launch_bounds__(512) norm_fwd_kernel(const NormFwdParams p) {
 
 // norm_fwd_kernel's common case with the dtypes and output kind fixed at compile time: x, gamma,
 // beta and y all of the 16-bit type T, 16-byte aligned, every lane owning exactly C whole chunks,
-// no output or a per-tensor FP8 one (kQ). Same plan, same formulas, same bits. Persistent: a team
-// walks rows with a grid stride, loading the next row's x while it reduces and writes the current
-// one; gamma and beta are re-read per row through L1 (registers are what limits occupancy).
+// no quantized output or a per-tensor FP8 one with its rowwise copy (kQ). Same plan, same formulas,
+// same bits. Persistent: a team walks rows with a grid stride, loading the next row's x while it
+// reduces and writes the current one; gamma and beta are re-read per row through L1 (registers are
+// what limits occupancy).
 template <typename T, int C, bool kLn, bool kQ, Fp8Format F>
 __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams p) {
   static_assert(sizeof(T) == 2, "16-bit rows");
@@ -798,7 +799,7 @@ void norm_forward_cuda(const NormFwdArgs& a, const fus_context& ctx) {
                        p.y_dt == a.x.dtype;
   const bool fast = same_dt && p.qmode != 2 && p.kmax == 4 &&
                     norm_chunks(H) == 4 * static_cast<int64_t>(p.lanes) && p.vec_x && p.vec_g &&
-                    p.vec_b && p.vec_y && (!p.q_row || p.vec_q);
+                    p.vec_b && p.vec_y && (p.qmode == 0 || (p.q_row && p.vec_q));
   if (fast) {
     launch_norm_fwd_fast(p, a.x.dtype, blocks, threads, stream);
     return finish_norm_forward(a, p, q, per_tensor, ctx);

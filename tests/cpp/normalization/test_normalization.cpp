@@ -728,6 +728,33 @@ TEST(NormCuda, NonFiniteRowsMatchCpu) {
   }
 }
 
+// A quantized output with only its columnwise copy (allowed by the API): shapes that would take
+// the 16-bit fast path otherwise, which writes the rowwise copy.
+TEST(NormCuda, ColumnwiseOnlyCopyMatchesCpu) {
+  FUSTEST_REQUIRE_CUDA();
+  for (fus_dtype dt : {FUS_BFLOAT16, FUS_FLOAT16}) {
+    for (int qmode : {1, 2}) {
+      FwdSetup s;
+      s.kind = FUS_NORM_LAYERNORM;
+      s.x_dt = s.g_dt = s.y_dt = dt;
+      s.rows = 40;
+      s.cols = 4096;
+      s.q.mode = qmode;
+      s.q.scale = 3.0f;
+      s.q.row = false;
+      s.q.col = true;
+      SCOPED_TRACE(describe(s));
+      FwdData d = fwd_data(s);
+      const DualResult r = run_both(d.bufs, fwd_call(s));
+      ASSERT_EQ(r.cpu_status, FUS_SUCCESS) << fus_last_error();
+      ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
+      for (size_t i = 0; i < d.bufs.b.size(); ++i)
+        EXPECT_TRUE(same_bits<uint8_t>(r.cpu, r.cuda, static_cast<int>(i),
+                                       ("buffer " + std::to_string(i)).c_str()));
+    }
+  }
+}
+
 TEST(NormCuda, ZeroRows) {
   FUSTEST_REQUIRE_CUDA();
   FwdSetup s;

@@ -177,7 +177,7 @@ class BasicLinear(BasicOperation):
         if isinstance(qw, MXFP8Quantizer):
             how = " on dequantized MXFP8 operands (no native MXFP8 GEMM on this path)"
         elif qw is not None and what.startswith("fprop"):
-            how = " with fast accumulation"
+            how = " with fast accumulation (where it runs in FP8: CUDA, 16-aligned shapes)"
         return f"gemm({what}){how}"
 
     def weight_kernels(self, fwd: bool) -> list[str]:
