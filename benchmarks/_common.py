@@ -73,6 +73,58 @@ def time_ms(fn: Callable[[], Any], warmup: int = 5, iters: int = 30) -> float:
     return statistics.median(times)
 
 
+def graphed(fn: Callable[[], Any], reps: int = 10) -> Callable[[], Any]:
+    """A callable replaying ``reps`` calls of ``fn`` captured in one CUDA graph."""
+    fn()  # warm-up / compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return g.replay
+
+
+def device_ms(fn: Callable[[], Any], reps: int = 10) -> float:
+    """Device time of one ``fn`` call: CUDA-graph replay, so Python dispatch is excluded."""
+    return time_ms(graphed(fn, reps), warmup=3, iters=20) / reps
+
+
+def bandwidth_row(
+    name: str, shape: str, nbytes: int, contenders: dict[str, Callable[[], Any]], copy_gbs: float
+) -> dict[str, Any]:
+    """Times each contender (``"fusible"`` plus optional ``"torch_eager"`` / ``"torch_compile"``)
+    with :func:`device_ms`: fusible's bandwidth, as GB/s and as a fraction of the copy bandwidth,
+    and the others' times and fusible's speed-up over them."""
+    times = {k: device_ms(f) for k, f in contenders.items()}
+    fus = times["fusible"]
+    row: dict[str, Any] = {
+        "kernel": name,
+        "shape": shape,
+        "fusible_ms": fus,
+        "GB/s": nbytes / fus / 1e6,
+        "frac_copy_bw": nbytes / fus / 1e6 / copy_gbs,
+    }
+    for k in ("torch_eager", "torch_compile"):
+        if k in times:
+            row[f"{k}_ms"] = times[k]
+            row[f"speedup_vs_{k}"] = times[k] / fus
+    return row
+
+
+def fusible_step(
+    model: torch.nn.Module, rec: Any, x: torch.Tensor, dy: torch.Tensor
+) -> Callable[[], None]:
+    """One forward + backward of ``model`` on ``x`` under ``rec`` (None: no autocast)."""
+    import fusible
+
+    def step() -> None:
+        with fusible.autocast(enabled=rec is not None, recipe=rec):
+            y = model(x)
+        y.backward(dy)
+
+    return step
+
+
 def copy_bandwidth_gbs(device: str, nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     n = nbytes // 2

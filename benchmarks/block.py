@@ -12,8 +12,15 @@ from typing import Any
 
 import torch
 
-import fusible
-from _common import TorchBlock, environment, fusible_block, print_table, time_ms, write_json
+from _common import (
+    TorchBlock,
+    environment,
+    fusible_block,
+    fusible_step,
+    print_table,
+    time_ms,
+    write_json,
+)
 from fusible import ops, recipe
 
 RECIPES: dict[str, Any] = {
@@ -57,12 +64,7 @@ def main() -> None:
     model = fusible_block(h, f)
     for name, rec in RECIPES.items():
         for fused in (True, False):
-
-            def step() -> None:
-                with fusible.autocast(enabled=rec is not None, recipe=rec):
-                    y = model(x)
-                y.backward(dy)
-
+            step = fusible_step(model, rec, x, dy)
             if fused:
                 ms = time_ms(step)
             else:
@@ -73,13 +75,7 @@ def main() -> None:
                          "speedup_vs_torch_eager": eager_ms / ms})  # fmt: skip
     print_table(rows, ["variant", "ms", "TFLOP/s", "speedup_vs_torch_eager"])
     if args.profile:
-        rec = RECIPES[args.profile]
-
-        def fused_step() -> None:
-            with fusible.autocast(enabled=rec is not None, recipe=rec):
-                y = model(x)
-            y.backward(dy)
-
+        fused_step = fusible_step(model, RECIPES[args.profile], x, dy)
         fused_step()
         torch.cuda.synchronize()
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]

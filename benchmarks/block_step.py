@@ -11,8 +11,7 @@ import argparse
 
 import torch
 
-import fusible
-from _common import fusible_block
+from _common import fusible_block, fusible_step
 from block import RECIPES
 
 
@@ -31,11 +30,7 @@ def main() -> None:
                     requires_grad=True)  # fmt: skip
     dy = torch.randn_like(x)
 
-    def step() -> None:
-        with fusible.autocast(enabled=rec is not None, recipe=rec):
-            y = model(x)
-        y.backward(dy)
-
+    step = fusible_step(model, rec, x, dy)
     step()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()

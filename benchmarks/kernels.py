@@ -16,25 +16,10 @@ from typing import Any
 
 import torch
 
-from _common import copy_bandwidth_gbs, environment, print_table, time_ms, write_json
+from _common import bandwidth_row, copy_bandwidth_gbs, environment, print_table, write_json
 from fusible import _kernels as K
 
 E4M3 = torch.float8_e4m3fn
-
-
-def graphed(fn: Callable[[], Any], reps: int = 10) -> Callable[[], Any]:
-    """A callable replaying ``reps`` calls of ``fn`` captured in one CUDA graph."""
-    fn()  # warm-up / compile outside capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return g.replay
-
-
-def device_ms(fn: Callable[[], Any], reps: int = 10) -> float:
-    return time_ms(graphed(fn, reps), warmup=3, iters=20) / reps
 
 
 # ---- plain-torch versions of the same work ------------------------------------------------------
@@ -142,20 +127,7 @@ def run(shapes: list[tuple[int, int]]) -> tuple[list[dict[str, Any]], float]:
             ),
         ]
         for name, nbytes, contenders in cases:
-            times = {k: device_ms(f) for k, f in contenders.items()}
-            fus = times["fusible"]
-            row: dict[str, Any] = {
-                "kernel": name,
-                "shape": f"{r}x{c}",
-                "fusible_ms": fus,
-                "GB/s": nbytes / fus / 1e6,
-                "frac_copy_bw": nbytes / fus / 1e6 / copy_gbs,
-            }
-            for k in ("torch_eager", "torch_compile"):
-                if k in times:
-                    row[f"{k}_ms"] = times[k]
-                    row[f"speedup_vs_{k}"] = times[k] / fus
-            rows_out.append(row)
+            rows_out.append(bandwidth_row(name, f"{r}x{c}", nbytes, contenders, copy_gbs))
 
         torch.cuda.empty_cache()
     return rows_out, copy_gbs

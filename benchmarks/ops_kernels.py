@@ -23,9 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from _common import copy_bandwidth_gbs, environment, print_table, write_json
+from _common import bandwidth_row, copy_bandwidth_gbs, environment, print_table, write_json
 from fusible import _kernels as K
-from kernels import device_ms
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-5
@@ -292,20 +291,7 @@ def run(
             for name, nbytes, contenders in cases_for(r, c, dev, compiled):
                 if only is not None and name not in only:
                     continue
-                times = {k: device_ms(f) for k, f in contenders.items()}
-                fus = times["fusible"]
-                row: dict[str, Any] = {
-                    "kernel": name,
-                    "shape": f"{r}x{c}",
-                    "fusible_ms": fus,
-                    "GB/s": nbytes / fus / 1e6,
-                    "frac_copy_bw": nbytes / fus / 1e6 / copy_gbs,
-                }
-                for k in ("torch_eager", "torch_compile"):
-                    if k in times:
-                        row[f"{k}_ms"] = times[k]
-                        row[f"speedup_vs_{k}"] = times[k] / fus
-                rows_out.append(row)
+                rows_out.append(bandwidth_row(name, f"{r}x{c}", nbytes, contenders, copy_gbs))
             torch.cuda.empty_cache()
     return rows_out, copy_gbs
 

@@ -402,36 +402,26 @@ __device__ __forceinline__ void write_group_partials(const NormBwdParams& p,
                                                      float* pg, float* pb, float* team_part) {
   const int L = p.lanes, T = p.teams;
   const int64_t H = p.cols;
-  auto col_of = [&](int64_t k) { return (k * L + lane) * 8; };
-  if (T == 1) {
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-      const int64_t col = col_of(k);
-      const int nn = chunk_len(H, col);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (j < nn) {
-          pg[col + j] = f_add(0.0f, dg[k * 8 + j]);
-          if (pb) pb[col + j] = f_add(0.0f, db[k * 8 + j]);
-        }
-      }
-    }
-    return;
-  }
+  // One team: its sums are the group's. Several: staged in shared memory, added in team order.
   float* sg = team_part;
   float* sb = team_part + static_cast<int64_t>(T) * H;
 #pragma unroll
   for (int k = 0; k < C; ++k) {
-    const int64_t col = col_of(k);
+    const int64_t col = (static_cast<int64_t>(k) * L + lane) * 8;
     const int nn = chunk_len(H, col);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      if (j < nn) {
+      if (j >= nn) continue;
+      if (T == 1) {
+        pg[col + j] = f_add(0.0f, dg[k * 8 + j]);
+        if (pb) pb[col + j] = f_add(0.0f, db[k * 8 + j]);
+      } else {
         sg[team * H + col + j] = dg[k * 8 + j];
         sb[team * H + col + j] = db[k * 8 + j];
       }
     }
   }
+  if (T == 1) return;
   __syncthreads();
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
     float ag = 0.0f, ab = 0.0f;

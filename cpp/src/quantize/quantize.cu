@@ -268,6 +268,36 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&in)[4], uint32_t (
   out[3] = __byte_perm(t1, t3, 0x7632);
 }
 
+// The transposed write of 16 rows x 4 columns of an fp8 byte tile: rows row0 .. row0 + 15,
+// columns col0 .. col0 + 3 (col0 % 4 == 0), read as words at byte_at(row, col0), transposed 4x4
+// at a time; column cc + i of the matrix (tile column col0 + i) is stored as the 16 bytes of rows
+// r .. r + 15 at out + i * rows. fast: all of them lie inside the matrix and 16-byte stores are
+// legal.
+template <typename ByteAt>
+__device__ __forceinline__ void store_transposed16(ByteAt byte_at, int row0, int col0, uint8_t* out,
+                                                   int64_t rows, int64_t r, int64_t cc,
+                                                   int64_t cols, bool fast, bool vec) {
+  uint32_t piece[4][4];  // [tile column col0 + i][rows row0 + 4 * m ...]
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    uint32_t rw[4], cw[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      rw[i] = *reinterpret_cast<const uint32_t*>(byte_at(row0 + 4 * m + i, col0));
+    transpose4x4(rw, cw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) piece[i][m] = cw[i];
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (fast) {
+      store_vec<16>(out + i * rows, piece[i]);
+    } else if (cc + i < cols) {
+      store_bytes<16>(out + i * rows, rows - r, vec, piece[i]);
+    }
+  }
+}
+
 template <typename T, Fp8Format F>
 __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const CastParams p) {
   constexpr int N = kVec<T>;
@@ -333,27 +363,9 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const CastPara
     if (p.col) {
       __syncthreads();
       if (j < kGroups) {
-        uint32_t piece[4][4];  // [tile column 4 * cg + i][rows 16 * j + 4 * m ...]
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          uint32_t rw[4], cw[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-            rw[i] = *reinterpret_cast<const uint32_t*>(&tile[at(16 * j + 4 * m + i, 4 * cg)]);
-          transpose4x4(rw, cw);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) piece[i][m] = cw[i];
-        }
         const int64_t r = r0 + 16 * j, cc = c0 + 4 * cg;
-        uint8_t* col_out = p.col + cc * rows + r;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          if (fast_col) {
-            store_vec<16>(col_out + i * rows, piece[i]);
-          } else if (cc + i < cols) {
-            store_bytes<16>(col_out + i * rows, rows - r, p.vec_col, piece[i]);
-          }
-        }
+        store_transposed16([&](int row, int col) { return &tile[at(row, col)]; }, 16 * j, 4 * cg,
+                           p.col + cc * rows + r, rows, r, cc, cols, fast_col, p.vec_col);
       }
       __syncthreads();  // the tile is rewritten by the next iteration
     }
@@ -693,29 +705,11 @@ __global__ void __launch_bounds__(kThreads) transpose_fp8_kernel(const CastParam
     __syncthreads();                 // and every other thread's
 
     const uint8_t* tile = tiles[stage];
-    uint32_t piece[4][4];  // [tile column 4 * cg + i][rows 16 * j + 4 * m ...]
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      uint32_t rw[4], cw[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        rw[i] = *reinterpret_cast<const uint32_t*>(tile + tp_at(16 * j + 4 * m + i, 4 * cg));
-      transpose4x4(rw, cw);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) piece[i][m] = cw[i];
-    }
     const int64_t r0 = static_cast<int64_t>(w.tr) * kTp, c0 = static_cast<int64_t>(w.tc) * kTp;
     const int64_t r = r0 + 16 * j, cc = c0 + 4 * cg;
     const bool fast = p.vec_col && r0 + kTp <= rows && c0 + kTp <= cols;
-    uint8_t* out = p.col + cc * rows + r;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if (fast) {
-        store_vec<16>(out + i * rows, piece[i]);
-      } else if (cc + i < cols) {
-        store_bytes<16>(out + i * rows, rows - r, p.vec_col, piece[i]);
-      }
-    }
+    store_transposed16([&](int row, int col) { return tile + tp_at(row, col); }, 16 * j, 4 * cg,
+                       p.col + cc * rows + r, rows, r, cc, cols, fast, p.vec_col);
     __syncthreads();  // the stage is reloaded by the next iteration's issue
     stage = (stage + 1) % kTpStages;
   }

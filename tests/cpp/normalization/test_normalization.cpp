@@ -610,6 +610,16 @@ TEST(NormErrors, BackwardRejectsBadArguments) {
 // ---- CUDA vs CPU
 // ------------------------------------------------------------------------------------
 
+// Runs the forward on both backends; every output buffer must hold the same bits.
+void expect_forward_cuda_equals_cpu(const FwdSetup& s, const FwdData& d) {
+  const DualResult r = run_both(d.bufs, fwd_call(s));
+  ASSERT_EQ(r.cpu_status, FUS_SUCCESS) << fus_last_error();
+  ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
+  for (size_t i = 0; i < d.bufs.b.size(); ++i)
+    EXPECT_TRUE(same_bits<uint8_t>(r.cpu, r.cuda, static_cast<int>(i),
+                                   ("buffer " + std::to_string(i)).c_str()));
+}
+
 class NormCudaForward : public ::testing::TestWithParam<std::tuple<fus_norm_kind, fus_dtype, int>> {
 };
 
@@ -637,12 +647,8 @@ TEST_P(NormCudaForward, BitIdenticalToCpu) {
       s.q.col = variant != 0 || qmode == 2;
       SCOPED_TRACE(describe(s));
       FwdData d = fwd_data(s);
-      const DualResult r = run_both(d.bufs, fwd_call(s));
-      ASSERT_EQ(r.cpu_status, FUS_SUCCESS) << fus_last_error();
-      ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
-      for (size_t i = 0; i < d.bufs.b.size(); ++i)
-        EXPECT_TRUE(same_bits<uint8_t>(r.cpu, r.cuda, static_cast<int>(i),
-                                       ("buffer " + std::to_string(i)).c_str()));
+      expect_forward_cuda_equals_cpu(s, d);
+      if (HasFatalFailure()) return;
     }
   }
 }
@@ -717,12 +723,8 @@ TEST(NormCuda, NonFiniteRowsMatchCpu) {
         put(11, 17, bf ? 0x7f80 : 0x7c00);   // +inf
         put(12, 18, bf ? 0xff80 : 0xfc00);   // -inf
         for (int64_t c = 0; c < s.cols; c += 2) put(20, c, bf ? 0x7f7f : 0x7bff);  // max finite
-        const DualResult r = run_both(d.bufs, fwd_call(s));
-        ASSERT_EQ(r.cpu_status, FUS_SUCCESS) << fus_last_error();
-        ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
-        for (size_t i = 0; i < d.bufs.b.size(); ++i)
-          EXPECT_TRUE(same_bits<uint8_t>(r.cpu, r.cuda, static_cast<int>(i),
-                                         ("buffer " + std::to_string(i)).c_str()));
+        expect_forward_cuda_equals_cpu(s, d);
+        if (HasFatalFailure()) return;
       }
     }
   }
@@ -745,12 +747,8 @@ TEST(NormCuda, ColumnwiseOnlyCopyMatchesCpu) {
       s.q.col = true;
       SCOPED_TRACE(describe(s));
       FwdData d = fwd_data(s);
-      const DualResult r = run_both(d.bufs, fwd_call(s));
-      ASSERT_EQ(r.cpu_status, FUS_SUCCESS) << fus_last_error();
-      ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
-      for (size_t i = 0; i < d.bufs.b.size(); ++i)
-        EXPECT_TRUE(same_bits<uint8_t>(r.cpu, r.cuda, static_cast<int>(i),
-                                       ("buffer " + std::to_string(i)).c_str()));
+      expect_forward_cuda_equals_cpu(s, d);
+      if (HasFatalFailure()) return;
     }
   }
 }
