@@ -28,6 +28,9 @@ inline int64_t ceil32(int64_t n) { return (n + 31) / 32; }
 
 // Slots of a quantized output inside a Buffers, in this order.
 enum QOff { kQRow = 0, kQCol, kQRowS, kQColS, kQScale, kQAmax, kQSlots };
+inline const char* const kQNames[kQSlots] = {
+    "q.rowwise_data",         "q.columnwise_data", "q.rowwise_scale_inv",
+    "q.columnwise_scale_inv", "q.scale",           "q.amax"};
 
 // Appends the 6 buffers of q (empty ones when absent), filled with a pattern; returns the first.
 inline int add_q_buffers(Buffers& b, int64_t rows, int64_t cols, const QSpec& q) {
@@ -85,14 +88,12 @@ inline Buffers quantize_of(const std::vector<uint8_t>& hp, fus_dtype dt, int64_t
 // Every quantized buffer of a (at slot qa) equals b's (at slot qb) bit for bit.
 inline void expect_same_q(const Buffers& a, int qa, const Buffers& b, int qb,
                           const std::string& what) {
-  const char* names[] = {"q.rowwise_data",         "q.columnwise_data", "q.rowwise_scale_inv",
-                         "q.columnwise_scale_inv", "q.scale",           "q.amax"};
   for (int k = 0; k < kQSlots; ++k) {
-    ASSERT_EQ(a.b[qa + k].size(), b.b[qb + k].size()) << what << " " << names[k];
+    ASSERT_EQ(a.b[qa + k].size(), b.b[qb + k].size()) << what << " " << kQNames[k];
     if (a.b[qa + k] != b.b[qb + k]) {
       size_t i = 0;
       while (a.b[qa + k][i] == b.b[qb + k][i]) ++i;
-      ADD_FAILURE() << what << ": " << names[k] << " differs first at byte " << i << " (0x"
+      ADD_FAILURE() << what << ": " << kQNames[k] << " differs first at byte " << i << " (0x"
                     << std::hex << int(a.b[qa + k][i]) << " vs 0x" << int(b.b[qb + k][i])
                     << std::dec << ")";
     }
@@ -105,6 +106,30 @@ inline std::vector<double> as_doubles(const std::vector<uint8_t>& bytes, fus_dty
   std::vector<double> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = load_as_double(bytes, dt, i);
   return v;
+}
+
+// Bitwise equality of buffer idx of a and b (elements of dt, FP8 included), except that NaN on
+// both sides matches whatever its bits. NaN made by arithmetic differs between the backends in sign
+// and payload (x86 propagates an operand's NaN, NVIDIA GPUs return the canonical 0x7fffffff), and
+// an FP8 cast keeps that sign.
+inline ::testing::AssertionResult same_bits_or_both_nan(const Buffers& a, const Buffers& b, int idx,
+                                                        fus_dtype dt, const std::string& what) {
+  const std::vector<uint8_t>&x = a.b[idx], &y = b.b[idx];
+  if (x.size() != y.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
+  const size_t w = fus_dtype_size(dt), n = x.size() / w;
+  auto value = [&](const std::vector<uint8_t>& v, size_t i) {
+    return w == 1 ? ref::fp8_decode(v[i], dt) : load_as_double(v, dt, i);
+  };
+  size_t bad = 0;
+  ::testing::AssertionResult res = ::testing::AssertionFailure();
+  for (size_t i = 0; i < n; ++i) {
+    if (std::memcmp(&x[i * w], &y[i * w], w) == 0) continue;
+    if (std::isnan(value(x, i)) && std::isnan(value(y, i))) continue;
+    if (bad++ < 8)
+      res << "\n  " << what << "[" << i << "]: cpu " << value(x, i) << " cuda " << value(y, i);
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return res << "\n  " << what << ": " << bad << " of " << n << " elements differ";
 }
 
 // Normal(mean, stddev) samples, exactly representable in dt (so references see the stored values).

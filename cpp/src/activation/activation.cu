@@ -38,8 +38,12 @@ struct ActParams {
   float* scale_inv;  // per-tensor q: 1 / scale, or null
 };
 
-template <ActFn A, bool kGated, bool kBwd>
+// T: void (run-time dtypes, any shape), or the 16-bit type of the common case (x, grad, the
+// output and the rounding all of type T; H a multiple of 64; 16-byte aligned; not MXFP8), which
+// reads packed vectors, loads a tile ahead, and uses the epilogue's 16-bit path. Same bits.
+template <typename T, ActFn A, bool kGated, bool kBwd>
 __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
+  constexpr bool k16 = !std::is_void_v<T>;
   __shared__ EpilogueSmem sm;
   const int tid = threadIdx.x, tx = tid % 8, ty = tid / 8;
   const int64_t H = p.cols, in_cols = kGated ? 2 * H : H;
@@ -52,13 +56,37 @@ __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
   const int nc = static_cast<int>(fused::imax(0, fused::imin(8, H - c)));
   EpilogueAcc acc0, acc1;
 
+  // 16-bit path: the raw vectors of the thread's row in the next tile (zero past rend, which
+  // gives act(0) = 0 and a zero gradient, so amax and the column sums are unaffected).
+  uint4 ra{}, rb{}, rg{};
+  auto load_raw = [&](int64_t r) {
+    if constexpr (k16) {
+      ra = rb = rg = make_uint4(0, 0, 0, 0);
+      if (r >= rend) return;
+      const T* x = static_cast<const T*>(p.x) + r * in_cols + c;
+      ra = __ldcs(reinterpret_cast<const uint4*>(x));
+      if constexpr (kGated) rb = __ldcs(reinterpret_cast<const uint4*>(x + H));
+      if constexpr (kBwd)
+        rg = __ldcs(reinterpret_cast<const uint4*>(static_cast<const T*>(p.grad) + r * H + c));
+    }
+  };
+  load_raw(rbeg + ty);
+
   for (int64_t r0 = rbeg; r0 < rend; r0 += kTileRows) {
     const int64_t r = r0 + ty;
     const int n = r < rend ? nc : 0;
-    float a[8], b[8], v0[8], v1[8];
-    fused::load8(p.x, p.x_dtype, r * in_cols + c, n, p.vec_x, a);
-    if constexpr (kGated) fused::load8(p.x, p.x_dtype, r * in_cols + H + c, n, p.vec_x, b);
-    if (!kBwd) {
+    float a[8], b[8], gr[8], v0[8], v1[8];
+    if constexpr (k16) {
+      fused::unpack8<T>(ra, a);
+      if constexpr (kGated) fused::unpack8<T>(rb, b);
+      if constexpr (kBwd) fused::unpack8<T>(rg, gr);
+      load_raw(r + kTileRows);
+    } else {
+      fused::load8(p.x, p.x_dtype, r * in_cols + c, n, p.vec_x, a);
+      if constexpr (kGated) fused::load8(p.x, p.x_dtype, r * in_cols + H + c, n, p.vec_x, b);
+      if constexpr (kBwd) fused::load8(p.grad, p.grad_dtype, r * H + c, n, p.vec_grad, gr);
+    }
+    if constexpr (!kBwd) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         if constexpr (kGated)
@@ -66,20 +94,16 @@ __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
         else
           v0[j] = act_fn<A>(a[j]);
       }
-      fused::emit_tile(p.out, sm, acc0, r0, c0, strip_cols, v0, n);
+      fused::emit_tile<T>(p.out, sm, acc0, r0, c0, strip_cols, v0, n);
+    } else if constexpr (kGated) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) gated_grad<A>(gr[j], a[j], b[j], &v0[j], &v1[j]);
+      fused::emit_tile<T>(p.out, sm, acc0, r0, c0, strip_cols, v0, n);
+      fused::emit_tile<T>(p.out, sm, acc1, r0, H + c0, strip_cols, v1, n);
     } else {
-      float gr[8];
-      fused::load8(p.grad, p.grad_dtype, r * H + c, n, p.vec_grad, gr);
-      if constexpr (kGated) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) gated_grad<A>(gr[j], a[j], b[j], &v0[j], &v1[j]);
-        fused::emit_tile(p.out, sm, acc0, r0, c0, strip_cols, v0, n);
-        fused::emit_tile(p.out, sm, acc1, r0, H + c0, strip_cols, v1, n);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v0[j] = act_grad<A>(gr[j], a[j]);
-        fused::emit_tile(p.out, sm, acc0, r0, c0, strip_cols, v0, n);
-      }
+      for (int j = 0; j < 8; ++j) v0[j] = act_grad<A>(gr[j], a[j]);
+      fused::emit_tile<T>(p.out, sm, acc0, r0, c0, strip_cols, v0, n);
     }
   }
 
@@ -88,10 +112,16 @@ __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
     part[c0 + tid] = acc0.colsum;
     if (kGated && kBwd) part[H + c0 + tid] = acc1.colsum;
   }
-  if (p.amax) fused::block_amax(max(acc0.amax, acc1.amax), p.amax);
+  if (p.amax)
+    fused::block_amax(max(fused::acc_amax_bits<T>(acc0), fused::acc_amax_bits<T>(acc1)), p.amax);
   if (p.scale_inv && blockIdx.x == 0 && blockIdx.y == 0 && tid == 0)
     *p.scale_inv = f_div(1.0f, *p.out.scale);
 }
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
 
 bool aligned(const void* p, size_t bytes) { return p == nullptr || is_aligned(p, bytes); }
 
@@ -129,8 +159,13 @@ void act_launch(const ActArgs& a, const fus_context& ctx, bool bwd) {
   p.cols = H;
   const bool colsum = bwd && a.dbias != nullptr;
   const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-  p.rows_per_group = colsum ? act_dbias_rows_per_group(rows)
-                            : kTileRows * ((tiles + 65534) / 65535);  // grid.y <= 65535
+  const int64_t strips = (H + kTileCols - 1) / kTileCols;
+  // dbias fixes the row groups (activation.h's summation order). Without it the split is free:
+  // about four waves of blocks, each walking several tiles (fewer blocks, fewer amax atomics).
+  const int64_t free_groups = std::max<int64_t>(1, 32 * static_cast<int64_t>(sm_count()) / strips);
+  const int64_t per_group = kTileRows * std::max((tiles + free_groups - 1) / free_groups,
+                                                 (tiles + 65534) / 65535);  // grid.y <= 65535
+  p.rows_per_group = colsum ? act_dbias_rows_per_group(rows) : per_group;
   const int64_t groups = (rows + p.rows_per_group - 1) / p.rows_per_group;
 
   EpilogueOut& o = p.out;
@@ -161,19 +196,33 @@ void act_launch(const ActArgs& a, const fus_context& ctx, bool bwd) {
 
   const dim3 grid(static_cast<unsigned>((H + kTileCols - 1) / kTileCols),
                   static_cast<unsigned>(groups));
-  dispatch_act(a.fn, [&](auto tag) {
+  // The 16-bit path (act_kernel's T): every tensor of one 16-bit type, whole strips, vectors.
+  const fus_dtype dt = a.x.dtype;
+  const bool k16 = (dt == FUS_BFLOAT16 || dt == FUS_FLOAT16) && a.round_dtype == dt &&
+                   (!bwd || a.grad.dtype == dt) && (!a.out || (a.out->dtype == dt && o.vec_hp)) &&
+                   H % kTileCols == 0 && p.vec_x && (!bwd || p.vec_grad) && o.qmode != 2;
+  auto launch = [&](auto t, auto tag) {
+    using T = typename decltype(t)::type;
     constexpr ActFn A = decltype(tag)::value;
     if (bwd) {
       if (a.gated)
-        act_kernel<A, true, true><<<grid, kTileThreads, 0, stream>>>(p);
+        act_kernel<T, A, true, true><<<grid, kTileThreads, 0, stream>>>(p);
       else
-        act_kernel<A, false, true><<<grid, kTileThreads, 0, stream>>>(p);
+        act_kernel<T, A, false, true><<<grid, kTileThreads, 0, stream>>>(p);
     } else {
       if (a.gated)
-        act_kernel<A, true, false><<<grid, kTileThreads, 0, stream>>>(p);
+        act_kernel<T, A, true, false><<<grid, kTileThreads, 0, stream>>>(p);
       else
-        act_kernel<A, false, false><<<grid, kTileThreads, 0, stream>>>(p);
+        act_kernel<T, A, false, false><<<grid, kTileThreads, 0, stream>>>(p);
     }
+  };
+  dispatch_act(a.fn, [&](auto tag) {
+    if (!k16)
+      launch(TypeTag<void>{}, tag);
+    else if (dt == FUS_BFLOAT16)
+      launch(TypeTag<Bf16>{}, tag);
+    else
+      launch(TypeTag<Half>{}, tag);
   });
   FUS_CUDA_CHECK_LAUNCH("act_kernel");
   if (colsum) {

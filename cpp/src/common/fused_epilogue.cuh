@@ -163,6 +163,20 @@ __device__ __forceinline__ uint4 round_pack8(float (&v)[8]) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// The eight 16-bit values of a packed vector, widened exactly (numerics.h).
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& raw, float (&v)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    T lo, hi;
+    lo.bits = static_cast<uint16_t>(w[k] & 0xffffu);
+    hi.bits = static_cast<uint16_t>(w[k] >> 16);
+    v[2 * k] = Element<T>::load(&lo, 0);
+    v[2 * k + 1] = Element<T>::load(&hi, 0);
+  }
+}
+
 // Running max of the 16-bit magnitudes of a packed vector's eight values, two per word: widening
 // to fp32 is monotonic in them, so amax16_bits turns the final max into abs_bits of the value.
 __device__ __forceinline__ uint32_t amax16_update(uint32_t m, const uint4& w) {
@@ -228,32 +242,53 @@ struct EpilogueSmem {
 
 // Per-thread state that outlives one tile.
 struct EpilogueAcc {
-  uint32_t amax = 0;
+  uint32_t amax = 0;  // max abs_bits of the values
+  uint32_t am16 = 0;  // 16-bit path: packed magnitudes instead (amax16_update; amax16_bits)
   float colsum = 0.0f;  // threads < 64: the running column sum of column c0 + threadIdx.x
 };
+
+// max |value| of an accumulator as abs_bits (T as for emit_tile).
+template <typename T = void>
+__device__ __forceinline__ uint32_t acc_amax_bits(const EpilogueAcc& acc) {
+  if constexpr (std::is_void_v<T>)
+    return acc.amax;
+  else
+    return amax16_bits<T>(acc.am16);
+}
 
 // Emits one strip: the thread's 8 values v (row r0 + ty, columns col .. col + 7 of the output
 // matrix, n of them inside), where the tile covers rows [r0, r0 + 32) and the strip's columns
 // [c0s, c0s + 64) (c0s = the strip's first output column; col = c0s + 8 tx). strip_cols: columns
 // of the strip inside the matrix (<= 64). Every thread of the block calls it with the same
 // r0 / c0s (it synchronises).
+// T: void for run-time dtypes, or the 16-bit type of the common case, where o.round_dtype and
+// o.hp_dtype are T, chunks are whole (n is 8 or 0; v is 0 when n is 0), 16-byte hp stores are
+// legal and qmode is not MXFP8: values are rounded two at a time (round_pack8) and amax is taken
+// on the packed magnitudes (acc.am16). The bits are the same either way.
+template <typename T = void>
 __device__ __forceinline__ void emit_tile(const EpilogueOut& o, EpilogueSmem& sm, EpilogueAcc& acc,
                                           int64_t r0, int64_t c0s, int strip_cols, float (&v)[8],
                                           int n) {
+  constexpr bool k16 = !std::is_void_v<T>;
   const int tid = threadIdx.x, tx = tid % 8, ty = tid / 8;
   const int64_t r = r0 + ty, col = c0s + 8 * tx;
   const bool row_ok = r < o.rows;
   if (!row_ok) n = 0;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = round_hp(o.round_dtype, v[j]);
   const int64_t at = r * o.out_cols + col;
-
-  if (o.hp && n > 0) store8(o.hp, o.hp_dtype, at, n, o.vec_hp, v);
   uint32_t m = 0;
+  if constexpr (k16) {
+    const uint4 packed = round_pack8<T>(v);
+    if (o.hp && n > 0) *reinterpret_cast<uint4*>(static_cast<T*>(o.hp) + at) = packed;
+    if (o.amax) acc.am16 = amax16_update(acc.am16, packed);
+  } else {
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
-    if (j < n) m = max(m, abs_bits(v[j]));
-  if (o.amax) acc.amax = max(acc.amax, m);
+    for (int j = 0; j < 8; ++j) v[j] = round_hp(o.round_dtype, v[j]);
+    if (o.hp && n > 0) store8(o.hp, o.hp_dtype, at, n, o.vec_hp, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < n) m = max(m, abs_bits(v[j]));
+    if (o.amax) acc.amax = max(acc.amax, m);
+  }
 
   if (o.qmode == 1) {
     const uint2 q = cast8(o.e5m2, v, *o.scale);
@@ -273,7 +308,7 @@ __device__ __forceinline__ void emit_tile(const EpilogueOut& o, EpilogueSmem& sm
       }
       __syncthreads();
     }
-  } else if (o.qmode == 2) {
+  } else if (!k16 && o.qmode == 2) {
     if (o.q_row) {
       // A 32-wide block is 4 consecutive threads of one row (tx = 4 i .. 4 i + 3).
       uint32_t bm = m;
