@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
   const int64_t rend = fused::imin(p.rows, rbeg + p.rows_per_group);
   const int64_t c = c0 + 8 * tx;
   const int strip_cols = static_cast<int>(fused::imin(kTileCols, H - c0));
-  const int nc = static_cast<int>(fused::imax(0, fused::imin(8, H - c)));
+  const int nc = k16 ? 8 : static_cast<int>(fused::imax(0, fused::imin(8, H - c)));
   EpilogueAcc acc0, acc1;
 
   // 16-bit path: the raw vectors of the thread's row in the next tile (zero past rend, which

@@ -89,14 +89,14 @@ struct SigmoidPair {
 // e / (1 + e), so both keep their relative accuracy in the tails.
 FUS_HD SigmoidPair sigmoid_pair(float x) {
   const float e = exp_neg_f(-f_abs(x));
-  const float big = f_rcp(f_add(1.0f, e));
+  const float big = f_rcp_1to2(f_add(1.0f, e));
   const float small = f_mul(e, big);
   return x < 0.0f ? SigmoidPair{small, big} : SigmoidPair{big, small};
 }
 
 FUS_HD float sigmoid_f(float x) {
   const float e = exp_neg_f(-f_abs(x));
-  const float big = f_rcp(f_add(1.0f, e));
+  const float big = f_rcp_1to2(f_add(1.0f, e));
   return x < 0.0f ? f_mul(e, big) : big;
 }
 

@@ -57,6 +57,20 @@ FUS_HD float f_rcp(float a) {
 #endif
 }
 
+// 1 / a for a in [1, 2] (the sigmoid's 1 + e^-|x|), correctly rounded, as f_rcp. On the device:
+// the hardware approximation and one Newton step, which is the sequence __frcp_rn runs for
+// operands that need no exponent rescaling, without its range test and branch (the CUDA test
+// ActCudaMath.ReciprocalOnOneToTwoMatchesHost checks every float in [1, 2]).
+FUS_HD float f_rcp_1to2(float a) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return __fmaf_rn(r, __fmaf_rn(-a, r, 1.0f), r);
+#else
+  return 1.0f / a;
+#endif
+}
+
 // |a| (exact: clears the sign bit).
 FUS_HD float f_abs(float a) { return bits_as_float(float_as_bits(a) & 0x7fffffffu); }
 

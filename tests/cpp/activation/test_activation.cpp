@@ -582,6 +582,30 @@ INSTANTIATE_TEST_SUITE_P(All, ActCuda16,
                                             ::testing::Values(FUS_FLOAT16, FUS_BFLOAT16),
                                             ::testing::Bool()));
 
+#if defined(FUSIBLE_WITH_CUDA)
+}  // namespace
+namespace fustest {
+bool device_rcp_1to2(uint32_t first, uint32_t count, std::vector<float>& out);  // *_cuda.cu
+}  // namespace fustest
+namespace {
+
+// The sigmoid's reciprocal skips __frcp_rn's range test (fp32_ops.h f_rcp_1to2): on every float in
+// [1, 2] it must still be the correctly rounded 1 / a of the host.
+TEST(ActCudaMath, ReciprocalOnOneToTwoMatchesHost) {
+  FUSTEST_REQUIRE_CUDA();
+  const uint32_t first = 0x3f800000u, count = (1u << 23) + 1;  // 1.0f .. 2.0f
+  std::vector<float> got;
+  ASSERT_TRUE(device_rcp_1to2(first, count, got));
+  size_t bad = 0;
+  for (uint32_t i = 0; i < count; ++i) {
+    const float a = u2f(first + i);
+    if (f2u(got[i]) != f2u(1.0f / a) && bad++ < 5)
+      ADD_FAILURE() << "1 / " << a << ": device " << got[i] << ", host " << 1.0f / a;
+  }
+  EXPECT_EQ(bad, 0u);
+}
+#endif
+
 // The GPU evaluates the shared math to the same bits as the host on a dense sample of inputs
 // (through the forward / backward of the elementwise kinds in fp32).
 TEST(ActCudaMath, SameBitsAsHostOnDenseSample) {
