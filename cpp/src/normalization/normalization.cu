@@ -60,12 +60,14 @@ __device__ __forceinline__ int chunk_len(int64_t cols, int64_t col) {
   return static_cast<int>(fused::imax(0, fused::imin(8, cols - col)));
 }
 
-// Eight 16-bit elements as one 16-byte vector.
+// Element j of eight 16-bit values packed in a 16-byte vector, widened as Element<T>::load. Taken
+// from its 32-bit word by shifts and masks, so widening a bf16 is one instruction.
 template <typename T>
-union Chunk8 {
-  uint4 u;
-  T e[8];
-};
+__device__ __forceinline__ float elem8(const uint4& raw, int j) {
+  const uint32_t w = j < 2 ? raw.x : j < 4 ? raw.y : j < 6 ? raw.z : raw.w;
+  const T h{static_cast<uint16_t>(j % 2 ? w >> 16 : w & 0xffffu)};
+  return Element<T>::load(&h, 0);
+}
 
 // ---- forward, rowwise
 // -----------------------------------------------------------------------------
@@ -222,11 +224,6 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
   const int L = p.lanes, teams = blockDim.x / L, team = threadIdx.x / L, lane = threadIdx.x % L;
   const int64_t H = p.cols;
   const bool has_beta = p.beta != nullptr;
-  auto elem = [](const uint4& raw, int j) {
-    Chunk8<T> c;
-    c.u = raw;
-    return Element<T>::load(c.e, j);
-  };
   const float scale = kQ ? *p.scale : 1.0f;
   const int64_t step = static_cast<int64_t>(gridDim.x) * teams;
   auto load_row = [&](int64_t row, uint4(&xr)[C]) {
@@ -253,8 +250,8 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
       float y[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float xh = norm_xhat(kLn, elem(x[k], j), mean, rstd);
-        y[j] = norm_y(kLn, xh, norm_weight(elem(gk, j), kZc), kBeta ? elem(bk, j) : 0.0f);
+        const float xh = norm_xhat(kLn, elem8<T>(x[k], j), mean, rstd);
+        y[j] = norm_y(kLn, xh, norm_weight(elem8<T>(gk, j), kZc), kBeta ? elem8<T>(bk, j) : 0.0f);
       }
       const uint4 packed = fused::round_pack8<T>(y);
       am16 = fused::amax16_update(am16, packed);
@@ -277,7 +274,7 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
     for (int k = 0; k < C; ++k)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float v = elem(x[k], j);
+        const float v = elem8<T>(x[k], j);
         s = kLn ? f_add(s, v) : f_fma(v, v, s);
       }
     s = team_sum(s, L, red);
@@ -289,7 +286,7 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
       for (int k = 0; k < C; ++k)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float d = f_sub(elem(x[k], j), mean);
+          const float d = f_sub(elem8<T>(x[k], j), mean);
           s2 = f_fma(d, d, s2);
         }
       rstd = norm_rstd(team_sum(s2, L, red), H, p.eps);
@@ -578,11 +575,6 @@ __global__ void __launch_bounds__(512) norm_bwd_fast_kernel(const NormBwdParams 
   const int64_t H = p.cols, g = blockIdx.x;
   const int64_t rbeg = g * p.rows_per_group, rend = fused::imin(p.rows, rbeg + p.rows_per_group);
   const int64_t iters = (rend - rbeg + T_ - 1) / T_;
-  auto elem = [](const uint4& raw, int j) {
-    Chunk8<T> c;
-    c.u = raw;
-    return Element<T>::load(c.e, j);
-  };
   auto col_of = [&](int k) { return (static_cast<int64_t>(k) * L + lane) * 8; };
   uint4 w[C];
   float dg[8 * C], db[8 * C];
@@ -615,8 +607,8 @@ __global__ void __launch_bounds__(512) norm_bwd_fast_kernel(const NormBwdParams 
       for (int k = 0; k < C; ++k)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float xh = norm_xhat(kLn, elem(x[k], j), mean, rstd);
-          const float dyw = f_mul(elem(d[k], j), norm_weight(elem(w[k], j), p.zc));
+          const float xh = norm_xhat(kLn, elem8<T>(x[k], j), mean, rstd);
+          const float dyw = f_mul(elem8<T>(d[k], j), norm_weight(elem8<T>(w[k], j), p.zc));
           s1 = f_fma(dyw, xh, s1);
           s2 = f_add(s2, dyw);
         }
@@ -627,16 +619,17 @@ __global__ void __launch_bounds__(512) norm_bwd_fast_kernel(const NormBwdParams 
     if (active) {
 #pragma unroll
       for (int k = 0; k < C; ++k) {
-        Chunk8<T> out;
+        float out[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float dj = elem(d[k], j), xh = norm_xhat(kLn, elem(x[k], j), mean, rstd);
-          const float dyw = f_mul(dj, norm_weight(elem(w[k], j), p.zc));
-          Element<T>::store(out.e, j, norm_dx(kLn, dyw, xh, m1, m2, rstd));
+          const float dj = elem8<T>(d[k], j), xh = norm_xhat(kLn, elem8<T>(x[k], j), mean, rstd);
+          const float dyw = f_mul(dj, norm_weight(elem8<T>(w[k], j), p.zc));
+          out[j] = norm_dx(kLn, dyw, xh, m1, m2, rstd);
           dg[k * 8 + j] = f_fma(dj, xh, dg[k * 8 + j]);
           db[k * 8 + j] = f_add(db[k * 8 + j], dj);
         }
-        *reinterpret_cast<uint4*>(static_cast<T*>(p.dx) + row * H + col_of(k)) = out.u;
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.dx) + row * H + col_of(k)) =
+            fused::round_pack8<T>(out);
       }
     }
 #pragma unroll
