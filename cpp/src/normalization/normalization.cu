@@ -21,6 +21,9 @@
 //    then dx; dgamma / dbeta accumulate per team in registers (fp32), are combined across the
 //    block's teams in order through shared memory and written as the group's partial sums into
 //    the workspace; colsum_finalize_kernel adds the groups in order.
+//  - norm_bwd_fast_kernel: the same for 16-bit dtypes throughout, aligned, two or four whole
+//    chunks a lane (H = 16384 is four), with dy and x kept as 16-bit vectors in registers and the
+//    next row's loads in flight while the current row is finished.
 #include "common/cuda_utils.h"
 #include "common/fused_epilogue.cuh"
 #include "normalization/normalization_impl.h"
@@ -60,12 +63,14 @@ __device__ __forceinline__ int chunk_len(int64_t cols, int64_t col) {
   return static_cast<int>(fused::imax(0, fused::imin(8, cols - col)));
 }
 
-// Eight 16-bit elements as one 16-byte vector.
+// Element j of eight 16-bit values packed in a 16-byte vector, widened as Element<T>::load. Taken
+// from its 32-bit word by shifts and masks, so widening a bf16 is one instruction.
 template <typename T>
-union Chunk8 {
-  uint4 u;
-  T e[8];
-};
+__device__ __forceinline__ float elem8(const uint4& raw, int j) {
+  const uint32_t w = j < 2 ? raw.x : j < 4 ? raw.y : j < 6 ? raw.z : raw.w;
+  const T h{static_cast<uint16_t>(j % 2 ? w >> 16 : w & 0xffffu)};
+  return Element<T>::load(&h, 0);
+}
 
 // ---- forward, rowwise
 // -----------------------------------------------------------------------------
@@ -222,11 +227,6 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
   const int L = p.lanes, teams = blockDim.x / L, team = threadIdx.x / L, lane = threadIdx.x % L;
   const int64_t H = p.cols;
   const bool has_beta = p.beta != nullptr;
-  auto elem = [](const uint4& raw, int j) {
-    Chunk8<T> c;
-    c.u = raw;
-    return Element<T>::load(c.e, j);
-  };
   const float scale = kQ ? *p.scale : 1.0f;
   const int64_t step = static_cast<int64_t>(gridDim.x) * teams;
   auto load_row = [&](int64_t row, uint4(&xr)[C]) {
@@ -253,8 +253,8 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
       float y[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float xh = norm_xhat(kLn, elem(x[k], j), mean, rstd);
-        y[j] = norm_y(kLn, xh, norm_weight(elem(gk, j), kZc), kBeta ? elem(bk, j) : 0.0f);
+        const float xh = norm_xhat(kLn, elem8<T>(x[k], j), mean, rstd);
+        y[j] = norm_y(kLn, xh, norm_weight(elem8<T>(gk, j), kZc), kBeta ? elem8<T>(bk, j) : 0.0f);
       }
       const uint4 packed = fused::round_pack8<T>(y);
       am16 = fused::amax16_update(am16, packed);
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
     for (int k = 0; k < C; ++k)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float v = elem(x[k], j);
+        const float v = elem8<T>(x[k], j);
         s = kLn ? f_add(s, v) : f_fma(v, v, s);
       }
     s = team_sum(s, L, red);
@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
       for (int k = 0; k < C; ++k)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float d = f_sub(elem(x[k], j), mean);
+          const float d = f_sub(elem8<T>(x[k], j), mean);
           s2 = f_fma(d, d, s2);
         }
       rstd = norm_rstd(team_sum(s2, L, red), H, p.eps);
@@ -567,59 +567,76 @@ __global__ void __launch_bounds__(512) norm_bwd_kernel(const NormBwdParams p) {
 }
 
 // norm_bwd_kernel's common case: dy, x, gamma and dx all of the 16-bit type T, 16-byte aligned,
-// every lane owning exactly C whole chunks. Same plan and bits; dy and x stay in registers as
-// 16-bit vectors between the two passes, and the team loads its next row while it reduces and
-// writes the current one (the generic kernel waits for each row's loads).
+// every lane owning exactly C (2 or 4) whole chunks. Same plan and bits; dy and x stay in registers
+// as 16-bit vectors between the two passes, and the next row's loads are issued before the current
+// row is done (the generic kernel waits for each row's loads). C = 2 keeps gamma in registers and
+// loads the next row into a second buffer while it reduces and writes the current one. C = 4 (512
+// lanes) cannot: with 32 registers of dy / x and 64 accumulators, that buffer and gamma would
+// exceed the 128 registers a thread has at 512 threads. It re-reads gamma (from L1) and loads the
+// next row's chunk k into chunk k's registers as soon as the dx pass is done with them.
 template <typename T, int C, bool kLn>
 __global__ void __launch_bounds__(512) norm_bwd_fast_kernel(const NormBwdParams p) {
+  static_assert(C == 2 || C == 4, "chunks a lane");
+  constexpr bool kSpare = C == 2;       // registers for gamma and a second row
   extern __shared__ float team_part[];  // teams > 1: [teams][cols] dgamma, then dbeta
   __shared__ float red[16];
-  const int L = p.lanes, T_ = p.teams, team = threadIdx.x / L, lane = threadIdx.x % L;
+  // Four chunks a lane means 512 lanes (fewer own at most two) and one team: fixed at compile
+  // time, the chunks' offsets become immediates (registers are short at C = 4).
+  const int L = C == 4 ? kNormMaxLanes : p.lanes, T_ = C == 4 ? 1 : p.teams;
+  const int team = C == 4 ? 0 : threadIdx.x / L, lane = threadIdx.x % L;
   const int64_t H = p.cols, g = blockIdx.x;
   const int64_t rbeg = g * p.rows_per_group, rend = fused::imin(p.rows, rbeg + p.rows_per_group);
   const int64_t iters = (rend - rbeg + T_ - 1) / T_;
-  auto elem = [](const uint4& raw, int j) {
-    Chunk8<T> c;
-    c.u = raw;
-    return Element<T>::load(c.e, j);
-  };
   auto col_of = [&](int k) { return (static_cast<int64_t>(k) * L + lane) * 8; };
+  auto gamma = [&](int k) {
+    return __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.gamma) + col_of(k)));
+  };
   uint4 w[C];
   float dg[8 * C], db[8 * C];
 #pragma unroll
   for (int k = 0; k < C; ++k) {
-    w[k] = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.gamma) + col_of(k));
+    if constexpr (kSpare) w[k] = gamma(k);
 #pragma unroll
     for (int j = 0; j < 8; ++j) dg[k * 8 + j] = db[k * 8 + j] = 0.0f;
   }
-  auto load_row = [&](int64_t row, uint4(&d)[C], uint4(&x)[C]) {
+  auto weight = [&](int k) {
+    if constexpr (kSpare)
+      return w[k];
+    else
+      return gamma(k);
+  };
+  // Chunk k of dy and x of the given row (none past the group's rows).
+  auto load = [&](int64_t row, int k, uint4& dk, uint4& xk) {
     if (row >= rend) return;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-      const int64_t at = row * H + col_of(k);
-      d[k] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const T*>(p.dy) + at));
-      x[k] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + at));
-    }
+    const int64_t at = row * H + col_of(k);
+    dk = __ldcs(reinterpret_cast<const uint4*>(static_cast<const T*>(p.dy) + at));
+    xk = __ldcs(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + at));
   };
   uint4 d[C], x[C];
-  load_row(rbeg + team, d, x);
+#pragma unroll
+  for (int k = 0; k < C; ++k) load(rbeg + team, k, d[k], x[k]);
   for (int64_t it = 0; it < iters; ++it) {
     const int64_t row = rbeg + team + it * T_;
     const bool active = row < rend;
     uint4 dn[C], xn[C];
-    load_row(row + T_, dn, xn);
+    if constexpr (kSpare) {
+#pragma unroll
+      for (int k = 0; k < C; ++k) load(row + T_, k, dn[k], xn[k]);
+    }
     const float mean = active && kLn ? p.mean[row] : 0.0f, rstd = active ? p.rstd[row] : 0.0f;
     float s1 = 0.0f, s2 = 0.0f;
     if (active) {
 #pragma unroll
-      for (int k = 0; k < C; ++k)
+      for (int k = 0; k < C; ++k) {
+        const uint4 wk = weight(k);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float xh = norm_xhat(kLn, elem(x[k], j), mean, rstd);
-          const float dyw = f_mul(elem(d[k], j), norm_weight(elem(w[k], j), p.zc));
+          const float xh = norm_xhat(kLn, elem8<T>(x[k], j), mean, rstd);
+          const float dyw = f_mul(elem8<T>(d[k], j), norm_weight(elem8<T>(wk, j), p.zc));
           s1 = f_fma(dyw, xh, s1);
           s2 = f_add(s2, dyw);
         }
+      }
     }
     s1 = team_sum(s1, L, red);
     if (kLn) s2 = team_sum(s2, L, red);
@@ -627,20 +644,25 @@ __global__ void __launch_bounds__(512) norm_bwd_fast_kernel(const NormBwdParams 
     if (active) {
 #pragma unroll
       for (int k = 0; k < C; ++k) {
-        Chunk8<T> out;
+        const uint4 wk = weight(k);
+        float out[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float dj = elem(d[k], j), xh = norm_xhat(kLn, elem(x[k], j), mean, rstd);
-          const float dyw = f_mul(dj, norm_weight(elem(w[k], j), p.zc));
-          Element<T>::store(out.e, j, norm_dx(kLn, dyw, xh, m1, m2, rstd));
+          const float dj = elem8<T>(d[k], j), xh = norm_xhat(kLn, elem8<T>(x[k], j), mean, rstd);
+          const float dyw = f_mul(dj, norm_weight(elem8<T>(wk, j), p.zc));
+          out[j] = norm_dx(kLn, dyw, xh, m1, m2, rstd);
           dg[k * 8 + j] = f_fma(dj, xh, dg[k * 8 + j]);
           db[k * 8 + j] = f_add(db[k * 8 + j], dj);
         }
-        *reinterpret_cast<uint4*>(static_cast<T*>(p.dx) + row * H + col_of(k)) = out.u;
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.dx) + row * H + col_of(k)) =
+            fused::round_pack8<T>(out);
+        if constexpr (!kSpare) load(row + T_, k, d[k], x[k]);
       }
     }
+    if constexpr (kSpare) {
 #pragma unroll
-    for (int k = 0; k < C; ++k) d[k] = dn[k], x[k] = xn[k];
+      for (int k = 0; k < C; ++k) d[k] = dn[k], x[k] = xn[k];
+    }
   }
   write_group_partials<C>(p, dg, db, team, lane, p.pg + g * H, p.pb ? p.pb + g * H : nullptr,
                           team_part);
@@ -848,22 +870,29 @@ void norm_backward_cuda(const NormBwdArgs& a, const fus_context& ctx) {
   const size_t smem = p.teams > 1 ? 2 * sizeof(float) * p.teams * H : 0;
   const unsigned blocks = static_cast<unsigned>(plan.groups);
   const fus_dtype dt = a.x.dtype;
-  const bool fast = dt != FUS_FLOAT32 && a.dy.dtype == dt && a.gamma.dtype == dt &&
-                    a.dx.dtype == dt && p.kmax == 2 &&
-                    norm_chunks(H) == 2 * static_cast<int64_t>(p.lanes) && p.vec_dy && p.vec_x &&
-                    p.vec_g && p.vec_dx;
+  const bool fast =
+      dt != FUS_FLOAT32 && a.dy.dtype == dt && a.gamma.dtype == dt && a.dx.dtype == dt &&
+      (p.kmax == 2 || (p.kmax == 4 && p.lanes == kNormMaxLanes && p.teams == 1)) &&
+      norm_chunks(H) == p.kmax * p.lanes && p.vec_dy && p.vec_x && p.vec_g && p.vec_dx;
   if (fast) {
-    auto launch = [&](auto t) {
+    auto launch = [&](auto t, auto c) {
       using T = decltype(t);
+      constexpr int C = decltype(c)::value;
       if (p.ln)
-        norm_bwd_fast_kernel<T, 2, true><<<blocks, threads, smem, stream>>>(p);
+        norm_bwd_fast_kernel<T, C, true><<<blocks, threads, smem, stream>>>(p);
       else
-        norm_bwd_fast_kernel<T, 2, false><<<blocks, threads, smem, stream>>>(p);
+        norm_bwd_fast_kernel<T, C, false><<<blocks, threads, smem, stream>>>(p);
+    };
+    auto by_chunks = [&](auto t) {
+      if (p.kmax == 2)
+        launch(t, std::integral_constant<int, 2>{});
+      else
+        launch(t, std::integral_constant<int, 4>{});
     };
     if (dt == FUS_BFLOAT16)
-      launch(Bf16{});
+      by_chunks(Bf16{});
     else
-      launch(Half{});
+      by_chunks(Half{});
   } else {
     switch (p.kmax) {
       case 1: norm_bwd_kernel<1, true><<<blocks, threads, smem, stream>>>(p); break;

@@ -428,6 +428,10 @@ TEST(NormPlan, LanesAndColumnGroupsFollowTheDocumentedRule) {
   EXPECT_EQ(fu::norm_bwd_lanes(512), 32);
   EXPECT_EQ(fu::norm_bwd_lanes(513), 64);
   EXPECT_EQ(fu::norm_bwd_lanes(8192), 512);
+  // Four chunks a lane happens at 512 lanes and one team only (the CUDA fast path relies on it).
+  EXPECT_EQ(fu::norm_bwd_lanes(16384), 512);
+  EXPECT_EQ(fu::norm_chunks_per_lane(16384, 512), 4);
+  EXPECT_EQ(fu::norm_bwd_col_plan(70, 16384).teams, 1);
   const fu::NormColPlan p = fu::norm_bwd_col_plan(16384, 1024);  // 64 lanes, 4 teams
   EXPECT_EQ(p.teams, 4);
   EXPECT_EQ(p.groups, 256);
@@ -664,17 +668,21 @@ class NormCudaBackward : public ::testing::TestWithParam<std::tuple<fus_norm_kin
 TEST_P(NormCudaBackward, BitIdenticalToCpu) {
   FUSTEST_REQUIRE_CUDA();
   const auto [kind, dt] = GetParam();
+  // With 16-bit dtypes throughout (variants 0 and 2), the fast paths: two chunks a lane at
+  // [1000, 1024] (64 lanes, 4 teams, a shorter last group) and [300, 4096]; four at H = 16384
+  // (512 lanes, one team: groups of 5 and 4 rows at [9, 16384], of 8 and a last of 6 at
+  // [70, 16384]).
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
-      {1, 1},    {7, 7},      {127, 127}, {4097, 7},  {3, 4097},  {1000, 1024},
-      {33, 768}, {300, 4096}, {9, 16384}, {3, 20000}, {2048, 64}, {5000, 300}};
+      {1, 1},      {7, 7},     {127, 127},  {4097, 7},  {3, 4097},  {1000, 1024}, {33, 768},
+      {300, 4096}, {9, 16384}, {70, 16384}, {3, 20000}, {2048, 64}, {5000, 300}};
   for (const auto& shape : shapes) {
-    for (int variant = 0; variant < 2; ++variant) {
+    for (int variant = 0; variant < 3; ++variant) {
       BwdSetup s;
       s.kind = kind;
       s.dy_dt = s.x_dt = dt;
-      s.dx_dt = variant ? FUS_FLOAT32 : dt;
-      s.g_dt = variant ? FUS_FLOAT32 : dt;
-      s.zc = variant == 1;
+      s.dx_dt = variant == 1 ? FUS_FLOAT32 : dt;
+      s.g_dt = variant == 1 ? FUS_FLOAT32 : dt;
+      s.zc = variant != 0;
       s.dbeta = kind == FUS_NORM_LAYERNORM;
       s.rows = shape.first;
       s.cols = shape.second;
