@@ -63,15 +63,6 @@ __device__ __forceinline__ int chunk_len(int64_t cols, int64_t col) {
   return static_cast<int>(fused::imax(0, fused::imin(8, cols - col)));
 }
 
-// Element j of eight 16-bit values packed in a 16-byte vector, widened as Element<T>::load. Taken
-// from its 32-bit word by shifts and masks, so widening a bf16 is one instruction.
-template <typename T>
-__device__ __forceinline__ float elem8(const uint4& raw, int j) {
-  const uint32_t w = j < 2 ? raw.x : j < 4 ? raw.y : j < 6 ? raw.z : raw.w;
-  const T h{static_cast<uint16_t>(j % 2 ? w >> 16 : w & 0xffffu)};
-  return Element<T>::load(&h, 0);
-}
-
 // ---- forward, rowwise
 // -----------------------------------------------------------------------------
 
@@ -253,8 +244,9 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
       float y[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float xh = norm_xhat(kLn, elem8<T>(x[k], j), mean, rstd);
-        y[j] = norm_y(kLn, xh, norm_weight(elem8<T>(gk, j), kZc), kBeta ? elem8<T>(bk, j) : 0.0f);
+        const float xh = norm_xhat(kLn, fused::elem8<T>(x[k], j), mean, rstd);
+        y[j] = norm_y(kLn, xh, norm_weight(fused::elem8<T>(gk, j), kZc),
+                      kBeta ? fused::elem8<T>(bk, j) : 0.0f);
       }
       const uint4 packed = fused::round_pack8<T>(y);
       am16 = fused::amax16_update(am16, packed);
@@ -277,7 +269,7 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
     for (int k = 0; k < C; ++k)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float v = elem8<T>(x[k], j);
+        const float v = fused::elem8<T>(x[k], j);
         s = kLn ? f_add(s, v) : f_fma(v, v, s);
       }
     s = team_sum(s, L, red);
@@ -289,7 +281,7 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
       for (int k = 0; k < C; ++k)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float d = f_sub(elem8<T>(x[k], j), mean);
+          const float d = f_sub(fused::elem8<T>(x[k], j), mean);
           s2 = f_fma(d, d, s2);
         }
       rstd = norm_rstd(team_sum(s2, L, red), H, p.eps);
@@ -631,8 +623,9 @@ __global__ void __launch_bounds__(512) norm_bwd_fast_kernel(const NormBwdParams 
         const uint4 wk = weight(k);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float xh = norm_xhat(kLn, elem8<T>(x[k], j), mean, rstd);
-          const float dyw = f_mul(elem8<T>(d[k], j), norm_weight(elem8<T>(wk, j), p.zc));
+          const float xh = norm_xhat(kLn, fused::elem8<T>(x[k], j), mean, rstd);
+          const float dyw =
+              f_mul(fused::elem8<T>(d[k], j), norm_weight(fused::elem8<T>(wk, j), p.zc));
           s1 = f_fma(dyw, xh, s1);
           s2 = f_add(s2, dyw);
         }
@@ -648,8 +641,9 @@ __global__ void __launch_bounds__(512) norm_bwd_fast_kernel(const NormBwdParams 
         float out[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float dj = elem8<T>(d[k], j), xh = norm_xhat(kLn, elem8<T>(x[k], j), mean, rstd);
-          const float dyw = f_mul(dj, norm_weight(elem8<T>(wk, j), p.zc));
+          const float dj = fused::elem8<T>(d[k], j),
+                      xh = norm_xhat(kLn, fused::elem8<T>(x[k], j), mean, rstd);
+          const float dyw = f_mul(dj, norm_weight(fused::elem8<T>(wk, j), p.zc));
           out[j] = norm_dx(kLn, dyw, xh, m1, m2, rstd);
           dg[k * 8 + j] = f_fma(dj, xh, dg[k * 8 + j]);
           db[k * 8 + j] = f_add(db[k * 8 + j], dj);
