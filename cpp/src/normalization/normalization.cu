@@ -35,28 +35,57 @@ namespace {
 
 using fused::kFull;
 
-// Sum of v over the team of `lanes` lanes (this thread's team: threads [t * lanes, (t+1) * lanes)
-// of the block), in the plan's order. Every thread of the block must call it with the same lanes.
-__device__ __forceinline__ float team_sum(float v, int lanes, float* red) {
+// Sums of v[0..N) over the team of `lanes` lanes (this thread's team: threads
+// [t * lanes, (t+1) * lanes) of the block), each in the plan's order: a butterfly within warps,
+// then the warps' partials pairwise. N > 1 shares one pair of barriers; the bits are those of N
+// separate sums. red: 16 N floats of shared memory. Every thread of the block must call it with
+// the same lanes.
+template <int N>
+__device__ __forceinline__ void team_sums(float (&v)[N], int lanes, float* red) {
 #pragma unroll
-  for (int off = 16; off >= 1; off /= 2) v = f_add(v, __shfl_xor_sync(kFull, v, off));
-  if (lanes == 32) return v;
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) v[n] = f_add(v[n], __shfl_xor_sync(kFull, v[n], off));
+  if (lanes == 32) return;
   const int w = lanes / 32, first = (threadIdx.x / lanes) * w;
   __syncthreads();  // earlier readers of red are done
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  float g[16];
+  if ((threadIdx.x & 31) == 0) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) g[i] = i < w ? red[first + i] : 0.0f;
-#pragma unroll
-  for (int off = 8; off >= 1; off /= 2) {
-    if (off < w) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        if (i < off) g[i] = f_add(g[i], g[i + off]);
-    }
+    for (int n = 0; n < N; ++n) red[16 * n + threadIdx.x / 32] = v[n];
   }
-  return g[0];
+  __syncthreads();
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    float g[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) g[i] = i < w ? red[16 * n + first + i] : 0.0f;
+#pragma unroll
+    for (int off = 8; off >= 1; off /= 2) {
+      if (off < w) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (i < off) g[i] = f_add(g[i], g[i + off]);
+      }
+    }
+    v[n] = g[0];
+  }
+}
+
+__device__ __forceinline__ float team_sum(float v, int lanes, float* red) {
+  float a[1] = {v};
+  team_sums(a, lanes, red);
+  return a[0];
+}
+
+// LayerNorm's backward needs two independent sums a row, RMSNorm's one.
+__device__ __forceinline__ void team_sum_bwd(bool ln, float& s1, float& s2, int lanes, float* red) {
+  if (ln) {
+    float a[2] = {s1, s2};
+    team_sums(a, lanes, red);
+    s1 = a[0], s2 = a[1];
+  } else {
+    s1 = team_sum(s1, lanes, red);
+  }
 }
 
 __device__ __forceinline__ int chunk_len(int64_t cols, int64_t col) {
@@ -431,7 +460,7 @@ __device__ __forceinline__ void write_group_partials(const NormBwdParams& p,
 template <int C, bool kCache>
 __global__ void __launch_bounds__(512) norm_bwd_kernel(const NormBwdParams p) {
   extern __shared__ float team_part[];  // teams > 1: [teams][cols] dgamma, then dbeta
-  __shared__ float red[16];
+  __shared__ float red[32];             // team_sum_bwd: two sums
   const int L = p.lanes, T = p.teams, team = threadIdx.x / L, lane = threadIdx.x % L;
   const int64_t H = p.cols, g = blockIdx.x;
   const int64_t rbeg = g * p.rows_per_group, rend = fused::imin(p.rows, rbeg + p.rows_per_group);
@@ -516,8 +545,7 @@ __global__ void __launch_bounds__(512) norm_bwd_kernel(const NormBwdParams p) {
         }
       }
     }
-    s1 = team_sum(s1, L, red);
-    if (p.ln) s2 = team_sum(s2, L, red);
+    team_sum_bwd(p.ln, s1, s2, L, red);
     const float m1 = norm_mean(s1, H), m2 = p.ln ? norm_mean(s2, H) : 0.0f;
 
 #pragma unroll
@@ -571,7 +599,7 @@ __global__ void __launch_bounds__(512) norm_bwd_fast_kernel(const NormBwdParams 
   static_assert(C == 2 || C == 4, "chunks a lane");
   constexpr bool kSpare = C == 2;       // registers for gamma and a second row
   extern __shared__ float team_part[];  // teams > 1: [teams][cols] dgamma, then dbeta
-  __shared__ float red[16];
+  __shared__ float red[32];             // team_sum_bwd: two sums
   // Four chunks a lane means 512 lanes (fewer own at most two) and one team: fixed at compile
   // time, the chunks' offsets become immediates (registers are short at C = 4).
   const int L = C == 4 ? kNormMaxLanes : p.lanes, T_ = C == 4 ? 1 : p.teams;
@@ -631,8 +659,7 @@ __global__ void __launch_bounds__(512) norm_bwd_fast_kernel(const NormBwdParams 
         }
       }
     }
-    s1 = team_sum(s1, L, red);
-    if (kLn) s2 = team_sum(s2, L, red);
+    team_sum_bwd(kLn, s1, s2, L, red);
     const float m1 = norm_mean(s1, H), m2 = kLn ? norm_mean(s2, H) : 0.0f;
     if (active) {
 #pragma unroll
