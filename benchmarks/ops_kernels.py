@@ -10,7 +10,8 @@ amax and 1/scale): E4M3 in forward, E5M2 for the gradient (``Format.HYBRID``, th
 SwiGLU's input is ``[R, 2C]`` (output ``[R, C]``). Bytes are the minimum each kernel must move:
 every input read once and every output written once (per-tensor scalars are not counted).
 
-    python benchmarks/ops_kernels.py [--shapes 16384x4096,16384x16384] [--kernels a,b] [--out DIR]
+    python benchmarks/ops_kernels.py [--shapes 16384x4096,16384x16384] [--kernels a,b]
+        [--fusible-only] [--out DIR]
 """
 
 from __future__ import annotations
@@ -280,7 +281,7 @@ def compiled_references() -> dict[str, Callable[..., Any]]:
 
 
 def run(
-    shapes: list[tuple[int, int]], only: set[str] | None = None
+    shapes: list[tuple[int, int]], only: set[str] | None = None, fusible_only: bool = False
 ) -> tuple[list[dict[str, Any]], float]:
     dev = "cuda"
     copy_gbs = copy_bandwidth_gbs(dev)
@@ -291,6 +292,8 @@ def run(
             for name, nbytes, contenders in cases_for(r, c, dev, compiled):
                 if only is not None and name not in only:
                     continue
+                if fusible_only:
+                    contenders = {"fusible": contenders["fusible"]}
                 rows_out.append(bandwidth_row(name, f"{r}x{c}", nbytes, contenders, copy_gbs))
             torch.cuda.empty_cache()
     return rows_out, copy_gbs
@@ -301,12 +304,15 @@ def main() -> None:
     ap.add_argument("--shapes", default="16384x4096,16384x16384")
     ap.add_argument("--kernels", default=None, help="comma-separated row names (default: all)")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument(
+        "--fusible-only", action="store_true", help="time fusible alone (e.g. under ncu)"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/ops_kernels.py needs a CUDA GPU")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     only = set(args.kernels.split(",")) if args.kernels else None
-    rows, copy_gbs = run(shapes, only)  # type: ignore[arg-type]
+    rows, copy_gbs = run(shapes, only, args.fusible_only)  # type: ignore[arg-type]
     print(f"device copy bandwidth: {copy_gbs:.1f} GB/s (read + write)")
     print_table(
         rows,
