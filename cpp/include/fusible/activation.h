@@ -3,7 +3,8 @@
  * forward and backward, with optional quantized outputs and (backward) the bias gradient.
  *
  * Functions (fp32 math; formulas, derivatives and accuracy in src/common/activation_math.h, which
- * every backend and the GEMM family's CPU epilogues share; host and device compute the same bits):
+ * every backend and the GEMM family's CPU epilogues share; host and device compute the same bits,
+ * except the sign and payload of a NaN the arithmetic makes):
  *   FUS_ACT_GELU      gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
  *                     (cuBLASLt's GELU epilogue; torch gelu(approximate="tanh"))
  *   FUS_ACT_GELU_ERF  x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2))       (torch gelu())

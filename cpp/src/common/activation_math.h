@@ -3,8 +3,8 @@
 //
 // Every function is built from correctly rounded single-precision operations only (common/
 // fp32_ops.h: add, sub, mul, div, fma, sqrt, rint, no library transcendental), so the host and the
-// device compute the same bits for the same input; only NaN payloads may differ. Accuracy against
-// the exact functions (measured against long double references over 6M points):
+// device compute the same bits for the same input; only the sign and payload of a NaN may differ.
+// Accuracy against the exact functions (measured against long double references over 6M points):
 //   exp_neg_f (e^x, x <= 0)       <= 1.1 ulp, subnormal results included
 //   sigmoid                       <= 3.5 ulp
 //   silu                          <= 3.5 ulp for x >= -80 (below, e^x is subnormal and the
