@@ -319,6 +319,10 @@ def main() -> None:
         ["kernel", "shape", "fusible_ms", "GB/s", "frac_copy_bw", "torch_eager_ms",
          "torch_compile_ms", "speedup_vs_torch_eager", "speedup_vs_torch_compile"],
     )  # fmt: skip
+    if args.fusible_only and args.out is None:
+        # A partial table (often timed under a profiler) never replaces the recorded results.
+        print("--fusible-only without --out: results not written")
+        return
     path = write_json(
         "ops_kernels", {"env": environment(), "copy_GBps": copy_gbs, "results": rows}, args.out
     )

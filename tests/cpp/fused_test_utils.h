@@ -115,8 +115,9 @@ inline std::vector<double> as_doubles(const std::vector<uint8_t>& bytes, fus_dty
 inline ::testing::AssertionResult same_bits_or_both_nan(const Buffers& a, const Buffers& b, int idx,
                                                         fus_dtype dt, const std::string& what) {
   const std::vector<uint8_t>&x = a.b[idx], &y = b.b[idx];
-  if (x.size() != y.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
   const size_t w = fus_dtype_size(dt), n = x.size() / w;
+  if (x.size() != y.size() || x.size() % w != 0)
+    return ::testing::AssertionFailure() << what << ": sizes differ or are not whole elements";
   auto value = [&](const std::vector<uint8_t>& v, size_t i) {
     return w == 1 ? ref::fp8_decode(v[i], dt) : load_as_double(v, dt, i);
   };
@@ -130,6 +131,20 @@ inline ::testing::AssertionResult same_bits_or_both_nan(const Buffers& a, const 
   }
   if (bad == 0) return ::testing::AssertionSuccess();
   return res << "\n  " << what << ": " << bad << " of " << n << " elements differ";
+}
+
+// Every quantized buffer of a and b (add_q_buffers slots from `first`) under the rule of
+// same_bits_or_both_nan: FP8 data and fp32 scalars; MXFP8's E8M0 scales bit for bit.
+inline void expect_q_same_or_both_nan(const Buffers& a, const Buffers& b, int first,
+                                      const QSpec& q) {
+  for (int k = 0; k < kQSlots; ++k) {
+    if (k <= kQCol)
+      EXPECT_TRUE(same_bits_or_both_nan(a, b, first + k, q.fmt, kQNames[k]));
+    else if (q.mode == 2 && k <= kQColS)
+      EXPECT_TRUE(same_bits<uint8_t>(a, b, first + k, kQNames[k]));
+    else
+      EXPECT_TRUE(same_bits_or_both_nan(a, b, first + k, FUS_FLOAT32, kQNames[k]));
+  }
 }
 
 // Normal(mean, stddev) samples, exactly representable in dt (so references see the stored values).

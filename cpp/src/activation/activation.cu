@@ -56,8 +56,8 @@ __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
   const int nc = k16 ? 8 : static_cast<int>(fused::imax(0, fused::imin(8, H - c)));
   EpilogueAcc acc0, acc1;
 
-  // 16-bit path: the raw vectors of the thread's row in the next tile (zero past rend, which
-  // gives act(0) = 0 and a zero gradient, so amax and the column sums are unaffected).
+  // 16-bit path: the raw vectors of the thread's row in the next tile (zero past rend; those
+  // rows are outside the matrix or another group's, and emit_tile skips them).
   uint4 ra{}, rb{}, rg{};
   auto load_raw = [&](int64_t r) {
     if constexpr (k16) {
@@ -118,6 +118,7 @@ __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
     *p.scale_inv = f_div(1.0f, *p.out.scale);
 }
 
+// Carries a kernel's type parameter through a generic lambda; void has no values to pass.
 template <typename T>
 struct TypeTag {
   using type = T;
@@ -161,11 +162,15 @@ void act_launch(const ActArgs& a, const fus_context& ctx, bool bwd) {
   const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
   const int64_t strips = (H + kTileCols - 1) / kTileCols;
   // dbias fixes the row groups (activation.h's summation order). Without it the split is free:
-  // about four waves of blocks, each walking several tiles (fewer blocks, fewer amax atomics).
-  const int64_t free_groups = std::max<int64_t>(1, 32 * static_cast<int64_t>(sm_count()) / strips);
-  const int64_t per_group = kTileRows * std::max((tiles + free_groups - 1) / free_groups,
-                                                 (tiles + 65534) / 65535);  // grid.y <= 65535
-  p.rows_per_group = colsum ? act_dbias_rows_per_group(rows) : per_group;
+  // about 32 blocks per SM in all, each walking several tiles on large inputs (fewer blocks to
+  // schedule, fewer amax atomics).
+  if (colsum) {
+    p.rows_per_group = act_dbias_rows_per_group(rows);
+  } else {
+    const int64_t free_groups = std::max<int64_t>(1, 32 * int64_t{sm_count()} / strips);
+    p.rows_per_group = kTileRows * std::max((tiles + free_groups - 1) / free_groups,
+                                            (tiles + 65534) / 65535);  // grid.y <= 65535
+  }
   const int64_t groups = (rows + p.rows_per_group - 1) / p.rows_per_group;
 
   EpilogueOut& o = p.out;

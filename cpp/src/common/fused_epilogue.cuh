@@ -264,9 +264,9 @@ __device__ __forceinline__ uint32_t acc_amax_bits(const EpilogueAcc& acc) {
 // of the strip inside the matrix (<= 64). Every thread of the block calls it with the same
 // r0 / c0s (it synchronises).
 // T: void for run-time dtypes, or the 16-bit type of the common case, where o.round_dtype and
-// o.hp_dtype are T, chunks are whole (n is 8 or 0; v is 0 when n is 0), 16-byte hp stores are
-// legal and qmode is not MXFP8: values are rounded two at a time (round_pack8) and amax is taken
-// on the packed magnitudes (acc.am16). The bits are the same either way.
+// o.hp_dtype are T, chunks are whole (n is 8 or 0), 16-byte hp stores are legal and qmode is not
+// MXFP8 (the caller's condition; this path writes no MXFP8 output): values are rounded two at a
+// time (round_pack8) and amax is taken on the packed magnitudes (acc.am16). Same bits.
 template <typename T = void>
 __device__ __forceinline__ void emit_tile(const EpilogueOut& o, EpilogueSmem& sm, EpilogueAcc& acc,
                                           int64_t r0, int64_t c0s, int strip_cols, float (&v)[8],
@@ -281,7 +281,7 @@ __device__ __forceinline__ void emit_tile(const EpilogueOut& o, EpilogueSmem& sm
   if constexpr (k16) {
     const uint4 packed = round_pack8<T>(v);
     if (o.hp && n > 0) *reinterpret_cast<uint4*>(static_cast<T*>(o.hp) + at) = packed;
-    if (o.amax) acc.am16 = amax16_update(acc.am16, packed);
+    if (o.amax && n > 0) acc.am16 = amax16_update(acc.am16, packed);
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = round_hp(o.round_dtype, v[j]);
