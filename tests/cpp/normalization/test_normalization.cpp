@@ -742,8 +742,9 @@ TEST(NormCuda, NonFiniteRowsMatchCpu) {
         ASSERT_EQ(r.cpu_status, FUS_SUCCESS) << fus_last_error();
         ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
         EXPECT_TRUE(same_bits_or_both_nan(r.cpu, r.cuda, kY, dt, "y"));
-        if (kind == FUS_NORM_LAYERNORM)
+        if (kind == FUS_NORM_LAYERNORM) {
           EXPECT_TRUE(same_bits_or_both_nan(r.cpu, r.cuda, kMean, FUS_FLOAT32, "mean"));
+        }
         EXPECT_TRUE(same_bits_or_both_nan(r.cpu, r.cuda, kRstd, FUS_FLOAT32, "rstd"));
         expect_q_same_or_both_nan(r.cpu, r.cuda, kQ, s.q);
         for (int i : {kX, kGamma, kBeta})  // inputs untouched
