@@ -151,6 +151,15 @@ def environment() -> dict[str, Any]:
     }
 
 
+def parse_shapes(spec: str) -> list[tuple[int, int]]:
+    """``"16384x4096,16384x16384"`` -> ``[(16384, 4096), (16384, 16384)]``."""
+    shapes = []
+    for item in spec.split(","):
+        r, c = (int(v) for v in item.split("x"))
+        shapes.append((r, c))
+    return shapes
+
+
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
     print("  ".join(c.ljust(widths[c]) for c in columns))

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from _common import bandwidth_row, copy_bandwidth_gbs, environment, print_table, write_json
+from _common import (
+    bandwidth_row,
+    copy_bandwidth_gbs,
+    environment,
+    parse_shapes,
+    print_table,
+    write_json,
+)
 from fusible import _kernels as K
 
 E4M3 = torch.float8_e4m3fn
@@ -140,8 +147,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    rows, copy_gbs = run(shapes)  # type: ignore[arg-type]
+    shapes = parse_shapes(args.shapes)
+    rows, copy_gbs = run(shapes)
     print(f"device copy bandwidth: {copy_gbs:.1f} GB/s (read + write)")
     print_table(
         rows,

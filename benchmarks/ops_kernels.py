@@ -24,7 +24,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from _common import bandwidth_row, copy_bandwidth_gbs, environment, print_table, write_json
+from _common import (
+    bandwidth_row,
+    copy_bandwidth_gbs,
+    environment,
+    parse_shapes,
+    print_table,
+    write_json,
+)
 from fusible import _kernels as K
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -310,9 +317,9 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/ops_kernels.py needs a CUDA GPU")
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    shapes = parse_shapes(args.shapes)
     only = set(args.kernels.split(",")) if args.kernels else None
-    rows, copy_gbs = run(shapes, only, args.fusible_only)  # type: ignore[arg-type]
+    rows, copy_gbs = run(shapes, only, args.fusible_only)
     print(f"device copy bandwidth: {copy_gbs:.1f} GB/s (read + write)")
     print_table(
         rows,

@@ -25,6 +25,7 @@
 #include <climits>
 
 #include "common/cuda_utils.h"
+#include "common/device_common.cuh"
 #include "common/dispatch.h"
 #include "quantize/quantize_impl.h"
 
@@ -32,7 +33,6 @@ namespace fusible {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMx = FUS_MXFP8_BLOCK;
 
 // Elements of T in one 16-byte chunk.
@@ -72,14 +72,7 @@ __device__ __forceinline__ void cast_chunk(const uint4& raw, const float (&s)[N]
 template <typename T, int N = kVec<T>>
 __device__ __forceinline__ uint32_t chunk_amax(const uint4& raw) {
   if constexpr (sizeof(T) == 2) {
-    // On the 16-bit magnitudes, two at a time: widening to fp32 is monotonic in them (inf and
-    // NaN payloads included), so the max can be taken before it.
-    constexpr uint32_t kMag = 0x7fff7fffu;
-    uint32_t m =
-        __vmaxu2(__vmaxu2(raw.x & kMag, raw.y & kMag), __vmaxu2(raw.z & kMag, raw.w & kMag));
-    Chunk<T> c;
-    c.u = make_uint4(max(m & 0xffffu, m >> 16), 0, 0, 0);
-    return abs_bits(Element<T>::load(c.e, 0));
+    return fused::amax16_bits<T>(fused::amax16_update(0u, raw));  // on packed magnitudes
   } else {
     uint32_t m = 0;
 #pragma unroll
@@ -158,21 +151,6 @@ template <typename S, int kStages>
 struct InputRing {
   uint4 slot[kStages][S::kSteps][kThreads];
 };
-
-// Max of v over the block, then one atomicMax per block into *amax (pre-zeroed). Every thread of
-// the block must call it.
-__device__ __forceinline__ void block_amax(uint32_t v, float* amax) {
-  __shared__ uint32_t warp_max[kThreads / 32];
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(kFullMask, v, off));
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = v;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int w = 1; w < kThreads / 32; ++w) v = max(v, warp_max[w]);
-    if (v != 0) atomicMax(reinterpret_cast<unsigned int*>(amax), v);
-  }
-}
 
 struct CastParams {
   const void* x;
@@ -373,7 +351,7 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const CastPara
   }
   cp_async_wait<0>();
 
-  if (p.amax) block_amax(amax, p.amax);
+  if (p.amax) fused::block_amax(amax, p.amax);
   // Same division as the CPU backend (IEEE, no fast math).
   if (p.scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *p.scale_inv = 1.0f / scale;
 }
@@ -425,7 +403,7 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const CastParams p) {
         // The kLanesPerBlock consecutive lanes of one 32-wide block (same row) combine.
 #pragma unroll
         for (int off = 1; off < kLanesPerBlock; off <<= 1)
-          bmax = max(bmax, __shfl_xor_sync(kFullMask, bmax, off));
+          bmax = max(bmax, __shfl_xor_sync(fused::kFull, bmax, off));
         const uint8_t e = e8m0_from_amax<F>(bits_as_float(bmax));
         const float m = e8m0_inverse(e);
         float sr[N];
@@ -481,11 +459,7 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const CastParams p) {
   }
   cp_async_wait<0>();
 
-  if (p.amax) block_amax(amax, p.amax);
-}
-
-__global__ void scale_inv_kernel(const float* scale, float* scale_inv) {
-  *scale_inv = 1.0f / *scale;
+  if (p.amax) fused::block_amax(amax, p.amax);
 }
 
 // amax over x[0, n). x + head is 16-byte aligned; [head, head + nv * N) is read as vectors, four
@@ -512,7 +486,7 @@ __global__ void __launch_bounds__(kThreads)
   if (tid < head) m = max(m, abs_bits(Element<T>::load(x, tid)));
   for (int64_t j = head + nv * N + tid; j < n; j += stride)
     m = max(m, abs_bits(Element<T>::load(x, j)));
-  block_amax(m, amax);
+  fused::block_amax(m, amax);
 }
 
 enum class DqMode { kPerTensor, kMxRow, kMxCol };
@@ -727,7 +701,8 @@ void quantize_cuda(const fus_tensor& input, const fus_quantized& out, const fus_
   if (rows * cols == 0) {
     // As the CPU backend: amax 0 (above) and, per tensor, scale_inv = 1 / scale.
     if (per_tensor && out.scale && out.rowwise_scale_inv) {
-      scale_inv_kernel<<<1, 1, 0, stream>>>(out.scale, static_cast<float*>(out.rowwise_scale_inv));
+      fused::scale_inv_kernel<<<1, 1, 0, stream>>>(out.scale,
+                                                   static_cast<float*>(out.rowwise_scale_inv));
       FUS_CUDA_CHECK_LAUNCH("scale_inv_kernel");
     }
     return;
