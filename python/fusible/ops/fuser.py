@@ -1,13 +1,24 @@
 """The fuser: turns a run of basic ops into forward and backward plans and runs them.
 
-A plan is a list of units (a basic op, or a fused op covering adjacent basic ops). Plans are
-cached per (ops, recipe kind, dtype, device, requires-grad pattern, registry version). One
-``torch.autograd.Function`` runs a plan; its arguments are tensors and plain constants (an integer
-plan key), never a module, so ``torch.compile`` traces it.
+A plan is a list of units (a basic op, or a fused op covering adjacent basic ops). Everything
+that depends only on the plan's key -- op types and order, recipe and the ops' recipe states,
+dtypes, devices, parameter shapes, the requires-grad pattern, grad mode, the fusion rules -- is
+resolved when the plan is built: the units, each unit's hand-off quantizers, the positions of
+parameters and extra inputs and outputs in the flat argument list, every op's requires-grad
+flags, the weight-workspace slots, the delayed-scaling states to register. Running a cached plan
+is then a loop over prepared units.
+
+Plans are owned by the ``Sequential`` that built them (``Sequential._plans``): a dropped model
+frees its plans, its ops and their parameters. One ``torch.autograd.Function`` runs a plan; its
+arguments are tensors and plain constants (the plan's integer id), never a module, so
+``torch.compile`` traces it. The id resolves through :data:`_SLOTS`, attributes of a plain object
+(``torch.compile`` reads attributes live at trace time, while a dict would be read as it was when
+the trace first touched it, and miss plans built later in the same trace).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fusible.ops import registry
-from fusible.ops.op import OPS_BY_UID, BasicOperation, FusedOperation, OpContext
+from fusible.ops.op import BasicOperation, FusedOperation, OpContext
 from fusible.ops.workspace import (
     WorkspaceCache,
     flatten_workspace,
@@ -25,9 +36,9 @@ from fusible.ops.workspace import (
     workspace_meta,
 )
 from fusible.quantization import autocast as _autocast
-from fusible.quantization.recipe import recipe_from_key
+from fusible.quantization.quantizers import Float8Data, MXFP8Data, Quantizer
 
-__all__ = ["Plan", "Unit", "build_plan", "run_plan"]
+__all__ = ["Plan", "Unit", "build_plan", "params_of", "plan_by_id", "release_plans", "run_plan"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,17 @@ class Unit:
         return f"{self.fused.name}[{names}]" if self.fused is not None else names
 
 
+@dataclass(frozen=True)
+class WorkspaceSlot:
+    """An op with a quantized weight workspace: its index, the weight's position in the flat
+    parameter list, the weight quantizer and the workspace's description."""
+
+    op_index: int
+    param_index: int
+    quantizer: Quantizer
+    meta: Any
+
+
 @dataclass
 class Plan:
     ops: list[BasicOperation]
@@ -54,6 +76,29 @@ class Plan:
     recipe: Any = None
     param_counts: list[int] = field(default_factory=list)
     handoff: bool = True  # ops may quantize their output for the next op
+    # ---- resolved when built (see build_plan) ----
+    id: int = -1
+    # Per op: (params_requires_grad, input_requires_grad) as the op's OpContext gets them.
+    flags: list[tuple[tuple[bool, ...], bool]] = field(default_factory=list)
+    param_bounds: list[tuple[int, int]] = field(default_factory=list)
+    extra_in_bounds: list[tuple[int, int]] = field(default_factory=list)
+    n_extra_in: int = 0
+    n_params: int = 0
+    n_extra_out: list[int] = field(default_factory=list)
+    # (start, stop, fused, next op's input quantizer) per forward unit.
+    forward_steps: list[tuple[int, int, FusedOperation | None, Quantizer | None]] = field(
+        default_factory=list
+    )
+    # (start, stop, fused, previous op's grad-output quantizer, needed) per backward unit, in
+    # backward order; ``needed``: some op at or before it needs a gradient.
+    backward_steps: list[tuple[int, int, FusedOperation | None, Quantizer | None, bool]] = field(
+        default_factory=list
+    )
+    workspace_slots: list[WorkspaceSlot] = field(default_factory=list)
+    forward_states: list[Any] = field(default_factory=list)
+    backward_states: list[Any] = field(default_factory=list)
+    # Forward and backward units' results are checked on the first run only.
+    checked: list[bool] = field(default_factory=lambda: [False, False])
 
 
 def _build_units(
@@ -70,8 +115,19 @@ def _build_units(
                 continue
             reason = rule.check(window, recipe)
             if reason is None:
-                chosen = Unit(i, i + len(window), rule.factory(list(window)), rule.name)
+                fused = rule.factory(list(window))
+                if not isinstance(fused, FusedOperation):
+                    raise TypeError(
+                        f"fusion rule '{rule.name}': its factory must return a FusedOperation, "
+                        f"got {type(fused).__name__}"
+                    )
+                chosen = Unit(i, i + len(window), fused, rule.name)
                 break
+            if not isinstance(reason, str):
+                raise TypeError(
+                    f"fusion rule '{rule.name}': its predicate must return None (accept) or a "
+                    f"reason string (reject), got {type(reason).__name__}"
+                )
             rejected.append(
                 ("forward" if forward else "backward", i, i + len(window), rule.name, reason)
             )
@@ -82,101 +138,171 @@ def _build_units(
     return units
 
 
-def build_plan(ops: list[BasicOperation], recipe: Any) -> Plan:
+_IDS = itertools.count()
+
+
+class _PlanSlots:
+    """Plans by id, as attributes ``p<id>`` (see the module docstring)."""
+
+
+_SLOTS = _PlanSlots()
+
+
+def plan_by_id(plan_id: int) -> Plan:
+    return getattr(_SLOTS, f"p{plan_id}")  # type: ignore[no-any-return]
+
+
+def release_plans(ids: list[int]) -> None:
+    """Forget the plans ``ids`` (their owner was collected)."""
+    for i in ids:
+        _SLOTS.__dict__.pop(f"p{i}", None)
+
+
+def build_plan(
+    ops: list[BasicOperation],
+    recipe: Any,
+    *,
+    input_requires_grad: bool = True,
+    extra_requires_grad: Sequence[bool] | None = None,
+    grad_enabled: bool = True,
+) -> Plan:
+    """The plan of ``ops`` under ``recipe`` (the ops' recipe states must be ``recipe``'s:
+    ``ensure_recipe_state``). ``input_requires_grad`` / ``extra_requires_grad`` (one per extra
+    input, in order) / ``grad_enabled``: the requires-grad pattern it is built for (parameters':
+    read from the ops now)."""
     rejected: list[Any] = []
     fwd = _build_units(ops, recipe, True, rejected)
     bwd = _build_units(ops, recipe, False, rejected)
-    counts = [len(list(op.parameters(recurse=False))) for op in ops]
-    return Plan(ops, fwd, bwd, rejected, recipe, counts, registry.fusion_enabled())
+    op_params = [list(op.parameters(recurse=False)) for op in ops]
+    counts = [len(p) for p in op_params]
+    plan = Plan(ops, fwd, bwd, rejected, recipe, counts, registry.fusion_enabled())
+    plan.id = next(_IDS)
+    n_in = [op.num_extra_inputs for op in ops]
+    extra_rg = list(extra_requires_grad) if extra_requires_grad is not None else []
+    extra_rg += [True] * (sum(n_in) - len(extra_rg))
+
+    def bounds(ns: list[int]) -> list[tuple[int, int]]:
+        out, pos = [], 0
+        for n in ns:
+            out.append((pos, pos + n))
+            pos += n
+        return out
+
+    plan.param_bounds, plan.extra_in_bounds = bounds(counts), bounds(n_in)
+    plan.n_params, plan.n_extra_in = sum(counts), sum(n_in)
+    plan.n_extra_out = [op.num_extra_outputs for op in ops]
+    # An op's input needs a gradient if the plan input does, or an earlier op has trainable
+    # parameters or extra inputs; backward stops at the first op where neither holds.
+    upstream = input_requires_grad and grad_enabled
+    for ps, (a, b) in zip(op_params, plan.extra_in_bounds, strict=True):
+        prg = tuple(p.requires_grad and grad_enabled for p in ps)
+        plan.flags.append((prg, upstream))
+        upstream = upstream or any(prg) or (grad_enabled and any(extra_rg[a:b]))
+    h = plan.handoff
+    for u in fwd:
+        nxt = ops[u.stop].input_quantizer() if h and u.stop < len(ops) else None
+        plan.forward_steps.append((u.start, u.stop, u.fused, nxt))
+    for u in reversed(bwd):
+        prev = ops[u.start - 1].grad_output_quantizer() if h and u.start > 0 else None
+        needed = any(f[1] or any(f[0]) for f in plan.flags[u.start : u.stop])
+        plan.backward_steps.append((u.start, u.stop, u.fused, prev, needed))
+    for i, op in enumerate(ops):
+        spec = op.workspace_spec()
+        if spec is None:
+            continue
+        weight, q = spec
+        k = next(j for j, p in enumerate(op_params[i]) if p is weight)
+        slot = WorkspaceSlot(i, plan.param_bounds[i][0] + k, q, workspace_meta(q, weight))
+        plan.workspace_slots.append(slot)
+    plan.forward_states = [s for op in ops if (s := op.recipe_state(True)) is not None]
+    plan.backward_states = [s for op in ops if (s := op.recipe_state(False)) is not None]
+    setattr(_SLOTS, f"p{plan.id}", plan)
+    return plan
 
 
 # ---- running a plan -----------------------------------------------------------------------------
 
-# Plans are looked up by an integer key so the autograd function's arguments stay constants.
-_PLANS: dict[int, Plan] = {}
-_PLAN_KEYS: dict[Any, int] = {}
 
-
-@torch._dynamo.assume_constant_result
-def plan_key_for(cache_key: tuple[Any, ...], recipe_key: str | None) -> int:
-    """The key of the plan for ``cache_key`` (op uids first, then everything else a plan depends
-    on) and the recipe with key ``recipe_key`` (:attr:`Recipe.key`), built on first use. Under
-    ``torch.compile`` this runs at trace time and its result is a constant of the graph: planning
-    is Python bookkeeping, never traced. Only constants (ints, strings, tuples) cross into it."""
-    cache_key = (*cache_key, recipe_key)
-    key = _PLAN_KEYS.get(cache_key)
-    if key is None:
-        ops = [OPS_BY_UID[uid] for uid in cache_key[0]]
-        key = len(_PLANS)
-        _PLANS[key] = build_plan(ops, recipe_from_key(recipe_key))
-        _PLAN_KEYS[cache_key] = key
-    return key
-
-
-def get_plan(key: int) -> Plan:
-    return _PLANS[key]
-
-
-def _split(flat: Sequence[Any], counts: Sequence[int]) -> list[list[Any]]:
-    out, pos = [], 0
-    for c in counts:
-        out.append(list(flat[pos : pos + c]))
-        pos += c
-    return out
+def _check_forward_result(plan: Plan, start: int, stop: int, fused: Any, out: Any) -> None:
+    """A unit's forward result is ``(y, extra_outputs)`` with the op's number of extra outputs
+    (checked on a plan's first run: a user fused op that returns something else is named)."""
+    who = f"fused op '{fused.name}'" if fused is not None else type(plan.ops[start]).__name__
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"{who}: forward must return (y, extra_outputs), got {type(out).__name__}")
+    y, eo = out
+    if not isinstance(y, torch.Tensor) and not hasattr(y, "dequantize"):
+        raise TypeError(f"{who}: forward returned y of type {type(y).__name__}, expected a tensor")
+    groups = [eo] if fused is None else eo
+    if fused is not None and len(groups) != stop - start:
+        raise TypeError(
+            f"{who}: forward must return one list of extra outputs per basic op "
+            f"({stop - start}), got {len(groups)}"
+        )
+    for k, g in enumerate(groups):
+        want = plan.n_extra_out[start + k]
+        if len(g) != want:
+            raise TypeError(
+                f"{who}: {type(plan.ops[start + k]).__name__} must emit {want} extra output(s), "
+                f"got {len(g)}"
+            )
 
 
 def _forward_units(
-    plan: Plan,
-    ctxs: list[OpContext],
-    x: Any,
-    params: list[list[torch.Tensor]],
-    extra_in: list[list[torch.Tensor]],
-) -> tuple[Any, list[list[torch.Tensor]]]:
+    plan: Plan, ctxs: list[OpContext], x: Any, params: list[Any], extra_in: list[Any]
+) -> tuple[Any, list[Any]]:
     ops = plan.ops
-    extra_out: list[list[torch.Tensor]] = [[] for _ in ops]
-    for u in plan.forward_units:
-        nxt = ops[u.stop].input_quantizer() if plan.handoff and u.stop < len(ops) else None
-        if u.fused is None:
-            x, eo = ops[u.start].op_forward(
-                ctxs[u.start], x, params[u.start],
-                next_input_quantizer=nxt, extra_inputs=extra_in[u.start],
+    extra_out: list[Any] = [()] * len(ops)
+    check = not plan.checked[0]
+    for start, stop, fused, nxt in plan.forward_steps:
+        if fused is None:
+            out = ops[start].op_forward(
+                ctxs[start], x, params[start], next_input_quantizer=nxt,
+                extra_inputs=extra_in[start],
             )  # fmt: skip
-            extra_out[u.start] = eo
+            if check:
+                _check_forward_result(plan, start, stop, None, out)
+            x, eo = out
+            if eo:
+                extra_out[start] = eo
         else:
-            x, eos = u.fused.fuser_forward(
-                ctxs[u.start : u.stop], x, params[u.start : u.stop],
-                next_input_quantizer=nxt, extra_inputs=extra_in[u.start : u.stop],
+            out = fused.fuser_forward(
+                ctxs[start:stop], x, params[start:stop], next_input_quantizer=nxt,
+                extra_inputs=extra_in[start:stop],
             )  # fmt: skip
+            if check:
+                _check_forward_result(plan, start, stop, fused, out)
+            x, eos = out
             for k, eo in enumerate(eos):
-                extra_out[u.start + k] = eo
+                if eo:
+                    extra_out[start + k] = eo
+    if check and not torch.compiler.is_compiling():
+        # Not while tracing: a mutation of the plan there becomes a side effect dynamo replays
+        # with the graph, which then captures the traced tensors.
+        plan.checked[0] = True
     return x, extra_out
 
 
 def _backward_units(
-    plan: Plan, ctxs: list[OpContext], dy: Any, extra_out_grads: list[list[torch.Tensor | None]]
-) -> tuple[Any, list[list[Any]], list[list[Any]]]:
+    plan: Plan, ctxs: list[OpContext], dy: Any, extra_out_grads: list[Any]
+) -> tuple[Any, list[Any], list[Any]]:
     ops = plan.ops
-    param_grads: list[list[Any]] = [[None] * n for n in plan.param_counts]
-    extra_in_grads: list[list[Any]] = [[None] * op.num_extra_inputs for op in ops]
-    for u in reversed(plan.backward_units):
-        if not any(
-            c.input_requires_grad or any(c.params_requires_grad) for c in ctxs[u.start : u.stop]
-        ):
+    param_grads: list[Any] = [(None,) * n for n in plan.param_counts]
+    extra_in_grads: list[Any] = [(None,) * op.num_extra_inputs for op in ops]
+    for start, stop, fused, prev, needed in plan.backward_steps:
+        if not needed:
             break  # nothing at or before this unit needs a gradient
-        prev = ops[u.start - 1].grad_output_quantizer() if plan.handoff and u.start > 0 else None
-        if u.fused is None:
-            dy, pg, eg = ops[u.start].op_backward(
-                ctxs[u.start], dy, prev_grad_quantizer=prev,
-                extra_output_grads=extra_out_grads[u.start],
+        if fused is None:
+            dy, pg, eg = ops[start].op_backward(
+                ctxs[start], dy, prev_grad_quantizer=prev,
+                extra_output_grads=extra_out_grads[start],
             )  # fmt: skip
-            param_grads[u.start], extra_in_grads[u.start] = pg, eg
+            param_grads[start], extra_in_grads[start] = pg, eg
         else:
-            dy, pgs, egs = u.fused.fuser_backward(
-                ctxs[u.start : u.stop], dy, prev_grad_quantizer=prev,
-                extra_output_grads=extra_out_grads[u.start : u.stop],
+            dy, pgs, egs = fused.fuser_backward(
+                ctxs[start:stop], dy, prev_grad_quantizer=prev,
+                extra_output_grads=extra_out_grads[start:stop],
             )  # fmt: skip
-            for k in range(u.stop - u.start):
-                param_grads[u.start + k], extra_in_grads[u.start + k] = pgs[k], egs[k]
+            param_grads[start:stop], extra_in_grads[start:stop] = pgs, egs
     return dy, param_grads, extra_in_grads
 
 
@@ -184,86 +310,148 @@ def _dequantize_if_needed(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else x.dequantize()
 
 
+# What backward needs crosses the autograd function through save_for_backward (what
+# torch.compile and saved-tensor hooks -- activation checkpointing -- expect); the rest of each
+# OpContext stays on the function's ctx. The ops' saved lists hold tensors, None and quantized
+# containers, packed here without pytree's generic walk; anything else goes through pytree.
+_QFIELDS: dict[type, tuple[str, ...]] = {
+    Float8Data: ("data", "data_t", "scale_inv"),
+    MXFP8Data: ("data", "scale", "col_data", "col_scale"),
+}
+
+
+def _pack(saved_lists: list[list[Any]], tensors: list[torch.Tensor]) -> list[Any]:
+    layout: list[Any] = []
+    for saved in saved_lists:
+        spec: list[Any] = []
+        for v in saved:
+            t = type(v)
+            if v is None:
+                spec.append(None)
+            elif isinstance(v, torch.Tensor):
+                spec.append(len(tensors))
+                tensors.append(v)
+            elif t in _QFIELDS:
+                names = _QFIELDS[t]
+                fields, consts = {}, {}
+                for name, f in v.__dict__.items():
+                    if name not in names:
+                        consts[name] = f
+                    elif f is not None:
+                        fields[name] = len(tensors)
+                        tensors.append(f)
+                spec.append((t, fields, consts))
+            else:
+                leaves, tree = pytree.tree_flatten(v)
+                is_t = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+                idx, consts = [], []
+                for leaf, it in zip(leaves, is_t, strict=True):
+                    idx.append(len(tensors) if it else None)
+                    consts.append(None if it else leaf)
+                    if it:
+                        tensors.append(leaf)
+                spec.append(("tree", tree, consts, idx))
+        layout.append(spec)
+    return layout
+
+
+def _unpack(layout: list[Any], tensors: Sequence[torch.Tensor], fast: bool) -> list[list[Any]]:
+    out = []
+    for spec in layout:
+        saved: list[Any] = []
+        for s in spec:
+            if s is None:
+                saved.append(None)
+            elif type(s) is int:
+                saved.append(tensors[s])
+            elif s[0] == "tree":
+                _, tree, leaves, idx = s
+                pairs = zip(leaves, idx, strict=True)
+                vals = [leaf if i is None else tensors[i] for leaf, i in pairs]
+                saved.append(pytree.tree_unflatten(vals, tree))
+            else:
+                cls, fields, attrs = s
+                d = dict(attrs)
+                for name in _QFIELDS[cls]:
+                    d[name] = tensors[fields[name]] if name in fields else None
+                if fast:  # rebuilt from a validated container: no second validation
+                    obj = object.__new__(cls)
+                    obj.__dict__.update(d)
+                    saved.append(obj)
+                else:
+                    saved.append(cls(**d))
+        out.append(saved)
+    return out
+
+
 class _PlanFunction(torch.autograd.Function):
-    """Runs a plan. Arguments: the plan key and the workspace descriptions (constants), then
+    """Runs a plan. Arguments: the plan id and each workspace slot's mode (constants), then
     tensors: the input, the extra inputs, every op's parameters, and the cached weight workspaces
-    (flattened). Outputs: the output, the extra outputs, then the new workspaces (flattened, not
-    differentiable)."""
+    given (flattened). Outputs: the output, the extra outputs, then the new workspaces
+    (flattened, not differentiable). Workspace modes: 0 quantize the weight and keep nothing,
+    1 use the workspace given, 2 quantize and return the new workspace."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, plan_key: int, ws_meta: tuple[Any, ...], ws_update: tuple[bool, ...],
-        x: torch.Tensor, *args: torch.Tensor,
-    ) -> Any:  # fmt: skip
-        plan = _PLANS[plan_key]
-        ops = plan.ops
-        n_extra = sum(op.num_extra_inputs for op in ops)
-        n_param = sum(plan.param_counts)
-        extra_flat, param_flat = args[:n_extra], args[n_extra : n_extra + n_param]
-        ws_flat = args[n_extra + n_param :]
-        extra_in = _split(extra_flat, [op.num_extra_inputs for op in ops])
-        params = _split(param_flat, plan.param_counts)
-        ctxs = [OpContext() for _ in ops]
-        pos = 0
-        for c, meta, upd in zip(ctxs, ws_meta, ws_update, strict=True):
-            n = workspace_len(meta)
-            c.workspace = unflatten_workspace(list(ws_flat[pos : pos + n]), meta)
-            c.cache_weight = upd
-            pos += n
-        # An op's input needs a gradient if the plan input does, or an earlier op has trainable
-        # parameters or extra inputs; backward stops at the first op where neither holds.
-        upstream = x.requires_grad
-        for c, op_params, op_extra in zip(ctxs, params, extra_in, strict=True):
-            c.params_requires_grad = tuple(p.requires_grad for p in op_params)
-            c.input_requires_grad = upstream
-            upstream = (
-                upstream or any(c.params_requires_grad) or any(t.requires_grad for t in op_extra)
-            )
+        ctx: Any, plan_id: int, ws_modes: tuple[int, ...], x: torch.Tensor, *args: torch.Tensor
+    ) -> Any:
+        plan = plan_by_id(plan_id)
+        n_extra = plan.n_extra_in
+        extra_in = [args[a:b] for a, b in plan.extra_in_bounds]
+        params = [args[n_extra + a : n_extra + b] for a, b in plan.param_bounds]
+        ctxs = [OpContext(f[0], f[1]) for f in plan.flags]
+        pos = n_extra + plan.n_params
+        for slot, mode in zip(plan.workspace_slots, ws_modes, strict=True):
+            c = ctxs[slot.op_index]
+            if mode == 1:
+                n = workspace_len(slot.meta)
+                c.workspace = unflatten_workspace(list(args[pos : pos + n]), slot.meta)
+                pos += n
+            c.cache_weight = mode == 2
         y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
-        y = _dequantize_if_needed(y)
-        # Save every tensor the ops kept through save_for_backward (what torch.compile expects);
-        # the rest of each OpContext is constants.
-        leaves, spec = pytree.tree_flatten([c.saved for c in ctxs])
-        is_t = [isinstance(v, torch.Tensor) for v in leaves]
-        ctx.save_for_backward(*[v for v, t in zip(leaves, is_t, strict=True) if t])
-        ctx.fusible_n_ws = len(ws_flat)
-        ctx.fusible = (
-            plan_key, spec, is_t, [v for v, t in zip(leaves, is_t, strict=True) if not t],
-            [c.attrs for c in ctxs],
-            [(c.params_requires_grad, c.input_requires_grad) for c in ctxs],
-        )  # fmt: skip
+        if not isinstance(y, torch.Tensor):
+            y = y.dequantize()
+        elif not torch.compiler.is_compiling() and y._base is not None:
+            # A view (a GEMM's 2-D output reshaped) would make the output a view of an autograd
+            # output, which in-place ops (y += residual) reject: an alias that is not a view.
+            y = y.detach()
+        tensors: list[torch.Tensor] = []
+        layout = _pack([c.saved for c in ctxs], tensors)
+        ctx.save_for_backward(*tensors)
+        ctx.fusible = (plan, layout, [c.attrs for c in ctxs])
         flat_out = [t for eo in extra_out for t in eo]
         new_ws: list[torch.Tensor] = []
-        for c, upd in zip(ctxs, ws_update, strict=True):
-            if upd:
-                new_ws.extend(flatten_workspace(c.new_workspace)[0])  # type: ignore[arg-type]
-        ctx.mark_non_differentiable(*new_ws)
+        for slot, mode in zip(plan.workspace_slots, ws_modes, strict=True):
+            if mode == 2:
+                new_ws.extend(flatten_workspace(ctxs[slot.op_index].new_workspace)[0])  # type: ignore[arg-type]
+        if new_ws:
+            ctx.mark_non_differentiable(*new_ws)
         return (y, *flat_out, *new_ws)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor | None, *out_grads: torch.Tensor | None) -> Any:  # type: ignore[override]
-        plan_key, spec, is_t, consts, attrs, flags = ctx.fusible
-        plan = _PLANS[plan_key]
-        ops = plan.ops
-        saved_t = iter(ctx.saved_tensors)
-        consts_it = iter(consts)
-        leaves = [next(saved_t) if t else next(consts_it) for t in is_t]
-        saved_lists = pytree.tree_unflatten(leaves, spec)
+        plan, layout, attrs = ctx.fusible
+        fast = not torch.compiler.is_compiling()
+        saved_lists = _unpack(layout, ctx.saved_tensors, fast)
         ctxs = [
-            OpContext(saved=s, attrs=a, params_requires_grad=f[0], input_requires_grad=f[1])
-            for s, a, f in zip(saved_lists, attrs, flags, strict=True)
+            OpContext(f[0], f[1], s, a)
+            for f, s, a in zip(plan.flags, saved_lists, attrs, strict=True)
         ]
-        n_extra_out = sum(op.num_extra_outputs for op in ops)
-        eog = _split(list(out_grads[:n_extra_out]), [op.num_extra_outputs for op in ops])
+        eog: list[Any] = []
+        pos = 0
+        for n in plan.n_extra_out:
+            eog.append(list(out_grads[pos : pos + n]))
+            pos += n
+        if dy is not None and not dy.is_contiguous():
+            dy = dy.contiguous()  # e.g. the expanded gradient of a sum(): kernels read rows
         dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
-        states = [op.recipe_state(False) for op in ops]
-        if any(s is not None for s in states):
-            _autocast.end_backward_pass(states)
-        dx = _dequantize_if_needed(dx) if dx is not None and ctx.needs_input_grad[3] else None
+        if plan.backward_states:
+            _autocast.end_backward_pass(plan.backward_states)
+        dx = _dequantize_if_needed(dx) if dx is not None and ctx.needs_input_grad[2] else None
         flat_eg = [g for eg in extra_in_grads for g in eg]
         flat_pg = [g for pg in param_grads for g in pg]
-        n_ws = ctx.fusible_n_ws
-        return (None, None, None, dx, *flat_eg, *flat_pg, *([None] * n_ws))
+        n_rest = len(ctx.needs_input_grad) - 3 - len(flat_eg) - len(flat_pg)
+        return (None, None, dx, *flat_eg, *flat_pg, *([None] * n_rest))
 
 
 def _cache(op: BasicOperation) -> WorkspaceCache:
@@ -273,39 +461,49 @@ def _cache(op: BasicOperation) -> WorkspaceCache:
 
 
 def run_plan(
-    plan_key: int,
     plan: Plan,
     x: torch.Tensor,
-    extra_inputs: list[torch.Tensor],
+    extra_inputs: Sequence[torch.Tensor],
+    params: list[torch.Tensor],
     is_first_microbatch: bool | None = None,
+    cache_params: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Run ``plan`` on ``x``; weight workspaces are looked up before and stored after the
-    autograd function (see ops/workspace.py for the ``is_first_microbatch`` semantics)."""
-    ops = plan.ops
-    params = [p for op in ops for p in op.parameters(recurse=False)]
-    metas: list[Any] = []
-    updates: list[bool] = []
+    """Run ``plan`` on ``x`` with the flat parameter list ``params``; weight workspaces are looked
+    up before and stored after the autograd function (see ops/workspace.py for the
+    ``is_first_microbatch`` semantics), keyed by ``cache_params`` (the parameters themselves,
+    when ``params`` are their casts for torch.autocast; default ``params``)."""
+    if cache_params is None:
+        cache_params = params
+    modes: list[int] = []
     ws_flat: list[torch.Tensor | None] = []
-    specs = [op.workspace_spec() for op in ops]
-    for op, spec in zip(ops, specs, strict=True):
-        ws, update = None, False
-        if spec is not None and is_first_microbatch is not None:
-            weight, q = spec
-            ws = None if is_first_microbatch else _cache(op).lookup(weight, q)
-            update = ws is None  # first micro-batch, or an invalid cache: quantize and cache
-        tensors, meta = flatten_workspace(ws)
-        metas.append(meta)
-        updates.append(update)
-        ws_flat.extend(tensors)
-    outs = _PlanFunction.apply(
-        plan_key, tuple(metas), tuple(updates), x, *extra_inputs, *params, *ws_flat
-    )
-    n_out = 1 + sum(op.num_extra_outputs for op in ops)
-    new_ws = list(outs[n_out:])
-    for op, spec, update in zip(ops, specs, updates, strict=True):
-        if update and spec is not None:
-            weight, q = spec
-            n = workspace_len(workspace_meta(q, weight))
-            _cache(op).store(weight, q, unflatten_workspace(new_ws[:n], workspace_meta(q, weight)))
-            new_ws = new_ws[n:]
+    for slot in plan.workspace_slots:
+        mode = 0
+        if is_first_microbatch is not None:
+            ws = None
+            if not is_first_microbatch:
+                op = plan.ops[slot.op_index]
+                ws = _cache(op).lookup(cache_params[slot.param_index], slot.quantizer)
+            if ws is None:
+                mode = 2  # first micro-batch, or an invalid cache: quantize and cache
+            else:
+                mode = 1
+                ws_flat.extend(flatten_workspace(ws)[0])
+        modes.append(mode)
+    outs = _PlanFunction.apply(plan.id, tuple(modes), x, *extra_inputs, *params, *ws_flat)
+    n_out = 1 + sum(plan.n_extra_out)
+    if 2 in modes:
+        new_ws = list(outs[n_out:])
+        for slot, mode in zip(plan.workspace_slots, modes, strict=True):
+            if mode == 2:
+                n = workspace_len(slot.meta)
+                ws = unflatten_workspace(new_ws[:n], slot.meta)
+                w = cache_params[slot.param_index]
+                _cache(plan.ops[slot.op_index]).store(w, slot.quantizer, ws)
+                new_ws = new_ws[n:]
+    if n_out == 1:
+        return outs[0], []
     return outs[0], list(outs[1:n_out])
+
+
+def params_of(ops: Sequence[BasicOperation]) -> list[torch.Tensor]:
+    return [p for op in ops for p in op._parameters.values() if p is not None]

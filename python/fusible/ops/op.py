@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -32,25 +31,47 @@ from fusible.quantization.quantizers import Quantizer
 __all__ = ["BasicOperation", "FusedOperation", "OpContext"]
 
 
-@dataclass
 class OpContext:
-    """Per-call state of one basic op between its forward and its backward."""
+    """Per-call state of one basic op between its forward and its backward.
 
-    saved: list[Any] = field(default_factory=list)
-    attrs: dict[str, Any] = field(default_factory=dict)
-    # Which params need gradients, and whether the op's input does.
-    params_requires_grad: tuple[bool, ...] = ()
-    input_requires_grad: bool = True
-    # Forward only (never saved): the cached weight workspace handed in, whether to produce a new
-    # one, and the one produced (see ops/workspace.py).
-    workspace: Any = None
-    cache_weight: bool = False
-    new_workspace: Any = None
+    ``saved``: what backward reads (tensors, quantized containers, None), passed through
+    ``save_for_backward``; ``attrs``: constants; ``params_requires_grad`` /
+    ``input_requires_grad``: which params need gradients, and whether the op's input does.
+    Forward only (never saved): ``workspace`` (the cached weight workspace handed in),
+    ``cache_weight`` (whether to produce a new one) and ``new_workspace`` (the one produced; see
+    ops/workspace.py). A plain class with slots: one is made per op per call."""
+
+    __slots__ = (
+        "attrs", "cache_weight", "input_requires_grad", "new_workspace", "params_requires_grad",
+        "saved", "workspace",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        params_requires_grad: tuple[bool, ...] = (),
+        input_requires_grad: bool = True,
+        saved: list[Any] | None = None,
+        attrs: dict[str, Any] | None = None,
+    ) -> None:
+        self.params_requires_grad = params_requires_grad
+        self.input_requires_grad = input_requires_grad
+        self.saved: list[Any] = [] if saved is None else saved
+        self.attrs: dict[str, Any] = {} if attrs is None else attrs
+        self.workspace: Any = None
+        self.cache_weight = False
+        self.new_workspace: Any = None
 
 
 _UIDS = itertools.count()
 # uid -> op, so cached plans can be found from plain constants (see fuser.plan_key_for).
 OPS_BY_UID: weakref.WeakValueDictionary[int, BasicOperation] = weakref.WeakValueDictionary()
+#: Bumped whenever any op builds new recipe states (new quantizer objects): plans resolve their
+#: quantizers when built, so plan caches key on it. Stashing and restoring a state (a run
+#: without a recipe between runs with one) keeps the quantizer objects and does not bump it.
+STATE_EPOCH = [0]
+#: Bumped whenever any op's active states change (built, stashed or restored): a Sequential
+#: re-activates its ops' states only when the recipe or this changed.
+ACTIVE_EPOCH = [0]
 
 
 class BasicOperation(torch.nn.Module):
@@ -73,6 +94,12 @@ class BasicOperation(torch.nn.Module):
         self._role_scope_override: str | None = None
         self._recipe_states: dict[str, RecipeState | None] = {"forward": None, "backward": None}
         self._recipe_key: Any = None
+        # The states of the last recipe, kept while the op runs without one (an evaluation pass
+        # outside autocast): (recipe key, states). Restored when that recipe comes back; only a
+        # different recipe replaces them.
+        self._stashed: tuple[Any, dict[str, RecipeState | None]] | None = None
+        # (fwd, role bucket) -> quantizer of the active states (get_quantizer is on the hot path).
+        self._qmap: dict[tuple[bool, str], Quantizer | None] = {}
         # Recipe state loaded from a checkpoint before the state exists (it is built lazily, at the
         # first forward under a recipe); applied as soon as it is built.
         self._pending_recipe_state: dict[str, dict[str, torch.Tensor]] = {}
@@ -87,6 +114,31 @@ class BasicOperation(torch.nn.Module):
         super().__setstate__(state)
         self._assign_uid()
 
+    # ---- module hooks ----------------------------------------------------------------------
+
+    def _no_hooks(self, kind: str) -> Any:
+        raise RuntimeError(
+            f"{type(self).__name__}.{kind}: hooks on a basic op never run: ops run inside their "
+            "container's fusion plan (one autograd function), not through Module.__call__. "
+            "Register the hook on the enclosing module (ops.Sequential, fusible.Linear, "
+            "LayerNormLinear, LayerNormMLP) or use torch.autograd.graph hooks on tensors"
+        )
+
+    def register_forward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        return self._no_hooks("register_forward_hook")
+
+    def register_forward_pre_hook(self, *args: Any, **kwargs: Any) -> Any:
+        return self._no_hooks("register_forward_pre_hook")
+
+    def register_full_backward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        return self._no_hooks("register_full_backward_hook")
+
+    def register_full_backward_pre_hook(self, *args: Any, **kwargs: Any) -> Any:
+        return self._no_hooks("register_full_backward_pre_hook")
+
+    def register_backward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        return self._no_hooks("register_backward_hook")
+
     # ---- quantizers ------------------------------------------------------------------------
 
     @property
@@ -98,7 +150,7 @@ class BasicOperation(torch.nn.Module):
         self._role_scope_override = scope
         if name is not None:
             self.quantizer_name = name
-        self._recipe_key = None
+        self.reset_recipe_state(None)  # the roles changed: states are rebuilt at the next run
 
     def get_quantizer_roles(self, fwd: bool) -> list[QuantizerRole]:
         """Roles of the quantizers this op owns, in slot order (none by default)."""
@@ -108,7 +160,11 @@ class BasicOperation(torch.nn.Module):
         return len(self.get_quantizer_roles(fwd))
 
     def reset_recipe_state(self, recipe: Any | None) -> None:
-        """(Re)build the forward/backward RecipeStates for ``recipe`` (None: high precision)."""
+        """(Re)build the forward/backward RecipeStates for ``recipe`` (None: high precision;
+        this discards the states, unlike :meth:`ensure_recipe_state`)."""
+        STATE_EPOCH[0] += 1
+        ACTIVE_EPOCH[0] += 1
+        self._stashed = None
         for mode, fwd in (("forward", True), ("backward", False)):
             roles = self.get_quantizer_roles(fwd)
             if recipe is None or not roles:
@@ -120,6 +176,16 @@ class BasicOperation(torch.nn.Module):
             )  # fmt: skip
         self._recipe_key = _recipe_key(recipe)
         self._apply_pending_recipe_state()
+        self._build_qmap()
+
+    def _build_qmap(self) -> None:
+        qmap: dict[tuple[bool, str], Quantizer | None] = {}
+        for mode, fwd in (("forward", True), ("backward", False)):
+            state = self._recipe_states[mode]
+            if state is not None:
+                for role, q in zip(state.roles or (), state.quantizers, strict=True):
+                    qmap.setdefault((fwd, role.bucket), q)
+        self._qmap = qmap
 
     def _state_device(self) -> torch.device:
         """Where the recipe state lives: with the op's parameters (the kernels take the scales
@@ -138,16 +204,23 @@ class BasicOperation(torch.nn.Module):
 
     def _move_recipe_states(self) -> None:
         device = self._state_device()
-        for state in self._recipe_states.values():
+        stashed = self._stashed[1].values() if self._stashed is not None else ()
+        for state in (*self._recipe_states.values(), *stashed):
             if state is not None and state.device != device:
                 state.to(device)
+
+    def _held_states(self) -> dict[str, RecipeState | None]:
+        """The active states, or the stashed ones while the op runs without a recipe."""
+        if self._stashed is not None and self._recipe_key is None:
+            return self._stashed[1]
+        return self._recipe_states
 
     # ---- checkpoints: recipe state as plain tensors under "<prefix>_extra_state" ------------
 
     def get_extra_state(self) -> dict[str, torch.Tensor]:
         """Recipe state (amax histories, scales) as a flat dict of plain tensors."""
         out: dict[str, torch.Tensor] = {}
-        for mode, state in self._recipe_states.items():
+        for mode, state in self._held_states().items():
             for k, v in recipe_state_to_dict(state).items():
                 out[f"{mode}.{k}"] = v
         return out
@@ -180,8 +253,9 @@ class BasicOperation(torch.nn.Module):
         self._apply_pending_recipe_state()
 
     def _apply_pending_recipe_state(self) -> None:
+        held = self._held_states()
         for mode in list(self._pending_recipe_state):
-            state = self._recipe_states[mode]
+            state = held[mode]
             if state is not None:
                 load_recipe_state(state, self._pending_recipe_state.pop(mode))
 
@@ -192,9 +266,26 @@ class BasicOperation(torch.nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def ensure_recipe_state(self, recipe: Any | None) -> None:
-        if self._recipe_key != _recipe_key(recipe) or (
-            recipe is not None and self._recipe_states["forward"] is None and self.role_scope
-        ):
+        """Make ``recipe``'s states the active ones. ``None`` (a run without a recipe) sets the
+        current states aside without discarding them (still saved by ``state_dict()``); the same
+        recipe coming back restores them, amax histories and scales included. A different recipe
+        builds new states."""
+        key = _recipe_key(recipe)
+        if recipe is None:
+            if self._recipe_key is not None:
+                self._stashed = (self._recipe_key, self._recipe_states)
+                self._recipe_states = {"forward": None, "backward": None}
+                self._recipe_key = None
+                self._qmap = {}
+                ACTIVE_EPOCH[0] += 1
+            return
+        if self._recipe_key is None and self._stashed is not None and self._stashed[0] == key:
+            self._recipe_states, self._recipe_key = self._stashed[1], key
+            self._stashed = None
+            self._build_qmap()
+            ACTIVE_EPOCH[0] += 1
+            return
+        if self._recipe_key != key or (self._recipe_states["forward"] is None and self.role_scope):
             self.reset_recipe_state(recipe)
 
     def recipe_state(self, fwd: bool) -> RecipeState | None:
@@ -202,13 +293,7 @@ class BasicOperation(torch.nn.Module):
 
     def get_quantizer(self, fwd: bool, role_bucket: str) -> Quantizer | None:
         """The quantizer of this op for a role bucket ("input", "grad_output", ...), or None."""
-        state = self.recipe_state(fwd)
-        if state is None:
-            return None
-        for role, q in zip(state.roles or (), state.quantizers, strict=True):
-            if role.bucket == role_bucket:
-                return q
-        return None
+        return self._qmap.get((fwd, role_bucket))
 
     def workspace_spec(self) -> tuple[torch.Tensor, Quantizer] | None:
         """``(weight, quantizer)`` if this op keeps a quantized weight workspace, else None."""

@@ -2,37 +2,51 @@
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from fusible.ops import fuser, registry
-from fusible.ops.op import OPS_BY_UID, BasicOperation
+from fusible.ops.op import ACTIVE_EPOCH, STATE_EPOCH, BasicOperation
 from fusible.quantization import autocast as _autocast
 from fusible.quantization.recipe import recipe_from_key
 
 __all__ = ["Sequential"]
 
 
-@torch._dynamo.assume_constant_result
-def _ensure_recipe_states(uids: tuple[int, ...], recipe_key: str | None) -> int:
-    """Build (or rebuild, when the recipe changed) the recipe states of the ops ``uids``.
+_SEQ_UIDS = itertools.count()
+_SEQ_BY_UID: weakref.WeakValueDictionary[int, Sequential] = weakref.WeakValueDictionary()
+_NO_RECIPE: Any = object()  # explain(): no recipe argument given
 
-    Under ``torch.compile`` this runs at trace time, outside the graph, like ``plan_key_for``:
-    the states' tensors (delayed-scaling ``amax_history`` / ``scale``) are then real tensors the
-    graph reads and mutates as inputs. Built inside the traced region they would be graph
-    intermediates that dynamo returns as forward outputs to re-materialize the new Python
-    objects; the backward states are also written in the backward graph (amax recording and
-    the immediate update), so AOTAutograd's partitioner finds forward outputs that depend on
-    the backward ("Node ... was invalid, but is output"), and ``id()`` of the quantizers built
-    in-trace (the weight-workspace cache key) cannot be reconstructed after the graph.
-    The recipe comes as its key (see :class:`fusible.recipe.Recipe`). Returns 0 (a constant).
-    """
-    recipe = recipe_from_key(recipe_key)
-    for uid in uids:
-        OPS_BY_UID[uid].ensure_recipe_state(recipe)
+
+@torch._dynamo.assume_constant_result
+def _traced_activate(seq_uid: int, recipe_key: str | None) -> int:
+    """Make the recipe states of the Sequential ``seq_uid``'s ops those of the recipe with key
+    ``recipe_key`` (see :meth:`Sequential._activate`). Under ``torch.compile`` this runs at
+    trace time, outside the graph, like :func:`_traced_plan_id`: the states' tensors
+    (delayed-scaling ``amax_history`` / ``scale``) are then real tensors the graph reads and
+    mutates as inputs. Built inside the traced region they would be graph intermediates that
+    dynamo returns as forward outputs to re-materialize the new Python objects; the backward
+    states are also written in the backward graph (amax recording and the immediate update),
+    so AOTAutograd's partitioner finds forward outputs that depend on the backward, and
+    ``id()`` of the quantizers built in-trace (the weight-workspace cache key) cannot be
+    reconstructed after the graph. Only constants cross into it. Returns 0 (a constant)."""
+    seq = _SEQ_BY_UID[seq_uid]
+    seq._runs()  # cached here, outside the trace
+    seq._activate(recipe_from_key(recipe_key))
     return 0
+
+
+@torch._dynamo.assume_constant_result
+def _traced_plan_id(seq_uid: int, key: tuple[Any, ...], recipe_key: str | None) -> int:
+    """The id of the plan for ``key`` (see :meth:`Sequential._traced_key`), built on first use.
+    Under ``torch.compile`` this runs at trace time and its result is a constant of the graph:
+    planning is Python bookkeeping, never traced."""
+    full = (*key, recipe_key, STATE_EPOCH[0])
+    return _SEQ_BY_UID[seq_uid]._plan(full, recipe_from_key(recipe_key)).id
 
 
 def _recipe_key(recipe: Any) -> str | None:
@@ -54,6 +68,30 @@ class Sequential(torch.nn.Module):
         super().__init__()
         for m in self._flatten(modules):
             self.add_module(str(len(self._modules)), m)
+        self._init_plans()
+
+    def _init_plans(self) -> None:
+        # Plans live with the container (a dropped model frees them); _SLOTS entries of the
+        # plans are released by a finalizer that does not reference the container.
+        self._seq_uid = next(_SEQ_UIDS)
+        _SEQ_BY_UID[self._seq_uid] = self
+        self._plans: dict[Any, fuser.Plan] = {}
+        self._plan_ids: list[int] = []
+        weakref.finalize(self, fuser.release_plans, self._plan_ids)
+        self._runs_cache: tuple[tuple[torch.nn.Module, ...], list[Any]] | None = None
+        self._token: Any = None  # (recipe key, ACTIVE_EPOCH) the ops' states were set for
+        self._last_run: tuple[Any, torch.dtype, torch.device] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Plans reference this container's ops: a copy (deepcopy, pickle) plans afresh.
+        state = self.__dict__.copy()
+        for k in ("_plans", "_plan_ids", "_runs_cache", "_token", "_seq_uid"):
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._init_plans()
 
     @staticmethod
     def _flatten(modules: Any) -> Iterator[torch.nn.Module]:
@@ -84,83 +122,221 @@ class Sequential(torch.nn.Module):
 
     # ---- planning --------------------------------------------------------------------------
 
-    def _runs(self) -> list[list[torch.nn.Module]]:
-        """Maximal runs of basic ops; each plain module is a run of its own."""
-        runs: list[list[torch.nn.Module]] = []
-        for m in self:
-            if isinstance(m, BasicOperation) and runs and isinstance(runs[-1][0], BasicOperation):
-                runs[-1].append(m)
+    def _runs(self) -> list[tuple[int, list[Any], int]]:
+        """Maximal runs of basic ops, each ``(index, modules, number of extra inputs)``; each
+        plain module is a run of its own (extra inputs -1). Cached until the children change."""
+        mods = tuple(self._modules.values())
+        cache = self._runs_cache
+        if cache is not None and cache[0] == mods:
+            return cache[1]  # type: ignore[no-any-return]
+        groups: list[list[Any]] = []
+        for m in mods:
+            basic = isinstance(m, BasicOperation)
+            if basic and groups and isinstance(groups[-1][0], BasicOperation):
+                groups[-1].append(m)
             else:
-                runs.append([m])
+                groups.append([m])
+        runs = [
+            (i, g, sum(op.num_extra_inputs for op in g) if isinstance(g[0], BasicOperation) else -1)
+            for i, g in enumerate(groups)
+        ]
+        if not torch.compiler.is_compiling():  # no mutation in a traced region (checkpoint)
+            self._runs_cache = (mods, runs)
         return runs
+
+    def _activate(self, recipe: Any) -> None:
+        """Make every op's recipe states ``recipe``'s (see ``BasicOperation.ensure_recipe_state``:
+        no recipe sets them aside, it never discards them)."""
+        for m in self._modules.values():
+            if isinstance(m, BasicOperation):
+                m.ensure_recipe_state(recipe)
+        self._token = (_recipe_key(recipe), ACTIVE_EPOCH[0])
+
+    def _plan(self, key: tuple[Any, ...], recipe: Any) -> fuser.Plan:
+        """The plan for ``key`` (a tuple starting with the run index, input requires-grad, grad
+        mode and the extra inputs' requires-grad; see forward), built on first use."""
+        plan = self._plans.get(key)
+        if plan is None:
+            ops = self._runs()[key[0]][1]
+            plan = fuser.build_plan(
+                ops, recipe, input_requires_grad=key[1], grad_enabled=key[2],
+                extra_requires_grad=key[3],
+            )  # fmt: skip
+            self._plans[key] = plan
+            self._plan_ids.append(plan.id)
+        return plan
+
+    def _eager_key(
+        self, index: int, rkey: Any, x: torch.Tensor, extra: Any, params: list[torch.Tensor],
+        ops: list[Any],
+    ) -> tuple[Any, ...]:  # fmt: skip
+        return (
+            index, x.requires_grad, torch.is_grad_enabled(),
+            tuple([t.requires_grad for t in extra]) if extra else (),
+            rkey, STATE_EPOCH[0], x.dtype, x.device,
+            tuple([(p.requires_grad, p.dtype, type(p), p.shape) for p in params]),
+            tuple([op.training for op in ops]), registry._VERSION[0], registry._DISABLED[0],
+        )  # fmt: skip
+
+    def _traced_key(
+        self, index: int, x: torch.Tensor, extra: Any, params: list[torch.Tensor], ops: list[Any]
+    ) -> tuple[Any, ...]:
+        # Constants only (see _traced_plan_id); a "traced" tag keeps these apart from eager keys.
+        return (
+            index, x.requires_grad, torch.is_grad_enabled(),
+            tuple(t.requires_grad for t in extra), "traced", x.dtype, x.device.type,
+            tuple((p.requires_grad, p.dtype) for p in params),
+            tuple(op.training for op in ops), registry.version(),
+        )  # fmt: skip
 
     def _plan_for(
         self, ops: list[BasicOperation], x: torch.Tensor, recipe: Any
     ) -> tuple[int, fuser.Plan]:
-        key = (
-            tuple(op.uid for op in ops),
-            x.dtype,
-            x.device.type,
-            x.requires_grad,
-            tuple(p.requires_grad for op in ops for p in op.parameters(recurse=False)),
-            tuple(op.training for op in ops),
-            registry.version(),
-        )
-        plan_key = fuser.plan_key_for(key, _recipe_key(recipe))
-        return plan_key, fuser.get_plan(plan_key)
+        """The plan this container runs for ``ops`` (one of its runs) on an input like ``x``
+        under ``recipe`` (for tests and tools; ``forward`` looks plans up itself)."""
+        index = next(i for i, g, _ in self._runs() if g == ops)
+        self._activate(recipe)
+        params = fuser.params_of(ops)
+        key = self._eager_key(index, _recipe_key(recipe), x, (), params, ops)
+        plan = self._plan(key, recipe)
+        return plan.id, plan
 
     # ---- execution -------------------------------------------------------------------------
 
     def forward(
         self, x: torch.Tensor, *extra_inputs: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> Any:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"{type(self).__name__}.forward: the input must be a torch.Tensor, got "
+                f"{type(x).__name__}"
+            )
+        if torch.compiler.is_compiling():
+            return self._forward_traced(x, extra_inputs, is_first_microbatch)
         recipe = _autocast.get_recipe()
-        pending = list(extra_inputs)
+        rkey = None if recipe is None else recipe.key
+        if self._token != (rkey, ACTIVE_EPOCH[0]):
+            self._activate(recipe)
+        cast = _torch_autocast_dtype(x)
+        pending = extra_inputs
         extra_outputs: list[torch.Tensor] = []
-        for run in self._runs():
-            if not isinstance(run[0], BasicOperation):
+        for index, run, n_in in self._runs():
+            if n_in < 0:
                 x = run[0](x)
                 continue
-            ops: list[BasicOperation] = run  # type: ignore[assignment]
-            n_in = sum(op.num_extra_inputs for op in ops)
             if n_in > len(pending):
-                need = sum(op.num_extra_inputs for op in self if isinstance(op, BasicOperation))
+                self._too_few_extra_inputs(extra_inputs)
+            extra, pending = pending[:n_in], pending[n_in:]
+            params = fuser.params_of(run)
+            run_params = params
+            if cast is not None:
+                x, extra, run_params = _cast_for_torch_autocast(cast, x, extra, params)
+            if x.dim() == 0:
                 raise ValueError(
-                    f"Sequential.forward: the ops need {need} extra input(s) (AddExtraInput), "
-                    f"got {len(extra_inputs)}"
+                    f"{type(self).__name__}.forward: the input must have at least one dimension "
+                    "(features last), got a 0-dim tensor"
                 )
-            uids = tuple(op.uid for op in ops)
-            _ensure_recipe_states(uids, _recipe_key(recipe))
-            key, plan = self._plan_for(ops, x, recipe)
-            x, outs = fuser.run_plan(key, plan, x, pending[:n_in], is_first_microbatch)
-            pending = pending[n_in:]
-            extra_outputs.extend(outs)
-            states = [op.recipe_state(True) for op in ops]
-            if any(s is not None for s in states):
-                _autocast.end_forward_pass(states)
+            key = self._eager_key(index, rkey, x, extra, run_params, run)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plan(key, recipe)
+            x, outs = fuser.run_plan(plan, x, extra, run_params, is_first_microbatch, params)
+            if outs:
+                extra_outputs.extend(outs)
+            if plan.forward_states:
+                _autocast.end_forward_pass(plan.forward_states)
         if pending:
-            raise ValueError(
-                f"Sequential.forward: got {len(extra_inputs)} extra input(s) but the ops consume "
-                f"{len(extra_inputs) - len(pending)}"
-            )
+            self._too_many_extra_inputs(extra_inputs, pending)
+        self._last_run = (recipe, x.dtype, x.device)
         return (x, *extra_outputs) if extra_outputs else x
+
+    def _forward_traced(
+        self, x: torch.Tensor, extra_inputs: Any, is_first_microbatch: bool | None
+    ) -> Any:
+        """forward under torch.compile: the same plans, looked up through constants."""
+        recipe = _autocast.get_recipe()
+        rkey = _recipe_key(recipe)
+        _traced_activate(self._seq_uid, rkey)
+        cast = _torch_autocast_dtype(x)
+        pending = list(extra_inputs)
+        extra_outputs: list[torch.Tensor] = []
+        for index, run, n_in in self._runs():
+            if n_in < 0:
+                x = run[0](x)
+                continue
+            if n_in > len(pending):
+                self._too_few_extra_inputs(extra_inputs)
+            extra, pending = pending[:n_in], pending[n_in:]
+            params = fuser.params_of(run)
+            run_params = params
+            if cast is not None:
+                x, extra, run_params = _cast_for_torch_autocast(cast, x, extra, params)
+            key = self._traced_key(index, x, extra, run_params, run)
+            plan = fuser.plan_by_id(_traced_plan_id(self._seq_uid, key, rkey))
+            x, outs = fuser.run_plan(plan, x, extra, run_params, is_first_microbatch, params)
+            extra_outputs.extend(outs)
+            if plan.forward_states:
+                _autocast.end_forward_pass(plan.forward_states)
+        if pending:
+            self._too_many_extra_inputs(extra_inputs, pending)
+        return (x, *extra_outputs) if extra_outputs else x
+
+    def _too_few_extra_inputs(self, given: Any) -> None:
+        need = sum(op.num_extra_inputs for op in self if isinstance(op, BasicOperation))
+        raise ValueError(
+            f"{type(self).__name__}.forward: the ops need {need} extra input(s) (AddExtraInput), "
+            f"got {len(given)}"
+        )
+
+    def _too_many_extra_inputs(self, given: Any, pending: Any) -> None:
+        raise ValueError(
+            f"{type(self).__name__}.forward: got {len(given)} extra input(s) but the ops consume "
+            f"{len(given) - len(pending)}"
+        )
 
     # ---- introspection ---------------------------------------------------------------------
 
-    def explain(self, dtype: torch.dtype = torch.float32, device: str = "cpu") -> str:
-        """The forward and backward plans under the current autocast recipe: units, kernels,
-        each quantizer's role and recipe, and fusions that did not apply (with the reason)."""
-        recipe = _autocast.get_recipe()
+    def explain(
+        self,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        recipe: Any = _NO_RECIPE,
+    ) -> str:
+        """The forward and backward plans: units, kernels, each quantizer's role and recipe, and
+        fusions that did not apply (with the reason).
+
+        ``recipe``: the recipe to explain (None: high precision). By default the active
+        ``fusible.autocast`` recipe inside an autocast region, else the recipe of this model's
+        last run: called after the training loop, it shows the plan that ran. ``dtype`` /
+        ``device``: of the input (default: the last run's, else float32 on CPU). Explaining
+        never changes the ops' recipe states."""
+        last = self._last_run
+        if recipe is _NO_RECIPE:
+            inside = _autocast.get_autocast_state().depth > 0
+            recipe = _autocast.get_recipe() if inside or last is None else last[0]
+        if dtype is None:
+            dtype = last[1] if last is not None else torch.float32
+        if device is None:
+            device = last[2] if last is not None else "cpu"
+        basic = [m for m in self._modules.values() if isinstance(m, BasicOperation)]
+        held = [(op._recipe_states, op._recipe_key, op._stashed, op._qmap) for op in basic]
+        try:
+            return self._explain(recipe, dtype, device)
+        finally:
+            for op, h in zip(basic, held, strict=True):
+                op._recipe_states, op._recipe_key, op._stashed, op._qmap = h
+            self._token = None
+
+    def _explain(self, recipe: Any, dtype: torch.dtype, device: Any) -> str:
         lines = [f"recipe: {recipe!r}" if recipe is not None else "recipe: none (high precision)"]
-        probe = torch.empty(0, dtype=dtype, device=device, requires_grad=True)
-        for r, run in enumerate(self._runs()):
-            if not isinstance(run[0], BasicOperation):
+        self._activate(recipe)
+        for r, run, n_in in self._runs():
+            if n_in < 0:
                 lines.append(f"run {r}: plain module {type(run[0]).__name__} (splits fusion)")
                 continue
-            ops: list[BasicOperation] = run  # type: ignore[assignment]
-            for op in ops:
-                op.ensure_recipe_state(recipe)
-            _, plan = self._plan_for(ops, probe, recipe)
+            ops: list[BasicOperation] = run
+            plan = fuser.build_plan(ops, recipe)  # not cached: states may be explain's own
+            fuser.release_plans([plan.id])
             lines.append(f"run {r}:")
             for title, units in (
                 ("forward", plan.forward_units),
@@ -194,3 +370,28 @@ class Sequential(torch.nn.Module):
                     names = " + ".join(type(op).__name__ for op in ops[a:b])
                     lines.append(f"    {which} '{name}' on [{names}]: {reason}")
         return "\n".join(lines)
+
+
+def _torch_autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` computes in on ``x``'s device, or None outside it."""
+    dev = x.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return None
+
+
+def _cast_for_torch_autocast(
+    dtype: torch.dtype, x: torch.Tensor, extra: Any, params: list[torch.Tensor]
+) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
+    """Inside ``torch.autocast``: the input, extra inputs and floating-point parameters in the
+    autocast dtype (as TransformerEngine's modules do; the casts are differentiable, so gradients
+    reach the fp32 parameters in their dtype). Quantized weights are not cast (they dequantize
+    to the dtype their op computes in)."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        plain = type(t) in (torch.Tensor, torch.nn.Parameter)
+        if plain and t.is_floating_point() and t.dtype != dtype:
+            return t.to(dtype)
+        return t
+
+    return cast(x), tuple(cast(t) for t in extra), [cast(p) for p in params]
