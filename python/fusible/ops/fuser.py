@@ -255,15 +255,15 @@ def _forward_units(
     check = not plan.checked[0]
     for start, stop, fused, nxt in plan.forward_steps:
         if fused is None:
-            out = ops[start].op_forward(
+            out: Any = ops[start].op_forward(
                 ctxs[start], x, params[start], next_input_quantizer=nxt,
                 extra_inputs=extra_in[start],
             )  # fmt: skip
             if check:
                 _check_forward_result(plan, start, stop, None, out)
-            x, eo = out
-            if eo:
-                extra_out[start] = eo
+            x, eo1 = out
+            if eo1:
+                extra_out[start] = eo1
         else:
             out = fused.fuser_forward(
                 ctxs[start:stop], x, params[start:stop], next_input_quantizer=nxt,
@@ -344,13 +344,14 @@ def _pack(saved_lists: list[list[Any]], tensors: list[torch.Tensor]) -> list[Any
             else:
                 leaves, tree = pytree.tree_flatten(v)
                 is_t = [isinstance(leaf, torch.Tensor) for leaf in leaves]
-                idx, consts = [], []
+                idx: list[int | None] = []
+                leaf_consts: list[Any] = []
                 for leaf, it in zip(leaves, is_t, strict=True):
                     idx.append(len(tensors) if it else None)
-                    consts.append(None if it else leaf)
+                    leaf_consts.append(None if it else leaf)
                     if it:
                         tensors.append(leaf)
-                spec.append(("tree", tree, consts, idx))
+                spec.append(("tree", tree, leaf_consts, idx))
         layout.append(spec)
     return layout
 

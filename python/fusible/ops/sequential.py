@@ -78,7 +78,7 @@ class Sequential(torch.nn.Module):
         self._plans: dict[Any, fuser.Plan] = {}
         self._plan_ids: list[int] = []
         weakref.finalize(self, fuser.release_plans, self._plan_ids)
-        self._runs_cache: tuple[tuple[torch.nn.Module, ...], list[Any]] | None = None
+        self._runs_cache: tuple[tuple[Any, ...], list[Any]] | None = None
         self._token: Any = None  # (recipe key, ACTIVE_EPOCH) the ops' states were set for
         self._last_run: tuple[Any, torch.dtype, torch.device] | None = None
 
