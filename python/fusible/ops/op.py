@@ -165,6 +165,7 @@ class BasicOperation(torch.nn.Module):
         STATE_EPOCH[0] += 1
         ACTIVE_EPOCH[0] += 1
         self._stashed = None
+        self._recipe_states = {"forward": None, "backward": None}  # new: never mutate a held one
         for mode, fwd in (("forward", True), ("backward", False)):
             roles = self.get_quantizer_roles(fwd)
             if recipe is None or not roles:

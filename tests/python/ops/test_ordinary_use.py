@@ -1,0 +1,284 @@
+"""Ordinary use must not surprise (issue 12): recipe state survives runs without a recipe and
+explain(); outputs are ordinary tensors; several plans compile into one graph cold; torch.autocast
+is followed; hooks on inner ops and bad inputs raise clear errors; a dropped model is freed."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+
+import fusible
+from fusible import ops, recipe
+from fusible.ops import fuser
+
+DELAYED = recipe.DelayedScaling(amax_history_len=8)
+RECIPES = {
+    "none": None,
+    "delayed": DELAYED,
+    "current": recipe.Float8CurrentScaling(),
+    "mxfp8": recipe.MXFP8BlockScaling(),
+}
+
+
+def _train(m, rec, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(32, 64, generator=g)
+        with fusible.autocast(enabled=rec is not None, recipe=rec):
+            m(x).sum().backward()
+
+
+# ---- 1. recipe state is never discarded by a run without a recipe, or by explain() ----------
+
+
+def test_eval_forward_without_recipe_keeps_delayed_state():
+    m = fusible.Linear(64, 64)
+    _train(m, DELAYED, 3)
+    before = {k: v.clone() for k, v in m.state_dict()["0._extra_state"].items()}
+    assert before, "delayed scaling keeps amax histories and scales"
+    m.zero_grad(set_to_none=True)
+    twin = copy.deepcopy(m)
+    with torch.no_grad():
+        m(torch.randn(32, 64))  # a high-precision evaluation pass
+    after = m.state_dict()["0._extra_state"]
+    assert after.keys() == before.keys()
+    for k in before:
+        assert torch.equal(after[k], before[k]), k
+    # Training continues exactly as if the evaluation pass had not happened.
+    _train(m, DELAYED, 2, seed=1)
+    _train(twin, DELAYED, 2, seed=1)
+    for (k, a), (_, b) in zip(m.state_dict().items(), twin.state_dict().items(), strict=True):
+        if isinstance(a, dict):
+            for f in a:
+                assert torch.equal(a[f], b[f]), (k, f)
+        else:
+            assert torch.equal(a, b), k
+    for p, q in zip(m.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_eval_forward_without_recipe_does_not_quantize():
+    m = fusible.Linear(64, 64)
+    _train(m, DELAYED, 1)
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        y = m(x)
+    torch.testing.assert_close(y, x @ m.weight.T + m.bias, rtol=0, atol=1e-5)
+
+
+def test_explain_outside_autocast_shows_last_run_and_keeps_state():
+    m = ops.Sequential(ops.LayerNorm(64), ops.Linear(64, 64))
+    _train(m, DELAYED, 2)
+    before = copy.deepcopy(m.state_dict())
+    text = m.explain()
+    assert "DelayedScaling" in text and "input:linear" in text, text
+    # Explaining another recipe neither replaces nor resets the held states.
+    other = m.explain(recipe=recipe.Float8CurrentScaling())
+    assert "Float8CurrentScaling" in other
+    none = m.explain(recipe=None)
+    assert "recipe: none" in none and "(none)" in none
+    after = m.state_dict()
+    for k, v in before.items():
+        if isinstance(v, dict):
+            assert v.keys() == after[k].keys() and all(torch.equal(v[f], after[k][f]) for f in v)
+    _train(m, DELAYED, 1)  # and training picks up the same state objects
+    assert m[1].recipe_state(True).amax_history.abs().sum() > 0
+
+
+def test_different_recipe_replaces_state():
+    m = fusible.Linear(64, 64)
+    _train(m, DELAYED, 2)
+    _train(m, recipe.Float8CurrentScaling(), 1)
+    assert m.state_dict()["0._extra_state"] == {}  # current scaling has no state
+
+
+# ---- 2. outputs are ordinary tensors ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("rec", sorted(RECIPES))
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_output_accepts_inplace_add(kind, rec):
+    torch.manual_seed(0)
+    make = {
+        "Linear": lambda: fusible.Linear(64, 64),
+        "LayerNormLinear": lambda: fusible.LayerNormLinear(64, 64),
+        "LayerNormMLP": lambda: fusible.LayerNormMLP(64, 128),
+    }[kind]
+    m = make()
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    r = torch.randn(2, 32, 64)
+    with fusible.autocast(enabled=RECIPES[rec] is not None, recipe=RECIPES[rec]):
+        y = m(x)
+        assert y._base is None
+        y += r
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+# ---- 3. several plans compile into one graph, cold -----------------------------------------
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, h: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = fusible.LayerNormLinear(h, 3 * h)
+        self.proj = fusible.Linear(h, h)
+        self.mlp = fusible.LayerNormMLP(h, 2 * h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        a = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.mlp(x)
+
+
+@pytest.mark.parametrize("rec", ["none", "delayed", "current"])
+def test_compile_several_plans_cold_fullgraph(rec):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(fusible.Linear(64, 64), torch.nn.ReLU(), fusible.Linear(64, 64))
+    twin = copy.deepcopy(m)
+    f = torch.compile(m, fullgraph=True, backend="aot_eager")
+    x = torch.randn(32, 64, requires_grad=True)
+    for model in (f, twin):
+        with fusible.autocast(enabled=RECIPES[rec] is not None, recipe=RECIPES[rec]):
+            y = model(x)
+        y.sum().backward()
+    for p, q in zip(m.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("rec", ["none", "delayed", "current"])
+def test_block_with_sdpa_is_one_graph(rec):
+    torch._dynamo.reset()
+    m = _Block()
+    x = torch.randn(2, 32, 64)
+
+    def fn(x):
+        with fusible.autocast(enabled=RECIPES[rec] is not None, recipe=RECIPES[rec]):
+            return m(x)
+
+    info = torch._dynamo.explain(fn)(x)
+    assert info.graph_count == 1 and info.graph_break_count == 0, info.break_reasons
+
+
+# ---- 4. torch.autocast ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_torch_autocast_dtype_is_followed(kind):
+    torch.manual_seed(0)
+    m = fusible.Linear(64, 32) if kind == "Linear" else fusible.LayerNormMLP(64, 128)
+    x = torch.randn(16, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    for p in m.parameters():
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
+    assert x.grad is not None and x.grad.dtype == torch.float32
+    if kind == "Linear":
+        ref = torch.nn.functional.linear(
+            x.detach().bfloat16(), m.weight.detach().bfloat16(), m.bias.detach().bfloat16()
+        )
+        assert torch.equal(y.detach(), ref)
+
+
+def test_torch_autocast_with_fp8_recipe_and_weight_cache():
+    torch.manual_seed(0)
+    m = fusible.Linear(64, 64)
+    x = torch.randn(32, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16), fusible.autocast(recipe=DELAYED):
+        y1 = m(x, is_first_microbatch=True)
+        y2 = m(x, is_first_microbatch=False)  # the cached workspace (of the fp32 weight)
+    assert y1.dtype == torch.bfloat16 and torch.equal(y1, y2)
+
+
+# ---- 8. hooks on inner ops, bad input -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "hook",
+    ["register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook"],
+)
+def test_hook_on_inner_op_raises(hook):
+    m = fusible.LayerNormMLP(64, 128)
+    with pytest.raises(RuntimeError, match=f"BasicLinear.{hook}: hooks on a basic op never run"):
+        getattr(m.fc1, hook)(lambda *a: None)
+    # Hooks on the module itself run as usual.
+    seen = []
+    m.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    m(torch.randn(4, 64))
+    assert seen == [torch.Size([4, 64])]
+
+
+def test_bad_inputs_name_the_problem():
+    m = fusible.Linear(64, 64)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        m(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="must be a torch.Tensor, got list"):
+        m([torch.randn(2, 64)])
+    with pytest.raises(ValueError, match="in_features 64"):
+        m(torch.randn(2, 63))
+
+
+def test_fused_op_returning_wrong_result_is_named():
+    class Bad(ops.FusedOperation):
+        name = "bad_fusion"
+
+        def fuser_forward(self, ctxs, x, params, *, next_input_quantizer, extra_inputs):
+            return x  # not (y, extra outputs)
+
+    rule = ops.register_fusion((ops.BasicLinear, ops.Bias), Bad)
+    try:
+        with pytest.raises(TypeError, match="fused op 'bad_fusion': forward must return"):
+            fusible.Linear(16, 16)(torch.randn(2, 16))
+    finally:
+        ops.unregister_fusion(rule)
+
+
+# ---- issue 11: a dropped model is freed -------------------------------------------------------
+
+
+@pytest.mark.parametrize("rec", ["none", "delayed"])
+def test_dropped_model_is_freed(rec):
+    m = fusible.LayerNormMLP(64, 128)
+    _train(m, RECIPES[rec], 2)
+    refs = [weakref.ref(p) for p in m.parameters()]
+    ids = list(m._plan_ids)
+    assert ids and all(hasattr(fuser._SLOTS, f"p{i}") for i in ids)
+    del m
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert not any(hasattr(fuser._SLOTS, f"p{i}") for i in ids)
+
+
+def test_many_models_do_not_accumulate_plans():
+    gc.collect()
+    start = len(vars(fuser._SLOTS))
+    for _ in range(50):
+        m = fusible.Linear(16, 16)
+        m(torch.randn(2, 16)).sum().backward()
+    del m
+    gc.collect()
+    assert len(vars(fuser._SLOTS)) <= start
+
+
+def test_cached_plan_is_reused():
+    m = ops.Sequential(ops.LayerNorm(64), ops.Linear(64, 64), ops.GELU(), ops.Linear(64, 64))
+    x = torch.randn(8, 64, requires_grad=True)
+    for _ in range(3):
+        with fusible.autocast(recipe=DELAYED):
+            m(x).sum().backward()
+    assert len(m._plans) == 1
+    with torch.no_grad():
+        m(x)  # no grad: a plan of its own (nothing saved, no transposed copies)
+    assert len(m._plans) == 2
