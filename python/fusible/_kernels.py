@@ -95,24 +95,15 @@ class _FusibleOp:
         functools.update_wrapper(self, self.fn)
 
     def _direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        if (
-            torch.is_grad_enabled()
-            or torch.compiler.is_compiling()
-            or _get_current_dispatch_mode() is not None
-            or torch.jit.is_tracing()
-            or torch._C._are_functorch_transforms_active()
-        ):
+        if not plain_eager(args):
             return False
-        plain = torch.Tensor.__torch_dispatch__
-        for a in (*args, *kwargs.values()):
-            items = a if isinstance(a, (list, tuple)) else (a,)
-            for t in items:
-                if isinstance(t, torch.Tensor) and type(t).__torch_dispatch__ is not plain:
-                    return False
+        for a in kwargs.values():
+            if not plain_eager((a,)):
+                return False
         return True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._direct(args, kwargs):
+        if not (DIRECT[0] or self._direct(args, kwargs)):
             return self.op(*args, **kwargs)
         out = self.fn(*args, **kwargs)
         if self.signature is not None:
@@ -124,6 +115,36 @@ class _FusibleOp:
 
     def register_fake(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return self.op.register_fake(fn)
+
+
+#: Set by the op executor (ops/fuser.py) while it runs a plan whose arguments it checked with
+#: :func:`plain_eager` (once per run, not once per kernel): the kernels then call the core
+#: library directly.
+DIRECT = [False]
+
+
+def plain_eager(args: Sequence[Any]) -> bool:
+    """Whether kernels called on ``args`` (tensors, lists / tuples of tensors, constants) may
+    skip the custom-op dispatch: grad mode off, not tracing or compiling, no dispatch mode or
+    functorch transform, and only plain, non-meta tensors (a meta tensor dispatches to the fake
+    kernel, which gives shapes)."""
+    if (
+        torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+        or _get_current_dispatch_mode() is not None
+        or torch.jit.is_tracing()
+        or torch._C._are_functorch_transforms_active()
+    ):
+        return False
+    plain = torch.Tensor.__torch_dispatch__
+    for a in args:
+        items = a if isinstance(a, (list, tuple)) else (a,)
+        for t in items:
+            if isinstance(t, torch.Tensor) and (
+                type(t).__torch_dispatch__ is not plain or t.is_meta
+            ):
+                return False
+    return True
 
 
 def _custom_op(name: str, mutates_args: Sequence[str] = ()) -> Callable[..., _FusibleOp]:
