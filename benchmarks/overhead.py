@@ -129,7 +129,7 @@ def calls_per_step(model: torch.nn.Module, x: torch.Tensor, recipe: Any, warmup:
         step()
     finally:
         prof.disable()
-    return int(pstats.Stats(prof).total_calls)
+    return int(pstats.Stats(prof).total_calls)  # type: ignore[attr-defined]
 
 
 def new_input(n: int, device: str) -> torch.Tensor:
@@ -216,6 +216,16 @@ def host_ms_per_step(
     return statistics.median(times)
 
 
+def dynamo_graphs() -> int:
+    """Graphs torch.compile has made so far in this process (a rise of more than one per
+    compiled mode means recompiles or graph breaks)."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
 def _cell(fn: Callable[[], float]) -> float | str:
     try:
         return fn()
@@ -231,9 +241,12 @@ def host_table(device: str, modes: list[str], iters: int) -> list[dict[str, Any]
         torch.manual_seed(0)
         s = Stepper(build(kind, device), rec, new_input(n, device))
         for mode in modes:
+            graphs = dynamo_graphs()
             us = _cell(lambda: host_ms_per_step(s.make(mode), iters=iters) * 1e3)
             rows.append({"variant": f"{name} {mode}", "mode": mode, "tokens": n,
                          "host_us_per_step": us})  # fmt: skip
+            if mode == "compiled":
+                rows[-1]["graphs"] = dynamo_graphs() - graphs
     _add_ratios(rows, "host_us_per_step", "torch eager")
     return rows
 
@@ -271,7 +284,7 @@ def main() -> None:
         host = host_table("cuda", modes, args.iters)
         print(f"host time per step, {args.iters} steps back to back (fwd, bwd, SGD step, "
               "zero_grad), bf16 CUDA; ratios to torch eager at the same token count")  # fmt: skip
-        print_table(host, ["variant", "tokens", "host_us_per_step", "vs_torch_eager"])
+        print_table(host, ["variant", "tokens", "host_us_per_step", "vs_torch_eager", "graphs"])
         payload["host"] = host
     if args.out or not args.calls_only:
         print(f"wrote {write_json('overhead', payload, args.out)}")
