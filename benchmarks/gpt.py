@@ -167,17 +167,20 @@ class Runner:
 
     def make(self, mode: str, fullgraph: bool = True) -> Callable[[], None]:
         fwd: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.loss
-        if mode == "compiled":
-            torch._dynamo.reset()  # a fresh cache per variant: no shared recompile limit
-            fwd = torch.compile(self.loss, fullgraph=fullgraph)
-        elif mode != "eager":
-            raise ValueError(f"mode must be eager or compiled, got {mode!r}")
 
         def step() -> None:
             fwd(self.idx, self.targets).backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
 
+        if mode == "compiled":
+            # One eager step first: compiling a fresh fusible model fails on its first call
+            # (dynamo: KeyError in the plan lookup after the plan is built at trace time).
+            step()
+            torch._dynamo.reset()  # a fresh cache per variant: no shared recompile limit
+            fwd = torch.compile(self.loss, fullgraph=fullgraph)
+        elif mode != "eager":
+            raise ValueError(f"mode must be eager or compiled, got {mode!r}")
         return step
 
 

@@ -167,15 +167,18 @@ class Stepper:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         fwd: Callable[[torch.Tensor], torch.Tensor] = self.forward
-        if mode == "compiled":
-            torch._dynamo.reset()  # a fresh cache: no recompile limit shared across variants
-            fwd = torch.compile(self.forward, fullgraph=True)
 
         def step() -> None:
             loss_of(fwd(self.x)).backward()
             self.opt.step()
             self._zero_grad()
 
+        if mode == "compiled":
+            # One eager step first: compiling a fresh fusible model fails on its first call
+            # (dynamo: KeyError in the plan lookup after the plan is built at trace time).
+            step()
+            torch._dynamo.reset()  # a fresh cache: no recompile limit shared across variants
+            fwd = torch.compile(self.forward, fullgraph=True)
         if mode != "graphed":
             return step
         if not self.x.is_cuda:
