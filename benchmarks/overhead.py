@@ -19,6 +19,8 @@ Two tables:
     python benchmarks/overhead.py                # on the GPU: both tables, JSON into results/
     python benchmarks/overhead.py --calls-only   # call counts on CPU only (CI prints these);
                                                  # JSON only with --out
+    python benchmarks/overhead.py --calls-only --calls-top 30   # + the most called functions
+    python benchmarks/overhead.py --profile DIR  # + torch.profiler traces of eager steps
 
 Counting note: cProfile hooks Python's profiler. On Python >= 3.12 it uses ``sys.monitoring``,
 which sees every thread, so the calls autograd makes in its CUDA device thread (the backward of
@@ -37,6 +39,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -109,6 +112,13 @@ def loss_of(y: torch.Tensor) -> torch.Tensor:
 def calls_per_step(model: torch.nn.Module, x: torch.Tensor, recipe: Any, warmup: int = 3) -> int:
     """Python calls (cProfile ``total_calls``) of one forward + backward step of ``model`` on
     ``x`` under ``recipe`` (None: no autocast), after ``warmup`` steps."""
+    return int(profile_step(model, x, recipe, warmup).total_calls)  # type: ignore[attr-defined]
+
+
+def profile_step(
+    model: torch.nn.Module, x: torch.Tensor, recipe: Any, warmup: int = 3
+) -> pstats.Stats:
+    """cProfile statistics of one forward + backward step (see :func:`calls_per_step`)."""
 
     def step() -> None:
         loss_of(forward(model, x, recipe)).backward()
@@ -129,18 +139,24 @@ def calls_per_step(model: torch.nn.Module, x: torch.Tensor, recipe: Any, warmup:
         step()
     finally:
         prof.disable()
-    return int(pstats.Stats(prof).total_calls)  # type: ignore[attr-defined]
+    return pstats.Stats(prof)
 
 
 def new_input(n: int, device: str) -> torch.Tensor:
     return torch.randn(n, HIDDEN, device=device, dtype=dtype_for(device), requires_grad=True)
 
 
-def calls_table(device: str) -> list[dict[str, Any]]:
+def calls_table(device: str, top: int = 0) -> list[dict[str, Any]]:
+    """Python calls per step of every variant; ``top`` > 0 also prints each fusible variant's
+    ``top`` functions by number of calls."""
     rows: list[dict[str, Any]] = []
     for name, kind, rec, n in variants():
         torch.manual_seed(0)
-        calls = calls_per_step(build(kind, device), new_input(n, device), rec)
+        stats = profile_step(build(kind, device), new_input(n, device), rec)
+        calls = int(stats.total_calls)  # type: ignore[attr-defined]
+        if top > 0 and kind == "fusible":
+            print(f"== {name}: {calls} Python calls per step; the {top} most called functions")
+            stats.strip_dirs().sort_stats("ncalls").print_stats(top)
         rows.append({"variant": "torch eager" if kind == "torch" else name, "tokens": n,
                      "calls": calls})  # fmt: skip
     _add_ratios(rows, "calls", "torch eager")
@@ -254,6 +270,37 @@ def host_table(device: str, modes: list[str], iters: int) -> list[dict[str, Any]
     return rows
 
 
+def profile_eager(device: str, out_dir: str, steps: int = 10) -> None:
+    """torch.profiler (CPU, + CUDA on a GPU) over ``steps`` eager training steps per variant,
+    after 5 warm-up steps: a chrome trace per variant into ``out_dir`` and the ops table by self
+    CPU time (where the host's time goes)."""
+    from torch.profiler import ProfilerActivity, record_function
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    for i, (name, kind, rec, n) in enumerate(variants()):
+        if kind == "torch" and i > 0:
+            continue  # torch once (at 16 tokens)
+        torch.manual_seed(0)
+        step = Stepper(build(kind, device), rec, new_input(n, device)).make("eager")
+        for _ in range(5):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        with torch.profiler.profile(activities=acts) as prof:
+            for i in range(steps):
+                with record_function(f"step {i}"):
+                    step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        path = out / f"overhead_{name.replace(' ', '_')}_{n}tok.json"
+        prof.export_chrome_trace(str(path))
+        print(f"== profile {name}, {n} tokens, {steps} eager steps ({device}); trace {path}")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
+                                        max_name_column_width=70))  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--calls-only", action="store_true",
@@ -263,6 +310,11 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="host-time modes")
     ap.add_argument("--iters", type=int, default=200, help="steps per host-time measurement")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
+    ap.add_argument("--calls-top", type=int, default=0, metavar="N",
+                    help="also print each fusible variant's N most called functions")  # fmt: skip
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="also write torch.profiler traces of 10 eager steps per variant (on "
+                         "the call counts' device) into DIR and print the op tables")  # fmt: skip
     args = ap.parse_args()
     device = args.device
     if device == "auto":
@@ -276,7 +328,7 @@ def main() -> None:
 
     payload: dict[str, Any] = {"env": environment(), "args": vars(args), "device": device,
                                "hidden": HIDDEN, "ffn": FFN}  # fmt: skip
-    calls = calls_table(device)
+    calls = calls_table(device, args.calls_top)
     print(f"Python calls per forward+backward step ({device}, {dtype_for(device)}, cProfile "
           f"total_calls, Python {sys.version.split()[0]}); block LayerNorm({HIDDEN}) -> "
           f"Linear({HIDDEN}, {FFN}) -> GELU -> Linear({FFN}, {HIDDEN}); mxfp8 at {MX_TOKENS} "
@@ -291,6 +343,8 @@ def main() -> None:
         payload["host"] = host
     if args.out or not args.calls_only:
         print(f"wrote {write_json('overhead', payload, args.out)}")
+    if args.profile:
+        profile_eager(device, args.profile)
 
 
 if __name__ == "__main__":

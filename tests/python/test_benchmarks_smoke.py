@@ -40,6 +40,9 @@ def test_gpt_tiny_profile(tmp_path):
 
 
 def test_overhead_calls_only(tmp_path):
-    out = _run("overhead.py", "--calls-only", "--out", str(tmp_path))
+    out = _run("overhead.py", "--calls-only", "--out", str(tmp_path), "--calls-top", "5",
+               "--profile", str(tmp_path / "prof"))  # fmt: skip
     assert "fusible mxfp8" in out and "vs_torch_eager" in out, out
+    assert "most called functions" in out and "Self CPU" in out, out
     assert list(tmp_path.glob("overhead_*.json"))
+    assert len(list((tmp_path / "prof").glob("overhead_*.json"))) == 5  # torch + 4 recipes
