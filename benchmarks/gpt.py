@@ -15,8 +15,10 @@ cross-entropy loss on random tokens. The layers are fusible modules (``fusible.L
 * ``torchao``: ``torchao.float8.convert_to_float8_training`` (tensorwise scaling) of the plain
   model's layer Linears (not the LM head), when torchao is importable and on CUDA.
 
-Each in two modes: ``eager`` and ``compiled`` (``torch.compile`` of the forward with autocast and
-loss inside; backward and optimizer outside, as in step.py). A step is forward, backward,
+Each in two modes (``--modes``): ``eager`` and ``compiled`` (``torch.compile(fullgraph=True)``
+of the forward with autocast and loss inside, backward and optimizer outside, as in step.py; one
+eager step first; ``graphs`` counts the graphs it made, 1 = no recompiles or graph breaks; a
+variant's eager and compiled rows share one model). A step is forward, backward,
 ``AdamW.step()``, ``zero_grad(set_to_none=True)``. Per row: median step time (CUDA events,
 ``_common.time_ms``), model TFLOP/s, peak memory of one step above what lives between steps
 (``max_memory_allocated`` after a reset, minus ``memory_allocated`` before the step), what lives
@@ -24,10 +26,15 @@ between steps (parameters + optimizer state + recipe state), and ratios to torch
 compiled measured in the same run.
 
     python benchmarks/gpt.py [--layers 8 --hidden 2048 --heads 16 --seq 1024 --batch 8]
-        [--vocab 32768] [--variants torch,bf16,delayed,current,mxfp8,torchao] [--no-compile]
-        [--out DIR] [--tag NAME]
+        [--vocab 32768] [--variants torch,bf16,delayed,current,mxfp8,torchao]
+        [--modes eager,compiled | --no-compile] [--out DIR] [--tag NAME] [--strict]
     python benchmarks/gpt.py --profile DIR [--variants current]   # profile instead of timing
-    python benchmarks/gpt.py --tiny --no-compile                   # CPU smoke test (fp32)
+    python benchmarks/gpt.py --tiny --no-compile   # smoke test: tiny sizes, 2 timed steps, on
+                                                   # CUDA (bf16) if there is one, else CPU (fp32)
+
+Results go to ``--out`` (default benchmarks/results/) as ``gpt[_<tag>]_<gpu>.json``; ``--tiny``
+writes a file only with ``--out``. ``--strict`` exits 1 when a variant fails (otherwise failures
+are table cells).
 
 Model TFLOP/s counts 6 * tokens * (12 * layers * h^2 + h * vocab) for the matmuls plus
 6 * layers * tokens * seq * h for causal attention (half of the full S x S score matrix).

@@ -13,8 +13,10 @@ Two tables:
    ``zero_grad(set_to_none=True)``) issued back to back with one synchronize at the end, divided
    by N. At this tiny shape the GPU idles, so this is the host's time per step. Three modes:
    ``eager``; ``compiled`` (``torch.compile(fullgraph=True)`` of the forward, autocast inside,
-   backward and optimizer outside); ``graphed`` (the whole step captured in one CUDA graph and
-   replayed). Every row's ratio is to torch eager measured in the same run.
+   backward and optimizer outside; one eager step first); ``graphed`` (forward, backward and
+   ``opt.step()`` captured in one CUDA graph and replayed: each replay overwrites the grads, so
+   no zero_grad). Every row's ratio is to torch eager at its token count, in the same run;
+   ``graphs`` counts the graphs torch.compile made for a compiled row (1 = no recompiles).
 
     python benchmarks/overhead.py                # on the GPU: both tables, JSON into results/
     python benchmarks/overhead.py --calls-only   # call counts on CPU only (CI prints these);
