@@ -30,13 +30,20 @@ class TorchBlock(torch.nn.Module):
         return self.fc2(gelu(self.fc1(self.norm(x)), approximate="tanh"))
 
 
-def fusible_block(h: int, f: int, weights_recipe: Any = None) -> torch.nn.Module:
-    """The same block as fusible ops (bf16, CUDA); weights stored quantized by
+def fusible_block(
+    h: int,
+    f: int,
+    weights_recipe: Any = None,
+    *,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.nn.Module:
+    """The same block as fusible ops (bf16, CUDA unless told); weights stored quantized by
     ``weights_recipe`` when given (``fusible.quantized_model_init``)."""
     import fusible
     from fusible import ops
 
-    kw: dict[str, Any] = {"device": "cuda", "dtype": torch.bfloat16}
+    kw: dict[str, Any] = {"device": device, "dtype": dtype}
     with fusible.quantized_model_init(weights_recipe, enabled=weights_recipe is not None):
         return ops.Sequential(
             ops.LayerNorm(h, **kw), ops.Linear(h, f, **kw), ops.GELU(), ops.Linear(f, h, **kw)

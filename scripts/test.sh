@@ -23,3 +23,6 @@ ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
 echo "== pytest"
 # Run from tests/ so the installed package (with its compiled _C) is imported, not python/.
 "$PY" -m pytest -q -p no:cacheprovider tests/python "$@"
+
+echo "== Python calls per step (benchmarks/overhead.py --calls-only)"
+"$PY" benchmarks/overhead.py --calls-only

@@ -1,0 +1,48 @@
+"""The benchmarks run end to end at tiny sizes: benchmarks/gpt.py (every variant, eager, and its
+profiler path) and benchmarks/overhead.py --calls-only, as subprocesses (PYTHONPATH kept)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _run(script: str, *args: str, timeout: float = 240) -> str:
+    env = dict(os.environ)  # PYTHONPATH (a python/ checkout) and everything else preserved
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        cwd=BENCHMARKS.parent, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, (
+        f"{script} {' '.join(args)} exited {proc.returncode}:\n{out[-4000:]}"
+    )
+    return out
+
+
+def test_gpt_tiny_eager():
+    out = _run("gpt.py", "--tiny", "--no-compile", "--strict",
+               "--variants", "torch,bf16,delayed,current,mxfp8")  # fmt: skip
+    for variant in ("torch", "bf16", "delayed", "current", "mxfp8"):
+        assert f"{variant} eager:" in out, out
+    assert "speedup_vs_torch_eager" in out, out
+
+
+def test_gpt_tiny_profile(tmp_path):
+    out = _run("gpt.py", "--tiny", "--no-compile", "--strict", "--variants", "current",
+               "--profile", str(tmp_path))  # fmt: skip
+    assert (tmp_path / "gpt_current_eager.json").stat().st_size > 0
+    assert "Self CPU" in out, out
+
+
+def test_overhead_calls_only(tmp_path):
+    out = _run("overhead.py", "--calls-only", "--out", str(tmp_path), "--calls-top", "5",
+               "--profile", str(tmp_path / "prof"))  # fmt: skip
+    assert "fusible mxfp8" in out and "vs_torch_eager" in out, out
+    assert "most called functions" in out and "Self CPU" in out, out
+    assert list(tmp_path.glob("overhead_*.json"))
+    assert len(list((tmp_path / "prof").glob("overhead_*.json"))) == 5  # torch + 4 recipes
