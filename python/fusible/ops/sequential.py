@@ -226,7 +226,10 @@ class Sequential(torch.nn.Module):
         """Re-initialise every child that has ``reset_parameters`` (norm weight 1, biases 0,
         Linear weights kaiming-uniform as ``torch.nn.Linear``; a quantized weight is
         re-quantized in place). With ``to_empty()``, this materialises a model built on the
-        ``meta`` device: ``m.to_empty(device="cpu"); m.reset_parameters()``."""
+        ``meta`` device: ``m.to_empty(device="cpu"); m.reset_parameters()``. Call it once, on
+        the top container (or, as FSDP does, on each module that holds parameters of its own):
+        calling it on every module of ``modules()`` would reset the ops twice (other random
+        draws than a model built on the CPU from the same seed)."""
         for m in self:
             reset = getattr(m, "reset_parameters", None)
             if callable(reset):
