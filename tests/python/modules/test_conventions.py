@@ -444,3 +444,17 @@ def test_fsdp_style_materialisation():
             sub.reset_parameters()
     for p, q in zip(m.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_distributed_checkpoint_state_dict_helpers(case):
+    """torch.distributed.checkpoint's model state-dict helpers map state_dict keys to attribute
+    paths; the TE names are attributes, so they work (no process group needed on CPU)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    src, dst = _trained(case), _build(case, seed=9)
+    sd = get_model_state_dict(src)
+    assert list(sd) == CASES[case][1]
+    result = set_model_state_dict(dst, sd)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    _assert_same_model(dst, src)
