@@ -73,25 +73,21 @@ def use_te_state_dict_names(module: torch.nn.Module, names: dict[str, str]) -> N
     module.register_load_state_dict_post_hook(_report_te_names)
 
 
-def _is_empty_extra_state(rel: str, value: Any) -> bool:
-    head, _, tail = rel.partition(".")
-    return head.isdigit() and tail == _EXTRA and isinstance(value, Mapping) and not value
-
-
 def _save_te_names(module: Any, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+    # Only this module's own keys are looked at (state_dict holds the whole model's so far).
     names: dict[str, str] = module._te_names
-    found = {}
-    for key in list(state_dict):
-        if not key.startswith(prefix):
-            continue
-        rel = key[len(prefix) :]
-        if rel in names:
-            found[rel] = state_dict.pop(key)
-        elif _is_empty_extra_state(rel, state_dict[key]):
+    found = {rel: state_dict.pop(prefix + rel) for rel in names if prefix + rel in state_dict}
+    for i in range(len(module)):
+        key = f"{prefix}{i}.{_EXTRA}"
+        if f"{i}.{_EXTRA}" not in names and _is_empty(state_dict.get(key)):
             del state_dict[key]
     for rel, te in names.items():
         if rel in found:
             state_dict[prefix + te] = found[rel]
+
+
+def _is_empty(value: Any) -> bool:
+    return isinstance(value, Mapping) and not value
 
 
 def _load_te_names(

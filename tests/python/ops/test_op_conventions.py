@@ -201,6 +201,11 @@ def test_register_fusion_rejects_bad_arguments(kwargs, what):
     assert registry.version() == before  # nothing registered
 
 
+def test_register_fusion_rejects_a_bad_name():
+    with pytest.raises(TypeError, match="name must be a non-empty string, got 42"):
+        ops.register_fusion((ops.Bias,), _Fused, name=42)
+
+
 def test_register_fusion_names_the_rule_from_the_factory():
     with pytest.raises(TypeError, match="rule 'my_rule': predicate must be"):
         ops.register_fusion((ops.Bias,), _Fused, predicate=object())
