@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from fusible.ops import GEGLU, GELU, LayerNorm, ReLU, RMSNorm, SiLU, SwiGLU
@@ -42,3 +45,84 @@ def make_activation(activation: str, owner: str) -> BasicOperation:
             f"{owner}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}"
         )
     return ACTIVATIONS[activation]()
+
+
+# ---- TransformerEngine state_dict names ---------------------------------------------------------
+#
+# A module is an ``ops.Sequential``: its parameters live on its ops, so ``nn.Module`` would name
+# them by position (``0.weight``, ``4.weight``). The hooks below rename them on save to the names
+# TransformerEngine uses for the same module (``layer_norm_weight``, ``fc1_weight``, ...) and
+# accept both spellings on load. ``names`` maps each positional key (relative to the module) to
+# its TE name, in the order ``state_dict()`` emits them. The ``_extra_state`` of an op that has
+# no name there (norm, bias, activation: ops without quantizers, whose extra state is always
+# ``{}``) is left out when empty; loading does not need it.
+
+_EXTRA = "_extra_state"
+
+
+def use_te_state_dict_names(module: torch.nn.Module, names: dict[str, str]) -> None:
+    """Give ``module``'s ``state_dict()`` the TE names ``names`` (positional key -> TE key)."""
+    # Plain attributes (set through object.__setattr__: nn.Module's only types tensors and
+    # modules); _te_load is (prefix, error_msgs, len(error_msgs)) during a load.
+    object.__setattr__(module, "_te_names", dict(names))
+    object.__setattr__(module, "_te_load", None)
+    # The private spellings exist in every supported torch (>= 2.4); module-level functions
+    # keep the module picklable and deep-copyable.
+    module._register_state_dict_hook(_save_te_names)
+    module._register_load_state_dict_pre_hook(_load_te_names, with_module=True)
+    module.register_load_state_dict_post_hook(_report_te_names)
+
+
+def _save_te_names(module: Any, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+    # Only this module's own keys are looked at (state_dict holds the whole model's so far).
+    names: dict[str, str] = module._te_names
+    found = {rel: state_dict.pop(prefix + rel) for rel in names if prefix + rel in state_dict}
+    for i in range(len(module)):
+        key = f"{prefix}{i}.{_EXTRA}"
+        if f"{i}.{_EXTRA}" not in names and _is_empty(state_dict.get(key)):
+            del state_dict[key]
+    for rel, te in names.items():
+        if rel in found:
+            state_dict[prefix + te] = found[rel]
+
+
+def _is_empty(value: Any) -> bool:
+    return isinstance(value, Mapping) and not value
+
+
+def _load_te_names(
+    module: Any,
+    state_dict: Any,
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    # Remembered for _report_te_names, which torch calls without the prefix.
+    module._te_load = (prefix, error_msgs, len(error_msgs))
+    for rel, te in module._te_names.items():
+        if prefix + te not in state_dict:
+            continue
+        if prefix + rel in state_dict:
+            error_msgs.append(
+                f"{type(module).__name__}: the checkpoint holds both {prefix + te!r} and its "
+                f"positional spelling {prefix + rel!r}; keep one"
+            )
+            continue
+        state_dict[prefix + rel] = state_dict.pop(prefix + te)
+
+
+def _report_te_names(module: Any, incompatible_keys: Any) -> None:
+    """Missing / unexpected keys and error messages name the TE keys."""
+    if module._te_load is None:
+        return
+    prefix, error_msgs, start = module._te_load
+    module._te_load = None
+    te = {prefix + rel: prefix + name for rel, name in module._te_names.items()}
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [te.get(k, k) for k in keys]
+    for i in range(start, len(error_msgs)):
+        for old, new in te.items():
+            error_msgs[i] = error_msgs[i].replace(f"for {old}:", f"for {new}:")

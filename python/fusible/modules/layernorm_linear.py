@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from fusible.modules._common import make_norm
+from fusible.modules._common import make_norm, use_te_state_dict_names
 from fusible.ops import BasicLinear, Bias, Sequential
 
 __all__ = ["LayerNormLinear"]
 
 
 class LayerNormLinear(Sequential):
-    """``Linear(Norm(x))``; roles ``...:layernorm_linear``."""
+    """``Linear(Norm(x))``; roles ``...:layernorm_linear``.
+
+    ``state_dict()`` keys are TransformerEngine's: ``layer_norm_weight``, ``layer_norm_bias``
+    (LayerNorm only), ``weight``, ``bias`` and ``_extra_state`` (the Linear's recipe state, and a
+    quantized weight's exact data); ``load_state_dict()`` also accepts the positional keys
+    (``0.weight``, ``1.weight``, ...). ``named_parameters()`` stays positional.
+    """
 
     def __init__(
         self,
@@ -35,10 +41,22 @@ class LayerNormLinear(Sequential):
             ops.append(Bias(out_features, device=device, dtype=dtype))
         super().__init__(*ops)
         self.in_features, self.out_features = in_features, out_features
+        names = {"0.weight": "layer_norm_weight"}
+        if normalization == "LayerNorm":
+            names["0.bias"] = "layer_norm_bias"
+        names["1.weight"] = "weight"
+        if bias:
+            names["2.bias"] = "bias"
+        use_te_state_dict_names(self, {**names, "1._extra_state": "_extra_state"})
 
     @property
     def layer_norm_weight(self) -> torch.nn.Parameter:
         return self[0].weight  # type: ignore[return-value]
+
+    @property
+    def layer_norm_bias(self) -> torch.nn.Parameter | None:
+        """The norm's bias (None for RMSNorm)."""
+        return getattr(self[0], "bias", None)
 
     @property
     def weight(self) -> torch.nn.Parameter:

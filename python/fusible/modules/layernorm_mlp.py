@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fusible.modules._common import GLU, make_activation, make_norm
+from fusible.modules._common import GLU, make_activation, make_norm, use_te_state_dict_names
 from fusible.ops import BasicLinear, Bias, Sequential
 
 __all__ = ["LayerNormMLP"]
@@ -15,6 +15,13 @@ class LayerNormMLP(Sequential):
 
     ``activation``: ``gelu`` (tanh), ``relu``, ``silu``, ``swiglu`` or ``geglu`` (gated: fc1
     produces ``2 * ffn_hidden_size`` features).
+
+    ``state_dict()`` keys are TransformerEngine's: ``layer_norm_weight``, ``layer_norm_bias``
+    (LayerNorm only), ``fc1_weight``, ``fc1_bias``, ``fc2_weight``, ``fc2_bias``, then each
+    Linear's recipe state (and quantized weight's exact data) as ``fc1._extra_state`` and
+    ``fc2._extra_state``; ``load_state_dict()`` also accepts the positional keys (``0.weight``,
+    ``1.weight``, ``4.weight``, ...). ``named_parameters()`` stays positional. The TE names are
+    also attributes (``m.fc1_weight is m.fc1.weight``).
     """
 
     def __init__(
@@ -52,6 +59,19 @@ class LayerNormMLP(Sequential):
         )  # fmt: skip
         # Indices, not attributes: assigning a module attribute would register it twice.
         self._fc1_index, self._fc2_index = 1, len(ops) - (2 if bias else 1)
+        i1, i2 = self._fc1_index, self._fc2_index
+        names = {"0.weight": "layer_norm_weight"}
+        if normalization == "LayerNorm":
+            names["0.bias"] = "layer_norm_bias"
+        names[f"{i1}.weight"] = "fc1_weight"
+        if bias:
+            names[f"{i1 + 1}.bias"] = "fc1_bias"
+        names[f"{i2}.weight"] = "fc2_weight"
+        if bias:
+            names[f"{i2 + 1}.bias"] = "fc2_bias"
+        names[f"{i1}._extra_state"] = "fc1._extra_state"
+        names[f"{i2}._extra_state"] = "fc2._extra_state"
+        use_te_state_dict_names(self, names)
 
     @property
     def fc1(self) -> BasicLinear:
@@ -60,6 +80,33 @@ class LayerNormMLP(Sequential):
     @property
     def fc2(self) -> BasicLinear:
         return self[self._fc2_index]  # type: ignore[return-value]
+
+    @property
+    def layer_norm_weight(self) -> torch.nn.Parameter:
+        return self[0].weight  # type: ignore[return-value]
+
+    @property
+    def layer_norm_bias(self) -> torch.nn.Parameter | None:
+        """The norm's bias (None for RMSNorm)."""
+        return getattr(self[0], "bias", None)
+
+    @property
+    def fc1_weight(self) -> torch.nn.Parameter:
+        return self.fc1.weight
+
+    @property
+    def fc1_bias(self) -> torch.nn.Parameter | None:
+        i = self._fc1_index + 1
+        return self[i].bias if isinstance(self[i], Bias) else None  # type: ignore[return-value]
+
+    @property
+    def fc2_weight(self) -> torch.nn.Parameter:
+        return self.fc2.weight
+
+    @property
+    def fc2_bias(self) -> torch.nn.Parameter | None:
+        i = self._fc2_index + 1
+        return self[i].bias if i < len(self) else None  # type: ignore[return-value]
 
     def extra_repr(self) -> str:
         return (

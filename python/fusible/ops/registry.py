@@ -96,8 +96,30 @@ def register_fusion(
     ``predicate(ops, recipe)`` returns None to accept or a reason string to reject. User rules
     take precedence over built-in ones, newest first. Returns the rule (for ``unregister_fusion``).
     """
+    rule_name = name or getattr(factory, "name", None) or getattr(factory, "__name__", "fusion")
+    if not isinstance(rule_name, str) or not rule_name:
+        raise TypeError(f"register_fusion: name must be a non-empty string, got {rule_name!r}")
+    where = f"register_fusion: rule '{rule_name}'"
+    if isinstance(pattern, type) or not isinstance(pattern, Sequence) or isinstance(pattern, str):
+        raise TypeError(
+            f"{where}: pattern must be a non-empty tuple of BasicOperation subclasses, got "
+            f"{pattern!r} ({type(pattern).__name__})"
+        )
+    if not callable(factory):
+        raise TypeError(
+            f"{where}: factory must be callable (a FusedOperation subclass, or a function "
+            f"ops -> FusedOperation), got {factory!r} ({type(factory).__name__})"
+        )
+    if predicate is not None and not callable(predicate):
+        raise TypeError(
+            f"{where}: predicate must be None or callable (ops, recipe) -> None | reason, got "
+            f"{predicate!r} ({type(predicate).__name__})"
+        )
+    for arg, value in (("forward", forward), ("backward", backward), ("builtin", builtin)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{where}: {arg} must be a bool, got {value!r}")
     rule = FusionRule(
-        name=str(name or getattr(factory, "name", None) or getattr(factory, "__name__", "fusion")),
+        name=rule_name,
         pattern=tuple(pattern),
         factory=factory,
         forward=forward,

@@ -13,6 +13,7 @@ from fusible.ops import fuser, registry
 from fusible.ops.op import ACTIVE_EPOCH, STATE_EPOCH, BasicOperation
 from fusible.quantization import autocast as _autocast
 from fusible.quantization.recipe import recipe_from_key
+from fusible.quantization.roles import QuantizerRole
 
 __all__ = ["Sequential"]
 
@@ -119,6 +120,45 @@ class Sequential(torch.nn.Module):
         for m in self._flatten([module]):
             self.add_module(str(len(self._modules)), m)
         return self
+
+    # ---- conventions: quantizer roles and initialisation (every module has them) -----------
+
+    def get_quantizer_roles(self, fwd: bool) -> list[QuantizerRole]:
+        """The roles of the quantizers of this container's ops, forward (``fwd``) or backward,
+        in slot order: op order, then each op's slots.
+
+        Each role is the one its op emits, unchanged (scope and name, e.g.
+        ``weight:layernorm_mlp:fc1``): the very roles a ``CustomRecipe`` factory is called with
+        and ``explain()`` lists. A nested ``Sequential`` (or module) is flattened at
+        construction, so its ops' roles appear where its ops run, qualified as their ops were
+        built (a module scopes and names its ops then); a container never re-qualifies them.
+        A plain ``nn.Module`` child that has ``get_quantizer_roles`` adds its roles at its
+        position; one that does not is opaque, as it is to the fuser. Roles need not be unique:
+        two unnamed ``ops.Linear`` both emit ``input:linear`` (name them to tell them apart)."""
+        roles: list[QuantizerRole] = []
+        for m in self:
+            get = getattr(m, "get_quantizer_roles", None)
+            if callable(get):
+                roles.extend(get(fwd))
+        return roles
+
+    def num_quantizers(self, fwd: bool) -> int:
+        """How many quantizers this container's ops own forward / backward:
+        ``len(get_quantizer_roles(fwd))``."""
+        return len(self.get_quantizer_roles(fwd))
+
+    def reset_parameters(self) -> None:
+        """Re-initialise every child that has ``reset_parameters`` (norm weight 1, biases 0,
+        Linear weights kaiming-uniform as ``torch.nn.Linear``; a quantized weight is
+        re-quantized in place). With ``to_empty()``, this materialises a model built on the
+        ``meta`` device: ``m.to_empty(device="cpu"); m.reset_parameters()``. Call it once, on
+        the top container (or, as FSDP does, on each module that holds parameters of its own):
+        calling it on every module of ``modules()`` would reset the ops twice (other random
+        draws than a model built on the CPU from the same seed)."""
+        for m in self:
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset):
+                reset()
 
     # ---- planning --------------------------------------------------------------------------
 

@@ -181,7 +181,8 @@ def _equal_to_sequential(kind, rec, dtype=torch.float32, **cfg):
     h, f = 64, 96  # MXFP8: features and tokens multiples of 32
     module, seq = _make(kind, h, f, dtype=dtype, **cfg)
     _randomize(module)
-    seq.load_state_dict(module.state_dict())
+    # The module's state_dict() has TE names; named_parameters() stays positional.
+    seq.load_state_dict(dict(module.named_parameters()), strict=True)
     assert [type(op) for op in module] == [type(op) for op in seq]
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):  # two steps: delayed scaling's second step uses the updated scales

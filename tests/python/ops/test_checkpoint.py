@@ -339,8 +339,11 @@ def test_delayed_scaling_on_cuda(rec_name):
 
 
 def _reset_all(model):
+    # As FSDP materialises: reset_parameters() on each module holding parameters of its own (a
+    # container's reset_parameters() resets all its children; calling it and then the
+    # children's again would draw the Linear weights twice).
     for m in model.modules():
-        if hasattr(m, "reset_parameters"):
+        if hasattr(m, "reset_parameters") and any(True for _ in m.parameters(recurse=False)):
             m.reset_parameters()
 
 

@@ -297,9 +297,7 @@ def test_meta_device_then_to_empty_and_reset_parameters_or_load():
     assert all(type(op.weight) is MXFP8Tensor for op in _linears(model))
     weights = [op.weight for op in _linears(model)]
     torch.manual_seed(0)
-    for m in model.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()  # re-initialised in place
+    model.reset_parameters()  # every op's, re-initialised in place
     want = _build("layernorm_mlp", rec)  # the same draws from the same seed
     for w, op in zip(weights, _linears(want), strict=True):
         _assert_same_qdata(w.qdata, op.weight.qdata)
@@ -721,14 +719,14 @@ def test_state_dict_saves_dequantized_weights_and_loads_requantized(recipe_name,
     rec = QRECIPES[recipe_name]
     model = _build("layernorm_mlp", rec, device=devices)
     sd = model.state_dict()
-    for name, op in (("1.weight", model.fc1), ("4.weight", model.fc2)):
+    for name, op in (("fc1_weight", model.fc1), ("fc2_weight", model.fc2)):
         assert type(sd[name]) is torch.Tensor and sd[name].dtype == BF16
         assert torch.equal(sd[name], op.weight.dequantize())
     # The exact quantized weight rides along in the extra state (re-quantizing the dequantized
     # weight would not always give it back: e.g. an MXFP8 columnwise copy).
     fields = {"data", "scale_inv"} if recipe_name == "current" else {"data", "scale", "col_data",
                                                                       "col_scale"}  # fmt: skip
-    assert {k for k in sd["1._extra_state"] if k.startswith("weight.")} == {
+    assert {k for k in sd["fc1._extra_state"] if k.startswith("weight.")} == {
         f"weight.{f}" for f in fields
     }
     loaded = _save_load(sd)  # plain tensors: weights_only=True
@@ -752,9 +750,9 @@ def test_state_dict_saves_dequantized_weights_and_loads_requantized(recipe_name,
         q.quantize(hp.fc1.weight.detach(), rowwise=True, columnwise=recipe_name == "mxfp8"),
     )
     # An edited weight is re-quantized (the stale exact copy is not used).
-    edited = {**loaded, "1.weight": loaded["1.weight"] * 2}
+    edited = {**loaded, "fc1_weight": loaded["fc1_weight"] * 2}
     other.load_state_dict(edited)
-    want = other.fc1.weight.quantizer.quantize(edited["1.weight"], rowwise=True,
+    want = other.fc1.weight.quantizer.quantize(edited["fc1_weight"], rowwise=True,
                                                columnwise=recipe_name == "mxfp8")  # fmt: skip
     _assert_same_qdata(other.fc1.weight.qdata, want)
     # assign=True keeps the weights quantized (and exact).

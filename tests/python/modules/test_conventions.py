@@ -1,0 +1,460 @@
+"""The TransformerEngine / PyTorch module conventions of fusible.Linear, LayerNormLinear and
+LayerNormMLP (issue 12): quantizer roles of a module (slot order, agreeing with
+``num_quantizers`` and ``explain()``), ``reset_parameters()`` (meta-device construction, also
+inside ``quantized_model_init``), and TransformerEngine ``state_dict`` names (saved under TE
+names, loaded from TE or positional names, missing / unexpected keys reported by TE name)."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import io
+import math
+import re
+
+import pytest
+import torch
+from modules_helpers import RECIPES
+
+import fusible
+from fusible import ops
+from fusible.quantization import QuantizedTensor, QuantizerRole
+
+FWD = ["input", "weight", "output"]
+BWD = ["grad_output", "grad_input"]
+H, F = 64, 96  # MXFP8: multiples of 32
+
+# name -> (constructor(device, dtype), TE state_dict keys in order, roles' "scope[:name]"s)
+CASES = {
+    "linear": (
+        lambda **kw: fusible.Linear(H, F, **kw),
+        ["weight", "bias", "_extra_state"],
+        ["linear"],
+    ),
+    "linear_nobias_named": (
+        lambda **kw: fusible.Linear(H, F, bias=False, name="proj", **kw),
+        ["weight", "_extra_state"],
+        ["linear:proj"],
+    ),
+    "layernorm_linear": (
+        lambda **kw: fusible.LayerNormLinear(H, F, **kw),
+        ["layer_norm_weight", "layer_norm_bias", "weight", "bias", "_extra_state"],
+        ["layernorm_linear"],
+    ),
+    "layernorm_linear_rms_nobias_zc": (
+        lambda **kw: fusible.LayerNormLinear(
+            H, F, bias=False, normalization="RMSNorm", zero_centered_gamma=True, name="qkv", **kw
+        ),
+        ["layer_norm_weight", "weight", "_extra_state"],
+        ["layernorm_linear:qkv"],
+    ),
+    "layernorm_mlp": (
+        lambda **kw: fusible.LayerNormMLP(H, F, **kw),
+        [
+            "layer_norm_weight",
+            "layer_norm_bias",
+            "fc1_weight",
+            "fc1_bias",
+            "fc2_weight",
+            "fc2_bias",
+            "fc1._extra_state",
+            "fc2._extra_state",
+        ],
+        ["layernorm_mlp:fc1", "layernorm_mlp:fc2"],
+    ),
+    "layernorm_mlp_swiglu_rms_nobias": (
+        lambda **kw: fusible.LayerNormMLP(
+            H, F, bias=False, activation="swiglu", normalization="RMSNorm", **kw
+        ),
+        ["layer_norm_weight", "fc1_weight", "fc2_weight", "fc1._extra_state", "fc2._extra_state"],
+        ["layernorm_mlp:fc1", "layernorm_mlp:fc2"],
+    ),
+}
+NAMES = sorted(CASES)
+DELAYED = RECIPES["delayed"]
+
+
+def _build(case, seed=0, **kw):
+    torch.manual_seed(seed)
+    return CASES[case][0](**kw)
+
+
+def _out_features(m):
+    return H if isinstance(m, fusible.LayerNormMLP) else F
+
+
+def _step(m, rec=DELAYED, seed=1):
+    """One forward/backward under ``rec``; returns output, input gradient, parameter grads."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(32, H, generator=g).requires_grad_(True)
+    m.zero_grad(set_to_none=True)
+    with fusible.autocast(enabled=rec is not None, recipe=rec):
+        y = m(x)
+    y.backward(torch.randn(y.shape, generator=g))
+    return [y.detach(), x.grad] + [p.grad for p in m.parameters()]
+
+
+def _randomize(m):
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+
+
+def _trained(case, seed=0):
+    m = _build(case, seed)
+    _randomize(m)
+    for i in range(2):  # delayed scaling: non-trivial amax histories and scales
+        _step(m, seed=10 + i)
+    return m
+
+
+def _positional_state_dict(m):
+    """What ``state_dict()`` of a module gave before TE names: one entry per parameter and one
+    ``_extra_state`` per op, under positional keys (an old checkpoint)."""
+    sd = {}
+    for i, op in enumerate(m):
+        for n, p in op.named_parameters():
+            sd[f"{i}.{n}"] = p.detach().clone()
+        sd[f"{i}._extra_state"] = op.get_extra_state()
+    return sd
+
+
+def _save_load(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _assert_same_model(a, b):
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert na == nb and torch.equal(pa, pb), na
+    for op_a, op_b in zip(a, b, strict=True):
+        # Loaded recipe state is applied when the state is built (at the first forward).
+        op_a.ensure_recipe_state(DELAYED)
+        op_b.ensure_recipe_state(DELAYED)
+        sa, sb = op_a.get_extra_state(), op_b.get_extra_state()
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _assert_same_step(a, b):
+    for u, v in zip(_step(a, seed=5), _step(b, seed=5), strict=True):
+        assert torch.equal(u, v)
+
+
+# ---- quantizer roles of modules ---------------------------------------------------------------
+
+
+def _explained_roles(text):
+    return [m.group(1) for m in re.finditer(r"(?<![\w:])([a-z_]+:[a-z_]+(?::[a-z_0-9]+)?): ", text)]
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_module_roles_in_slot_order(case):
+    m = _build(case)
+    for fwd, buckets in ((True, FWD), (False, BWD)):
+        roles = m.get_quantizer_roles(fwd)
+        assert all(isinstance(r, QuantizerRole) for r in roles)
+        want = [f"{b}:{scope}" for scope in CASES[case][2] for b in buckets]
+        assert [r.qualified for r in roles] == want
+        assert roles == [r for op in m for r in op.get_quantizer_roles(fwd)]
+        assert m.num_quantizers(fwd) == len(want)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "mxfp8", "custom"])
+@pytest.mark.parametrize("case", NAMES)
+def test_module_roles_agree_with_explain(case, recipe_name):
+    m = _build(case)
+    with fusible.autocast(recipe=RECIPES[recipe_name]):
+        text = m.explain()
+    listed = collections.Counter(_explained_roles(text))
+    want = [r.qualified for fwd in (True, False) for r in m.get_quantizer_roles(fwd)]
+    assert listed == collections.Counter(want)
+    assert sum(listed.values()) == m.num_quantizers(True) + m.num_quantizers(False)
+
+
+def test_modules_in_a_container_keep_their_roles():
+    a, b = fusible.LayerNormLinear(H, F, name="qkv"), fusible.LayerNormMLP(F, H)
+    model = ops.Sequential(a, b)
+    for fwd in (True, False):
+        assert model.get_quantizer_roles(fwd) == a.get_quantizer_roles(fwd) + b.get_quantizer_roles(
+            fwd
+        )
+        assert model.num_quantizers(fwd) == a.num_quantizers(fwd) + b.num_quantizers(fwd)
+
+
+# ---- reset_parameters and meta-device construction --------------------------------------------
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_meta_device_then_to_empty_and_reset_parameters(case):
+    ref = _build(case, seed=3)
+    m = _build(case, seed=3, device="meta")
+    assert all(p.is_meta for p in m.parameters())
+    m.to_empty(device="cpu")
+    m.reset_parameters()
+    params, ref_params = dict(m.named_parameters()), dict(ref.named_parameters())
+    assert params.keys() == ref_params.keys()
+    for n, p in params.items():
+        assert p.device.type == "cpu" and torch.equal(p, ref_params[n]), n
+    # The initial values themselves: norm gamma 1 (weight 0 when zero-centred), biases 0,
+    # Linear weights kaiming-uniform as torch.nn.Linear's.
+    zc = "zc" in case
+    for op in m:
+        if isinstance(op, (ops.LayerNorm, ops.RMSNorm)):
+            assert torch.equal(op.weight, torch.full((op.normalized_shape,), 0.0 if zc else 1.0))
+            if isinstance(op, ops.LayerNorm):
+                assert torch.equal(op.bias, torch.zeros(op.normalized_shape))
+        elif isinstance(op, ops.Bias):
+            assert torch.equal(op.bias, torch.zeros(op.features))
+    _assert_same_step(m, ref)
+    torch.manual_seed(4)
+    m.reset_parameters()
+    linears = [op for op in m if isinstance(op, ops.BasicLinear)]
+    torch.manual_seed(4)
+    for op in linears:  # the same draws, in op order
+        want = torch.empty(op.out_features, op.in_features)
+        torch.nn.init.kaiming_uniform_(want, a=math.sqrt(5))  # torch.nn.Linear's weight init
+        assert torch.equal(op.weight, want)
+        assert op.weight.abs().max() <= 1 / math.sqrt(op.in_features)
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_reset_parameters_reinitialises_a_trained_module(case):
+    m, fresh = _trained(case), _build(case, seed=6)
+    torch.manual_seed(6)
+    m.reset_parameters()
+    for (n, p), q in zip(m.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
+def _qdata_tensors(w):
+    from fusible.quantization.quantizers import qdata_tensors
+
+    return qdata_tensors(w.qdata)
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "mxfp8"])
+@pytest.mark.parametrize("case", ["linear", "layernorm_linear", "layernorm_mlp"])
+def test_meta_device_inside_quantized_model_init(case, recipe_name):
+    rec = RECIPES[recipe_name]
+    with fusible.quantized_model_init(rec):
+        ref = _build(case, seed=3)
+        m = _build(case, seed=3, device="meta")
+    m.to_empty(device="cpu")  # quantized from here on (uninitialised values)
+    torch.manual_seed(3)
+    m.reset_parameters()  # filled in: the same bits as built on the CPU from the same seed
+    for op, ref_op in zip(m, ref, strict=True):
+        if not isinstance(op, ops.BasicLinear):
+            for p, q in zip(op.parameters(), ref_op.parameters(), strict=True):
+                assert torch.equal(p, q)
+            continue
+        assert isinstance(op.weight, QuantizedTensor) and type(op.weight) is type(ref_op.weight)
+        got, want = _qdata_tensors(op.weight), _qdata_tensors(ref_op.weight)
+        assert got.keys() == want.keys()
+        for k in got:
+            assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+
+
+# ---- TransformerEngine state_dict names --------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_state_dict_has_te_names(case):
+    m = _trained(case)
+    sd = m.state_dict()
+    assert list(sd) == CASES[case][1]
+    for key in sd:
+        if key.endswith("_extra_state"):
+            continue
+        attr = getattr(m, key)  # every TE name is also an attribute of the module
+        assert isinstance(attr, torch.nn.Parameter) and torch.equal(sd[key], attr)
+        assert m.state_dict(keep_vars=True)[key] is attr
+    # The recipe state of each Linear (delayed scaling: amax history and scale).
+    linears = [op for op in m if isinstance(op, ops.BasicLinear)]
+    extras = [k for k in sd if k.endswith("_extra_state")]
+    assert len(extras) == len(linears)
+    for key, op in zip(extras, linears, strict=True):
+        assert sd[key].keys() == op.get_extra_state().keys()
+        assert sd[key]["forward.amax_history"].abs().sum() > 0
+    # Under a prefix (a module inside a user model).
+    parent = torch.nn.Module()
+    parent.block = m
+    assert list(parent.state_dict()) == [f"block.{k}" for k in CASES[case][1]]
+
+
+def test_te_names_are_the_modules_attributes():
+    m = fusible.LayerNormMLP(H, F)
+    assert m.layer_norm_weight is m[0].weight and m.layer_norm_bias is m[0].bias
+    assert m.fc1_weight is m.fc1.weight and m.fc2_weight is m.fc2.weight
+    assert m.fc1_bias is m[2].bias and m.fc2_bias is m[5].bias
+    bare = fusible.LayerNormMLP(H, F, bias=False, normalization="RMSNorm")
+    assert bare.layer_norm_bias is None and bare.fc1_bias is None and bare.fc2_bias is None
+    lnl = fusible.LayerNormLinear(H, F, normalization="RMSNorm")
+    assert lnl.layer_norm_bias is None and lnl.weight is lnl[1].weight and lnl.bias is lnl[2].bias
+    lin = fusible.Linear(H, F)
+    assert lin.weight is lin[0].weight and lin.bias is lin[1].bias
+
+
+@pytest.mark.parametrize("spelling", ["te", "positional"])
+@pytest.mark.parametrize("case", NAMES)
+def test_load_te_or_positional_names_strict(case, spelling):
+    src = _trained(case)
+    sd = src.state_dict() if spelling == "te" else _positional_state_dict(src)
+    sd = _save_load(sd)  # plain tensors: torch.load(weights_only=True)
+    dst = _build(case, seed=9)
+    result = dst.load_state_dict(sd, strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    _assert_same_model(dst, src)
+    _assert_same_step(dst, src)
+    # And back: what it saves now is the TE checkpoint of the source.
+    again = dst.state_dict()
+    assert list(again) == CASES[case][1]
+    want = src.state_dict()
+    for k in want:
+        if isinstance(want[k], torch.Tensor):
+            assert torch.equal(again[k], want[k]), k
+        else:
+            assert want[k].keys() == again[k].keys()
+            assert all(torch.equal(want[k][f], again[k][f]) for f in want[k]), k
+
+
+def test_checkpoint_round_trip_both_ways():
+    """Old positional checkpoint -> module -> TE checkpoint -> another module -> TE again."""
+    src = _trained("layernorm_mlp")
+    a = _build("layernorm_mlp", seed=1)
+    a.load_state_dict(_positional_state_dict(src))
+    # (Loaded recipe state waits until the state is built, at the first forward under a
+    # recipe; get_extra_state() before that returns {}: build it, as a forward would.)
+    for op in a:
+        op.ensure_recipe_state(DELAYED)
+    b = _build("layernorm_mlp", seed=2)
+    b.load_state_dict(_save_load(a.state_dict()))
+    _assert_same_model(b, src)
+    # A hand-built ops.Sequential of the same ops keeps positional names and loads the module's
+    # parameters by their positional names (named_parameters() stays positional).
+    seq = ops.Sequential(ops.LayerNorm(H), ops.Linear(H, F), ops.GELU(), ops.Linear(F, H))
+    assert "1.weight" in seq.state_dict()
+    seq.load_state_dict(dict(b.named_parameters()), strict=True)
+    assert torch.equal(seq[1].weight, src.fc1.weight)
+
+
+def test_missing_and_unexpected_keys_are_reported_by_te_name():
+    src = fusible.LayerNormMLP(H, F)
+    sd = src.state_dict()
+    del sd["fc1_weight"], sd["layer_norm_bias"]
+    sd["fc3_weight"] = torch.zeros(1)
+    dst = fusible.LayerNormMLP(H, F)
+    result = dst.load_state_dict(sd, strict=False)
+    assert sorted(result.missing_keys) == ["fc1_weight", "layer_norm_bias"]
+    assert result.unexpected_keys == ["fc3_weight"]
+    with pytest.raises(RuntimeError) as err:
+        dst.load_state_dict(sd, strict=True)
+    msg = str(err.value)
+    assert '"fc1_weight"' in msg and '"layer_norm_bias"' in msg and '"fc3_weight"' in msg
+    assert "1.weight" not in msg and "0.bias" not in msg
+    # A size mismatch names the TE key too.
+    bad = {**src.state_dict(), "fc2_weight": torch.zeros(3, 3)}
+    with pytest.raises(RuntimeError, match="size mismatch for fc2_weight:"):
+        dst.load_state_dict(bad)
+    # Also under a prefix, and for a positional checkpoint (the module's names are TE's).
+    parent = torch.nn.Module()
+    parent.mlp = fusible.LayerNormMLP(H, F)
+    pos = {f"mlp.{k}": v for k, v in _positional_state_dict(src).items() if k != "4.weight"}
+    result = parent.load_state_dict(pos, strict=False)
+    assert result.missing_keys == ["mlp.fc2_weight"] and result.unexpected_keys == []
+    # A key that the module does not have under either spelling stays as given.
+    result = dst.load_state_dict({**src.state_dict(), "7.weight": torch.zeros(1)}, strict=False)
+    assert result.unexpected_keys == ["7.weight"]
+
+
+def test_both_spellings_of_one_key_raise():
+    src = fusible.Linear(H, F)
+    sd = {**src.state_dict(), "0.weight": torch.zeros(F, H)}
+    with pytest.raises(
+        RuntimeError, match=r"both 'weight' and its positional spelling '0\.weight'"
+    ):
+        fusible.Linear(H, F).load_state_dict(sd)
+
+
+def test_bias_mismatch_is_reported():
+    sd = fusible.Linear(H, F).state_dict()
+    result = fusible.Linear(H, F, bias=False).load_state_dict(sd, strict=False)
+    assert result.unexpected_keys == ["bias"] and result.missing_keys == []
+    result = fusible.Linear(H, F).load_state_dict(
+        fusible.Linear(H, F, bias=False).state_dict(), strict=False
+    )
+    assert result.missing_keys == ["bias"]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_keep_te_names(how):
+    m = _trained("layernorm_mlp")
+    if how == "deepcopy":
+        twin = copy.deepcopy(m)
+    else:
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    assert list(twin.state_dict()) == CASES["layernorm_mlp"][1]
+    twin.load_state_dict(m.state_dict(), strict=True)
+    _assert_same_model(twin, m)
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "mxfp8"])
+@pytest.mark.parametrize("spelling", ["te", "positional"])
+def test_quantized_weights_save_and_load_exactly(recipe_name, spelling):
+    rec = RECIPES[recipe_name]
+    with fusible.quantized_model_init(rec):
+        src = _build("layernorm_mlp", seed=0)
+        dst = _build("layernorm_mlp", seed=5)
+    sd = src.state_dict()
+    assert list(sd) == CASES["layernorm_mlp"][1]
+    for name, op in (("fc1", src.fc1), ("fc2", src.fc2)):
+        # The dequantized weight (a plain tensor) and the exact quantized data in the extra state.
+        assert type(sd[f"{name}_weight"]) is torch.Tensor
+        assert torch.equal(sd[f"{name}_weight"], op.weight.dequantize())
+        assert any(k.startswith("weight.") for k in sd[f"{name}._extra_state"])
+    if spelling == "positional":
+        pos = _positional_state_dict(src)
+        for i, op in enumerate(src):
+            if isinstance(op, ops.BasicLinear):
+                pos[f"{i}.weight"] = op.weight.dequantize()
+        sd = pos
+    dst.load_state_dict(_save_load(sd), strict=True)
+    for a, b in ((src.fc1, dst.fc1), (src.fc2, dst.fc2)):
+        assert isinstance(b.weight, QuantizedTensor)
+        got, want = _qdata_tensors(b.weight), _qdata_tensors(a.weight)
+        for k in want:
+            assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+
+
+def test_fsdp_style_materialisation():
+    """FSDP materialises a meta model by calling reset_parameters() on each module that holds
+    parameters of its own (the ops, never a container): the same model as reset_parameters()
+    on the top module, and as one built on the CPU."""
+    ref = _build("layernorm_mlp", seed=3)
+    m = _build("layernorm_mlp", seed=3, device="meta")
+    m.to_empty(device="cpu")
+    torch.manual_seed(3)
+    for sub in m.modules():
+        if any(True for _ in sub.parameters(recurse=False)):
+            sub.reset_parameters()
+    for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_distributed_checkpoint_state_dict_helpers(case):
+    """torch.distributed.checkpoint's model state-dict helpers map state_dict keys to attribute
+    paths; the TE names are attributes, so they work (no process group needed on CPU)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    src, dst = _trained(case), _build(case, seed=9)
+    sd = get_model_state_dict(src)
+    assert list(sd) == CASES[case][1]
+    result = set_model_state_dict(dst, sd)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    _assert_same_model(dst, src)
