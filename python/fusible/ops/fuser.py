@@ -410,12 +410,14 @@ class _PlanFunction(torch.autograd.Function):
                 c.workspace = unflatten_workspace(list(args[pos : pos + n]), slot.meta)
                 pos += n
             c.cache_weight = mode == 2
-        direct = K.plain_eager((x, args))
-        K.DIRECT[0] = direct
-        try:
+        if torch.compiler.is_compiling():  # traced: no module state may change
             y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
-        finally:
-            K.DIRECT[0] = False
+        else:
+            K.DIRECT[0] = K.plain_eager((x, args))
+            try:
+                y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
+            finally:
+                K.DIRECT[0] = False
         if not isinstance(y, torch.Tensor):
             y = y.dequantize()
         elif not torch.compiler.is_compiling() and y._base is not None:
@@ -451,11 +453,14 @@ class _PlanFunction(torch.autograd.Function):
             pos += n
         if dy is not None and not dy.is_contiguous():
             dy = dy.contiguous()  # e.g. the expanded gradient of a sum(): kernels read rows
-        K.DIRECT[0] = K.plain_eager((dy, ctx.saved_tensors, out_grads))
-        try:
+        if not fast:
             dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
-        finally:
-            K.DIRECT[0] = False
+        else:
+            K.DIRECT[0] = K.plain_eager((dy, ctx.saved_tensors, out_grads))
+            try:
+                dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
+            finally:
+                K.DIRECT[0] = False
         if plan.backward_states:
             _autocast.end_backward_pass(plan.backward_states)
         dx = _dequantize_if_needed(dx) if dx is not None and ctx.needs_input_grad[2] else None
