@@ -441,7 +441,8 @@ class _PlanFunction(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor | None, *out_grads: torch.Tensor | None) -> Any:  # type: ignore[override]
         plan, layout, attrs = ctx.fusible
         fast = not torch.compiler.is_compiling()
-        saved_lists = _unpack(layout, ctx.saved_tensors, fast)
+        saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor once
+        saved_lists = _unpack(layout, saved, fast)
         ctxs = [
             OpContext(f[0], f[1], s, a)
             for f, s, a in zip(plan.flags, saved_lists, attrs, strict=True)
@@ -456,7 +457,7 @@ class _PlanFunction(torch.autograd.Function):
         if not fast:
             dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
         else:
-            K.DIRECT[0] = K.plain_eager((dy, ctx.saved_tensors, out_grads))
+            K.DIRECT[0] = K.plain_eager((dy, saved, out_grads))
             try:
                 dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
             finally:
