@@ -435,6 +435,7 @@ class Float8Quantizer(Quantizer):
             raise ValueError(f"Float8Quantizer: 'slot' must be an int in [0, {n}), got {slot!r}")
         self.buffers = buffers
         self.slot = slot
+        self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def standalone(
@@ -457,7 +458,7 @@ class Float8Quantizer(Quantizer):
     def scale(self) -> torch.Tensor:
         """This slot's current scale, a float32 ``(1,)`` view into the state's buffer (inside a
         checkpoint recomputation: the copy its forward used, see :class:`ScaleLog`)."""
-        live = self.buffers.scale[self.slot : self.slot + 1]
+        live = self._slot_view("scale")
         if not _log_stack:
             return live
         key = (id(self.buffers), self.slot)
@@ -486,10 +487,26 @@ class Float8Quantizer(Quantizer):
         """Fold ``amax`` (float32, one element) into this step's running max,
         ``amax_history[0, slot]`` -- for casts done by fused kernels with :attr:`scale`. A
         checkpoint recomputation records nothing (its forward did)."""
-        if replaying_scales():
+        if _log_stack and replaying_scales():
             return
-        seen = self.buffers.amax_history[0, self.slot : self.slot + 1]
-        seen.copy_(torch.maximum(seen, amax.reshape(1).to(seen)))
+        seen = self._slot_view("amax_history")
+        if amax.dtype == torch.float32 and amax.shape == (1,) and amax.device == seen.device:
+            torch.maximum(seen, amax, out=seen)
+        else:
+            seen.copy_(torch.maximum(seen, amax.reshape(1).to(seen)))
+
+    def _slot_view(self, name: str) -> torch.Tensor:
+        """This slot's ``(1,)`` view of ``buffers.scale`` / of this step's row of
+        ``buffers.amax_history``, made once per buffer tensor (the buffers are read at every
+        call: a moved or reloaded state has new tensors, and new views)."""
+        buf = getattr(self.buffers, name)
+        cached = self._views.get(name)
+        if cached is not None and cached[0] is buf:
+            return cached[1]
+        row = buf if name == "scale" else buf[0]
+        view = row[self.slot : self.slot + 1]
+        self._views[name] = (buf, view)
+        return view
 
     def _repr_extra(self) -> str:
         return f", slot={self.slot}"

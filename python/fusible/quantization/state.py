@@ -377,11 +377,14 @@ def update_delayed_scaling(states: Sequence[RecipeState], group: Any = None) -> 
     for d in flat:
         key = (d.amax_history.device, d.recipe.amax_compute_algo, d.recipe.margin)
         batches.setdefault(key, []).append(d)
-    for (_, algo, margin), ds in batches.items():
-        _kernels.delayed_scaling_update(
-            [d.amax_history for d in ds], [d.scale for d in ds], [d.fp8_max for d in ds],
-            algo, margin,
-        )  # fmt: skip
+    # No gradient flows through the update: without grad mode it calls the core library
+    # directly (see _kernels._FusibleOp) rather than through the custom-op dispatch.
+    with torch.no_grad():
+        for (_, algo, margin), ds in batches.items():
+            _kernels.delayed_scaling_update(
+                [d.amax_history for d in ds], [d.scale for d in ds], [d.fp8_max for d in ds],
+                algo, margin,
+            )  # fmt: skip
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
