@@ -1,0 +1,80 @@
+"""Bytes autograd keeps for backward, per recipe: the MLP block LayerNorm(H) -> Linear(H, F) ->
+GELU -> Linear(F, H) (bf16) at T tokens, counted with ``torch.autograd.graph.saved_tensors_hooks``
+(each distinct storage once, parameters and their quantized data excluded). A memory measurement,
+not a timing: it runs on CPU (the same ops save the same tensors on CUDA).
+
+    python benchmarks/saved_memory.py [--tokens 4096] [--hidden 256] [--ffn 1024] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+import fusible
+from fusible import ops, recipe
+from fusible.quantization.quantizers import QuantizedTensor, qdata_tensors
+
+RECIPES: dict[str, Any] = {
+    "bf16 (no recipe)": None,
+    "delayed": recipe.DelayedScaling(),
+    "current": recipe.Float8CurrentScaling(),
+    "mxfp8": recipe.MXFP8BlockScaling(),
+}
+
+
+def param_storages(model: torch.nn.Module) -> set[int]:
+    """Storage addresses of the parameters (a quantized weight: the tensors it holds)."""
+    out = set()
+    for p in model.parameters():
+        ts = list(qdata_tensors(p.qdata).values()) if isinstance(p, QuantizedTensor) else [p]
+        out.update(t.untyped_storage().data_ptr() for t in ts)
+    return out
+
+
+def saved_bytes(model: torch.nn.Module, x: torch.Tensor, rec: Any, **kw: Any) -> int:
+    """Bytes of the distinct non-parameter storages saved for backward by one forward."""
+    seen: dict[int, int] = {}
+    params = param_storages(model)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fusible.autocast(enabled=rec is not None, recipe=rec):
+            y = model(x, **kw)
+    y.float().sum().backward()
+    return sum(seen.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=1024)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    h, f, dev = args.hidden, args.ffn, args.device
+    kw: dict[str, Any] = {"device": dev, "dtype": torch.bfloat16}
+    torch.manual_seed(0)
+    model = ops.Sequential(
+        ops.LayerNorm(h, **kw), ops.Linear(h, f, **kw), ops.GELU(), ops.Linear(f, h, **kw)
+    )
+    x = torch.randn(args.tokens, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    base = None
+    print(f"saved for backward: LayerNorm({h}) -> Linear({h}, {f}) -> GELU -> Linear({f}, {h}), "
+          f"bf16, {args.tokens} tokens, {dev}")  # fmt: skip
+    print(f"{'recipe':<18} {'MiB':>8} {'vs bf16':>8}")
+    for name, rec in RECIPES.items():
+        n = saved_bytes(model, x, rec)
+        base = n if base is None else base
+        print(f"{name:<18} {n / 2**20:>8.2f} {n / base:>7.3f}x")
+
+
+if __name__ == "__main__":
+    main()
