@@ -123,6 +123,12 @@ CASES: dict[str, tuple[Any, int, Any]] = {
         lambda: ops.Sequential(ops.GELU(approximate="none"), ops.BasicLinear(F, H, dtype=DT)),
         F, lambda r: act_bytes(T, F) + linear_bytes(r, T, F, H),
     ),
+    "fusible.Linear": (lambda: fusible.Linear(H, F, dtype=DT), H,
+                       lambda r: linear_bytes(r, T, H, F)),
+    "fusible.LayerNormLinear": (
+        lambda: fusible.LayerNormLinear(H, F, dtype=DT), H,
+        lambda r: norm_bytes(T, H, True) + linear_bytes(r, T, H, F),
+    ),
     "LayerNormMLP": (
         lambda: fusible.LayerNormMLP(H, F, dtype=DT), H,
         lambda r: norm_bytes(T, H, True) + linear_bytes(r, T, H, F) + act_bytes(T, F)
