@@ -206,6 +206,27 @@ def test_frozen_weight_hand_off_makes_no_columnwise_copy(recipe_name, monkeypatc
     assert calls and not any(calls)
 
 
+@pytest.mark.parametrize("recipe_name", ["delayed", "mxfp8"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_backward_hand_off_usage_follows_wgrad(recipe_name, frozen, monkeypatch):
+    """The activation backward writing the preceding Linear's quantized output gradient makes
+    the columnwise copy (wgrad's operand) only when that Linear's weight trains."""
+    rec = RECIPES[recipe_name]
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(H, F, dtype=DT), ops.GELU(), ops.Linear(F, H, dtype=DT))
+    model[0].weight.requires_grad_(not frozen)
+    calls: list[bool] = []
+    real = K.act_bwd
+
+    def spy(*args: Any) -> Any:
+        calls.append(bool(args[-2]))  # the columnwise flag
+        return real(*args)
+
+    monkeypatch.setattr(K, "act_bwd", spy)
+    saved_bytes(model, _input(H), rec)
+    assert calls == [not frozen]
+
+
 @pytest.mark.parametrize("recipe_name", ["delayed", "current", "mxfp8"])
 def test_cached_weight_is_saved_by_reference(recipe_name):
     """With the weight workspace cache, dgrad's copy is the cached one (saved by reference: the
