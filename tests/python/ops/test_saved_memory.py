@@ -227,6 +227,27 @@ def test_backward_hand_off_usage_follows_wgrad(recipe_name, frozen, monkeypatch)
     assert calls == [not frozen]
 
 
+@pytest.mark.parametrize("kernel", ["quantize_fp8", "quantize_fp8_current", "quantize_mxfp8"])
+def test_inference_mode_makes_no_backward_copies(kernel, monkeypatch):
+    """Under ``torch.inference_mode`` a Linear quantizes its input and weight rowwise only
+    (no transposed / columnwise copy: no backward can follow)."""
+    name = {"quantize_fp8": "delayed", "quantize_fp8_current": "current"}.get(kernel, "mxfp8")
+    rec = RECIPES[name]
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.BasicLinear(H, F, dtype=DT))
+    calls: list[bool] = []
+    real = getattr(K, kernel)
+
+    def spy(*args: Any) -> Any:
+        calls.append(bool(args[-1]))  # the columnwise flag
+        return real(*args)
+
+    monkeypatch.setattr(K, kernel, spy)
+    with torch.inference_mode(), fusible.autocast(recipe=rec):
+        model(_input(H, requires_grad=False))
+    assert len(calls) == 2 and not any(calls)  # input and weight
+
+
 @pytest.mark.parametrize("recipe_name", ["delayed", "current", "mxfp8"])
 def test_cached_weight_is_saved_by_reference(recipe_name):
     """With the weight workspace cache, dgrad's copy is the cached one (saved by reference: the

@@ -154,11 +154,12 @@ class BasicLinear(BasicOperation):
     def input_quantizer(self) -> Quantizer | None:
         """The input quantizer offered to the previous op (which may write this op's input
         quantized, the hand-off), with the usage this op reads: the rowwise copy (fprop), and
-        the columnwise copy only when a weight gradient can be needed (wgrad): not for a frozen
-        weight, not under ``torch.inference_mode``. Without wgrad it is a rowwise-only twin of
-        the slot's quantizer (same scaling state, see :meth:`reset_recipe_state`): the
-        quantizers are never mutated while a plan runs (``torch.compile`` traces that)."""
-        return self._with_usage(True, "input", self._wgrad_possible())
+        the columnwise copy only when the weight trains (wgrad). For a frozen weight it is a
+        rowwise-only twin of the slot's quantizer (same scaling state, see
+        :meth:`reset_recipe_state`): quantizers are never mutated while a plan runs
+        (``torch.compile`` traces that). The choice depends only on ``weight.requires_grad``,
+        which is part of the plan key, so a plan may resolve it once."""
+        return self._with_usage(True, "input", bool(self.weight.requires_grad))
 
     def grad_output_quantizer(self) -> Quantizer | None:
         """The grad-output quantizer offered to the next op's backward (which may write this op's
@@ -172,9 +173,6 @@ class BasicLinear(BasicOperation):
             return q
         twin = getattr(self, "_rowwise_twins", {}).get(bucket)
         return twin[1] if twin is not None and twin[0] is q else q
-
-    def _wgrad_possible(self) -> bool:
-        return bool(self.weight.requires_grad) and not _inference()
 
     def reset_recipe_state(self, recipe: Any | None) -> None:
         """Build the recipe states (see :class:`BasicOperation`), and a rowwise-only twin of the
