@@ -166,25 +166,29 @@ def test_saves_exactly_what_backward_reads(case, recipe_name):
 
 
 @pytest.mark.parametrize("recipe_name", SAVED_RECIPES)
-@pytest.mark.parametrize("frozen", ["weight", "input", "both"])
-def test_linear_saves_nothing_for_a_gradient_not_needed(recipe_name, frozen):
-    """A frozen weight: no input copy for wgrad; an input without gradient: no weight copy for
-    dgrad; both: nothing."""
+@pytest.mark.parametrize("case", ["frozen weight", "no input grad", "frozen prefix", "frozen"])
+def test_saves_nothing_for_a_gradient_not_needed(recipe_name, case):
+    """LayerNorm -> Linear -> GELU. A frozen Linear weight: no input copy for wgrad. An input
+    without gradient: no weight copy for dgrad. A frozen norm on such an input ("frozen
+    prefix"): the norm saves nothing either (its backward does not run). Everything frozen:
+    nothing is saved."""
     rec = RECIPES[recipe_name]
     torch.manual_seed(0)
-    model = ops.Sequential(ops.LayerNorm(H, dtype=DT), ops.BasicLinear(H, F, dtype=DT))
-    wgrad, dgrad = frozen == "input", frozen == "weight"
-    model[1].weight.requires_grad_(wgrad)
+    model = ops.Sequential(
+        ops.LayerNorm(H, dtype=DT), ops.BasicLinear(H, F, dtype=DT), ops.GELU(approximate="none")
+    )
+    x_grad = case == "frozen weight"
+    norm_trains = case in ("frozen weight", "no input grad")
+    wgrad = case != "frozen weight" and case != "frozen"
     for p in model[0].parameters():
-        p.requires_grad_(frozen != "both")
-    x = _input(H, requires_grad=frozen != "both")
-    if frozen == "input":
-        model = ops.Sequential(ops.BasicLinear(H, F, dtype=DT))
-        x = _input(H, requires_grad=False)
-    norm = norm_bytes(T, H, True) if frozen != "input" and frozen != "both" else 0
-    expected = norm + linear_bytes(recipe_name, T, H, F, wgrad=wgrad, dgrad=dgrad)
-    n = saved_bytes(model, x, rec, backward=frozen != "both")
-    assert n == expected
+        p.requires_grad_(norm_trains)
+    model[1].weight.requires_grad_(wgrad)
+    dgrad = x_grad or norm_trains
+    expected = norm_bytes(T, H, True) if x_grad or norm_trains else 0
+    expected += linear_bytes(recipe_name, T, H, F, wgrad=wgrad, dgrad=dgrad)
+    expected += act_bytes(T, F) if case != "frozen" else 0
+    x = _input(H, requires_grad=x_grad)
+    assert saved_bytes(model, x, rec, backward=case != "frozen") == expected
 
 
 @pytest.mark.parametrize("recipe_name", SAVED_RECIPES)

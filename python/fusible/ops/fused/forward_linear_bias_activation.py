@@ -49,8 +49,8 @@ class ForwardLinearBiasActivation(FusedOperation):
         linear.save_operands(ctxs[0], xq, wq, out_dtype, w.dtype)
         ctxs[1].attrs["dtype"] = b.dtype
         y = y.view(*lead, n)
-        if gelu:
-            ctxs[2].saved = [aux.view(*lead, n)]  # GELU backward needs the pre-activation
+        if gelu:  # GELU backward reads the pre-activation (when a gradient reaches it)
+            ctxs[2].saved = [aux.view(*lead, n) if ctxs[2].input_requires_grad else None]
         if next_input_quantizer is not None:
             # The GEMM epilogue cannot cast for the next op here; one cast kernel does.
             return C.handoff(next_input_quantizer, y), [[] for _ in self.ops]
