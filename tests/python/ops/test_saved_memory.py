@@ -123,6 +123,7 @@ CASES: dict[str, tuple[Any, int, Any]] = {
         lambda: ops.Sequential(ops.GELU(approximate="none"), ops.BasicLinear(F, H, dtype=DT)),
         F, lambda r: act_bytes(T, F) + linear_bytes(r, T, F, H),
     ),
+    "Dropout": (lambda: ops.Sequential(ops.Dropout(0.25)), H, lambda r: T * H),  # bool mask
     "fusible.Linear": (lambda: fusible.Linear(H, F, dtype=DT), H,
                        lambda r: linear_bytes(r, T, H, F)),
     "fusible.LayerNormLinear": (
