@@ -4,6 +4,7 @@ GELU -> Linear(F, H) (bf16) at T tokens, counted with ``torch.autograd.graph.sav
 not a timing: it runs on CPU (the same ops save the same tensors on CUDA).
 
     python benchmarks/saved_memory.py [--tokens 4096] [--hidden 256] [--ffn 1024] [--device cpu]
+                                      [--out DIR]   (writes saved_memory_<gpu|cpu>.json there)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 import fusible
+from _common import environment, print_table, write_json
 from fusible import ops, recipe
 from fusible.quantization.quantizers import QuantizedTensor, qdata_tensors
 
@@ -58,6 +60,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--ffn", type=int, default=1024)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     h, f, dev = args.hidden, args.ffn, args.device
     kw: dict[str, Any] = {"device": dev, "dtype": torch.bfloat16}
@@ -66,14 +69,18 @@ def main() -> None:
         ops.LayerNorm(h, **kw), ops.Linear(h, f, **kw), ops.GELU(), ops.Linear(f, h, **kw)
     )
     x = torch.randn(args.tokens, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    base = None
     print(f"saved for backward: LayerNorm({h}) -> Linear({h}, {f}) -> GELU -> Linear({f}, {h}), "
           f"bf16, {args.tokens} tokens, {dev}")  # fmt: skip
-    print(f"{'recipe':<18} {'MiB':>8} {'vs bf16':>8}")
+    rows: list[dict[str, Any]] = []
     for name, rec in RECIPES.items():
         n = saved_bytes(model, x, rec)
-        base = n if base is None else base
-        print(f"{name:<18} {n / 2**20:>8.2f} {n / base:>7.3f}x")
+        rows.append({"recipe": name, "bytes": n, "MiB": n / 2**20, "vs bf16": n / rows[0]["bytes"]
+                     if rows else 1.0})  # fmt: skip
+    print_table(rows, ["recipe", "bytes", "MiB", "vs bf16"])
+    if args.out:
+        shape = {"tokens": args.tokens, "hidden": h, "ffn": f, "device": dev}
+        payload = {"env": environment(), "shape": shape, "rows": rows}
+        print(f"wrote {write_json('saved_memory', payload, args.out)}")
 
 
 if __name__ == "__main__":
