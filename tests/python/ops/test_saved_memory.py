@@ -253,6 +253,29 @@ def test_inference_mode_makes_no_backward_copies(kernel, monkeypatch):
     assert len(calls) == 2 and not any(calls)  # input and weight
 
 
+@pytest.mark.xfail(
+    reason="torch.no_grad is invisible inside the plan's autograd function (its forward always "
+    "runs with grad disabled): the fuser must pass torch.is_grad_enabled() in and fold it into "
+    "OpContext.params_requires_grad / input_requires_grad (nothing is saved, but the copies are "
+    "made)",
+    strict=False,
+)
+def test_no_grad_makes_no_backward_copies(monkeypatch):
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.BasicLinear(H, F, dtype=DT))
+    calls: list[bool] = []
+    real = K.quantize_fp8_current
+
+    def spy(*args: Any) -> Any:
+        calls.append(bool(args[-1]))  # the columnwise flag
+        return real(*args)
+
+    monkeypatch.setattr(K, "quantize_fp8_current", spy)
+    with torch.no_grad(), fusible.autocast(recipe=RECIPES["current"]):
+        model(_input(H))
+    assert len(calls) == 2 and not any(calls)
+
+
 @pytest.mark.parametrize("recipe_name", ["delayed", "current", "mxfp8"])
 def test_cached_weight_is_saved_by_reference(recipe_name):
     """With the weight workspace cache, dgrad's copy is the cached one (saved by reference: the
