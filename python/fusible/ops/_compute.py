@@ -29,6 +29,7 @@ __all__ = [
     "gemm_wgrad",
     "handoff",
     "hp_dtype",
+    "keep_columnwise",
     "quantize",
     "wrap_quantized",
 ]
@@ -192,6 +193,21 @@ def ensure_fp8_copy(x: Any, which: str) -> Any:
         return replace(x, data_t=_byte_transpose(as_2d(x.data)))
     assert x.data_t is not None
     return replace(x, data=_byte_transpose(x.data_t).reshape(x.shape))
+
+
+def keep_columnwise(x: Any) -> Any:
+    """``x`` as a backward GEMM reads it: only the copy laid out along the tokens (wgrad's
+    input) or along the output features (dgrad's weight) -- the per-tensor transposed copy
+    ``data_t`` or the MXFP8 columnwise copy -- with the rowwise copy, which only the forward
+    GEMM reads, left out (it is freed once forward is done with it, as nothing else holds it).
+    The kept tensors are shared, not copied (a cached weight workspace stays the one storage).
+    Containers without that copy (a stored FP8 weight keeps its rowwise copy only; backward
+    transposes it, see :func:`ensure_fp8_copy`) and high-precision tensors are returned as is."""
+    if isinstance(x, Float8Data) and x.data is not None and x.data_t is not None:
+        return replace(x, data=None)
+    if isinstance(x, MXFP8Data) and x.data is not None and x.col_data is not None:
+        return replace(x, data=None, scale=None)
+    return x
 
 
 def _byte_transpose(m: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ class _Activation(BasicOperation):
                 f"{type(self).__name__}: input feature size must be even (gate and linear halves), "
                 f"got {x.shape[-1]}"
             )
-        ctx.saved = [x]
+        ctx.saved = [x if ctx.input_requires_grad else None]  # backward runs only then
         return _act(x, self.kind, self.glu, next_input_quantizer), []
 
     def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from dataclasses import replace
@@ -19,6 +20,7 @@ from fusible.quantization.quantizers import (
     Float8CurrentScalingQuantizer,
     Float8Data,
     Float8Quantizer,
+    MXFP8Data,
     MXFP8Quantizer,
     QuantizedData,
     QuantizedTensor,
@@ -86,6 +88,7 @@ class BasicLinear(BasicOperation):
             torch.empty(out_features, in_features, device=device, dtype=dtype)
         )
         self.workspace_cache = WorkspaceCache()
+        self._rowwise_twins: dict[str, tuple[Quantizer, Quantizer]] = {}
         # The quantized_model_init recipe active at construction (None: high-precision weight).
         self.weight_init_recipe: Recipe | None = get_quantized_model_init_recipe()
         self.reset_parameters()
@@ -149,16 +152,46 @@ class BasicLinear(BasicOperation):
         return [QuantizerRole(b, self.scope, self.quantizer_name) for b in buckets]
 
     def input_quantizer(self) -> Quantizer | None:
-        return self.get_quantizer(True, "input")
+        """The input quantizer offered to the previous op (which may write this op's input
+        quantized, the hand-off), with the usage this op reads: the rowwise copy (fprop), and
+        the columnwise copy only when the weight trains (wgrad). For a frozen weight it is a
+        rowwise-only twin of the slot's quantizer (same scaling state, see
+        :meth:`reset_recipe_state`): quantizers are never mutated while a plan runs
+        (``torch.compile`` traces that). The choice depends only on ``weight.requires_grad``,
+        which is part of the plan key, so a plan may resolve it once."""
+        return self._with_usage(True, "input", bool(self.weight.requires_grad))
+
+    def grad_output_quantizer(self) -> Quantizer | None:
+        """The grad-output quantizer offered to the next op's backward (which may write this op's
+        output gradient quantized), with the usage this op's backward reads: the columnwise copy
+        only when wgrad runs."""
+        return self._with_usage(False, "grad_output", bool(self.weight.requires_grad))
+
+    def _with_usage(self, fwd: bool, bucket: str, columnwise: bool) -> Quantizer | None:
+        q = self.get_quantizer(fwd, bucket)
+        if q is None or columnwise:
+            return q
+        twin = getattr(self, "_rowwise_twins", {}).get(bucket)
+        return twin[1] if twin is not None and twin[0] is q else q
+
+    def reset_recipe_state(self, recipe: Any | None) -> None:
+        """Build the recipe states (see :class:`BasicOperation`), and a rowwise-only twin of the
+        input and grad-output quantizers (a shallow copy: a delayed-scaling twin reads and
+        records the same scaling buffers), offered to the neighbouring ops when this op's
+        backward reads no columnwise copy (frozen weight)."""
+        super().reset_recipe_state(recipe)
+        twins: dict[str, tuple[Quantizer, Quantizer]] = {}
+        for fwd, bucket in ((True, "input"), (False, "grad_output")):
+            q = self.get_quantizer(fwd, bucket)
+            if q is not None:
+                twins[bucket] = (q, copy.copy(q).set_usage(rowwise=True, columnwise=False))
+        self._rowwise_twins = twins
 
     def workspace_spec(self) -> tuple[torch.Tensor, Quantizer] | None:
         q = self.get_quantizer(True, "weight")
         if q is None or isinstance(self.weight, QuantizedTensor):
             return None  # a quantized weight is its own workspace
         return (self.weight, q)
-
-    def grad_output_quantizer(self) -> Quantizer | None:
-        return self.get_quantizer(False, "grad_output")
 
     def kernels(self, fwd: bool) -> list[str]:
         out = (
@@ -204,10 +237,14 @@ class BasicLinear(BasicOperation):
             )
 
     def quantize_operands(self, ctx: OpContext, x: Any, w: torch.Tensor) -> tuple[Any, Any]:
-        """The input and weight as the GEMMs need them (quantized when a recipe is active), and
-        what backward will need saved: the transposed copies (x^T for wgrad, W^T for dgrad)."""
-        need_wgrad = bool(ctx.params_requires_grad and ctx.params_requires_grad[0])
-        need_dgrad = ctx.input_requires_grad
+        """The input and weight as the GEMMs need them (quantized when a recipe is active), with
+        the copies backward will read (x^T for wgrad, W^T for dgrad) only when it will: no
+        columnwise copy of the input without a weight gradient, no transposed weight without
+        an input gradient (``torch.inference_mode``: neither). :meth:`save_operands` then keeps
+        those copies alone."""
+        grad = not _inference()
+        need_wgrad = grad and bool(ctx.params_requires_grad and ctx.params_requires_grad[0])
+        need_dgrad = grad and ctx.input_requires_grad
         qx, qw = self.get_quantizer(True, "input"), self.get_quantizer(True, "weight")
         if isinstance(qx, MXFP8Quantizer) or isinstance(qw, MXFP8Quantizer):
             # MXFP8 GEMMs scale 32-element blocks along K for fprop and along M / N for the
@@ -221,6 +258,8 @@ class BasicLinear(BasicOperation):
                 )
         ctx.attrs["need_wgrad"], ctx.attrs["need_dgrad"] = need_wgrad, need_dgrad
         xq: Any = x if qx is None else C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
+        if need_wgrad:
+            xq = _with_columnwise(xq, type(self).__name__)
         if isinstance(w, QuantizedTensor):
             if torch.compiler.is_compiling():
                 raise RuntimeError(_COMPILE_UNSUPPORTED.format(op=type(self).__name__))
@@ -245,10 +284,21 @@ class BasicLinear(BasicOperation):
         else:
             y, _ = C.gemm_fprop(xq, wq, out_dtype)
             y = y.view(*x.shape[:-1], self.out_features)
-        ctx.saved = [xq if ctx.attrs["need_wgrad"] else None,
-                     wq if ctx.attrs["need_dgrad"] else None]  # fmt: skip
-        ctx.attrs["dtype"], ctx.attrs["w_dtype"] = out_dtype, w.dtype
+        self.save_operands(ctx, xq, wq, out_dtype, w.dtype)
         return y, []
+
+    def save_operands(
+        self, ctx: OpContext, xq: Any, wq: Any, dtype: torch.dtype, w_dtype: torch.dtype
+    ) -> None:
+        """Put in ``ctx`` what :meth:`linear_backward` reads, and nothing else: for wgrad the
+        input's columnwise copy (per-tensor ``data_t``, MXFP8 ``col_data``; a high-precision
+        input as it is), for dgrad the weight's (a reference to the cached workspace's copy
+        when there is one; a stored FP8 weight as it is). The rowwise copies, which only the
+        forward GEMM reads, are not referenced, so they are freed after forward. Every unit
+        running this Linear's forward (fused or not) saves through here."""
+        ctx.saved = [C.keep_columnwise(xq) if ctx.attrs["need_wgrad"] else None,
+                     C.keep_columnwise(wq) if ctx.attrs["need_dgrad"] else None]  # fmt: skip
+        ctx.attrs["dtype"], ctx.attrs["w_dtype"] = dtype, w_dtype
 
     def linear_backward(
         self, ctx: OpContext, dy: Any, *, c: torch.Tensor | None = None
@@ -262,6 +312,8 @@ class BasicLinear(BasicOperation):
             dy = C.quantize(
                 qg, dy, rowwise=ctx.attrs["need_dgrad"], columnwise=ctx.attrs["need_wgrad"]
             )
+            if ctx.attrs["need_wgrad"]:
+                dy = _with_columnwise(dy, type(self).__name__)
         dx = dw = None
         if (
             isinstance(dy, torch.Tensor)
@@ -389,6 +441,26 @@ def _restore_exact(w: QuantizedTensor, value: torch.Tensor, extra: Any) -> None:
         exact.dequantize(value.dtype), value.to(exact.device)
     ):
         w.load_qdata_(exact)
+
+
+def _inference() -> bool:
+    """Whether ``torch.inference_mode`` is on (no backward can follow). ``torch.no_grad`` cannot
+    be seen here: the autograd function's forward always runs with grad disabled. Under
+    ``torch.compile`` (which cannot trace the query) this says False."""
+    return not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
+
+
+def _with_columnwise(xq: Any, op: str) -> Any:
+    """``xq`` with the columnwise copy wgrad reads. A hand-off (a value the neighbouring op
+    quantized with this op's quantizer) carries the copies the quantizer's usage asked for; if
+    that lacked the columnwise copy, a per-tensor one is made by an exact byte transpose; an
+    MXFP8 columnwise copy cannot be made without the high-precision values."""
+    if isinstance(xq, MXFP8Data) and xq.col_data is None:
+        raise RuntimeError(
+            f"{op}: the MXFP8 input or gradient handed over has no columnwise copy, which the "
+            "weight gradient needs (the quantizer's usage said columnwise=False)"
+        )
+    return C.ensure_fp8_copy(xq, "c")
 
 
 def _stored_matches(qdata: QuantizedData, qw: Quantizer | None, *, need_columnwise: bool) -> bool:

@@ -99,14 +99,23 @@ class Dropout(BasicOperation):
         if not self.training or self.p == 0.0:
             ctx.saved = [None]
             return x, []
-        mask = (torch.rand_like(x, dtype=torch.float32) >= self.p).to(x.dtype) / (1.0 - self.p)
-        ctx.saved = [mask]
-        return x * mask, []
+        keep = torch.rand_like(x, dtype=torch.float32) >= self.p
+        # Backward gets the kept positions as bools (1 byte per element) and rebuilds the very
+        # mask the forward multiplied by (same ops, same dtype).
+        ctx.saved = [keep if ctx.input_requires_grad else None]
+        ctx.attrs["dtype"], ctx.attrs["p"] = x.dtype, self.p
+        return x * _dropout_mask(keep, x.dtype, self.p), []
 
     def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
-        (mask,) = ctx.saved
+        (keep,) = ctx.saved
         dy = C.dequantize(dy)
-        return (dy if mask is None else dy * mask), [], []
+        if keep is None:
+            return dy, [], []
+        return dy * _dropout_mask(keep, ctx.attrs["dtype"], ctx.attrs["p"]), [], []
+
+
+def _dropout_mask(keep: torch.Tensor, dtype: torch.dtype, p: float) -> torch.Tensor:
+    return keep.to(dtype) / (1.0 - p)
 
 
 class ConstantScale(BasicOperation):

@@ -83,7 +83,9 @@ class _Norm(BasicOperation):
                 fp8_dtype, scale, True, colwise,
             )  # fmt: skip
             out = C.wrap_quantized(next_input_quantizer, (d, d2, s, s2, amax), x.shape, x.dtype)
-        ctx.saved = [x, mean, rstd, params[0]]
+        # What backward reads -- nothing when no gradient reaches here (it does not run).
+        needed = ctx.input_requires_grad or any(ctx.params_requires_grad)
+        ctx.saved = [x, mean, rstd, params[0]] if needed else [None] * 4
         ctx.attrs["dtype"] = x.dtype
         return out, []
 

@@ -46,13 +46,11 @@ class ForwardLinearBiasActivation(FusedOperation):
             xq, wq, out_dtype, bias=b.to(out_dtype), epilogue="bias_gelu_aux" if gelu else "bias"
         )
         n = linear.out_features
-        ctxs[0].saved = [xq if ctxs[0].attrs["need_wgrad"] else None,
-                         wq if ctxs[0].attrs["need_dgrad"] else None]  # fmt: skip
-        ctxs[0].attrs["dtype"], ctxs[0].attrs["w_dtype"] = out_dtype, w.dtype
+        linear.save_operands(ctxs[0], xq, wq, out_dtype, w.dtype)
         ctxs[1].attrs["dtype"] = b.dtype
         y = y.view(*lead, n)
-        if gelu:
-            ctxs[2].saved = [aux.view(*lead, n)]  # GELU backward needs the pre-activation
+        if gelu:  # GELU backward reads the pre-activation (when a gradient reaches it)
+            ctxs[2].saved = [aux.view(*lead, n) if ctxs[2].input_requires_grad else None]
         if next_input_quantizer is not None:
             # The GEMM epilogue cannot cast for the next op here; one cast kernel does.
             return C.handoff(next_input_quantizer, y), [[] for _ in self.ops]

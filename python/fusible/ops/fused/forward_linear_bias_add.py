@@ -51,9 +51,7 @@ class ForwardLinearBiasAdd(FusedOperation):
         y, _ = C.gemm_fprop(xq, wq, out_dtype, bias=bias,
                                epilogue="bias" if has_bias else "none",
                                c=C.as_2d(residual.to(out_dtype)))  # fmt: skip
-        ctxs[0].saved = [xq if ctxs[0].attrs["need_wgrad"] else None,
-                         wq if ctxs[0].attrs["need_dgrad"] else None]  # fmt: skip
-        ctxs[0].attrs["dtype"], ctxs[0].attrs["w_dtype"] = out_dtype, w.dtype
+        linear.save_operands(ctxs[0], xq, wq, out_dtype, w.dtype)
         if has_bias:
             ctxs[1].attrs["dtype"] = params[1][0].dtype
         ctxs[-1].attrs["extra_dtype"] = residual.dtype
