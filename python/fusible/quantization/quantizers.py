@@ -505,7 +505,8 @@ class Float8Quantizer(Quantizer):
             return cached[1]
         row = buf if name == "scale" else buf[0]
         view = row[self.slot : self.slot + 1]
-        self._views[name] = (buf, view)
+        if not torch.compiler.is_compiling():  # traced: no state changes
+            self._views[name] = (buf, view)
         return view
 
     def _repr_extra(self) -> str:

@@ -253,13 +253,6 @@ def test_inference_mode_makes_no_backward_copies(kernel, monkeypatch):
     assert len(calls) == 2 and not any(calls)  # input and weight
 
 
-@pytest.mark.xfail(
-    reason="torch.no_grad is invisible inside the plan's autograd function (its forward always "
-    "runs with grad disabled): the fuser must pass torch.is_grad_enabled() in and fold it into "
-    "OpContext.params_requires_grad / input_requires_grad (nothing is saved, but the copies are "
-    "made)",
-    strict=False,
-)
 def test_no_grad_makes_no_backward_copies(monkeypatch):
     torch.manual_seed(0)
     model = ops.Sequential(ops.BasicLinear(H, F, dtype=DT))
