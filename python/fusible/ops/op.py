@@ -190,10 +190,10 @@ class BasicOperation(torch.nn.Module):
 
     def _state_device(self) -> torch.device:
         """Where the recipe state lives: with the op's parameters (the kernels take the scales
-        on the device they run on); CPU for an op without parameters or still on ``meta``."""
+        on the device they run on; ``meta`` for a model built on ``meta``, whose forward gives
+        shapes); CPU for an op without parameters."""
         for p in self.parameters(recurse=False):
-            if p.device.type != "meta":
-                return p.device
+            return p.device
         return torch.device("cpu")
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
@@ -205,6 +205,14 @@ class BasicOperation(torch.nn.Module):
 
     def _move_recipe_states(self) -> None:
         device = self._state_device()
+        active = [s for s in self._recipe_states.values() if s is not None]
+        if device.type != "meta" and any(s.device.type == "meta" for s in active):
+            # Materialised from meta (to_empty): a meta state holds no values; build it anew.
+            self.reset_recipe_state(active[0].recipe)
+        if self._stashed is not None and any(
+            s is not None and s.device.type == "meta" for s in self._stashed[1].values()
+        ):
+            self._stashed = None
         stashed = self._stashed[1].values() if self._stashed is not None else ()
         for state in (*self._recipe_states.values(), *stashed):
             if state is not None and state.device != device:

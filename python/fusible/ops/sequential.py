@@ -10,8 +10,10 @@ from typing import Any
 import torch
 
 from fusible.ops import fuser, registry
+from fusible.ops.basic.linear import _COMPILE_UNSUPPORTED
 from fusible.ops.op import ACTIVE_EPOCH, STATE_EPOCH, BasicOperation
 from fusible.quantization import autocast as _autocast
+from fusible.quantization.quantizers import QuantizedTensor
 from fusible.quantization.recipe import recipe_from_key
 from fusible.quantization.roles import QuantizerRole
 
@@ -36,6 +38,11 @@ def _traced_activate(seq_uid: int, recipe_key: str | None) -> int:
     ``id()`` of the quantizers built in-trace (the weight-workspace cache key) cannot be
     reconstructed after the graph. Only constants cross into it. Returns 0 (a constant)."""
     seq = _SEQ_BY_UID[seq_uid]
+    for m in seq._modules.values():
+        w = getattr(m, "_parameters", {}).get("weight")
+        if isinstance(w, QuantizedTensor):
+            # Checked here, in plain Python: dynamo cannot even wrap such a parameter.
+            raise RuntimeError(_COMPILE_UNSUPPORTED.format(op=type(m).__name__))
     seq._runs()  # cached here, outside the trace
     seq._activate(recipe_from_key(recipe_key))
     return 0

@@ -282,3 +282,37 @@ def test_cached_plan_is_reused():
     with torch.no_grad():
         m(x)  # no grad: a plan of its own (nothing saved, no transposed copies)
     assert len(m._plans) == 2
+
+
+# ---- 6. a forward on meta tensors gives shapes ------------------------------------------------
+
+
+@pytest.mark.parametrize("rec", sorted(RECIPES))
+def test_meta_forward_gives_shapes_and_materialises(rec):
+    r = RECIPES[rec]
+    m = fusible.LayerNormMLP(64, 128, device="meta")
+    x = torch.randn(32, 64, device="meta", requires_grad=True)
+    with fusible.autocast(enabled=r is not None, recipe=r):
+        y = m(x)
+    assert y.shape == (32, 64) and y.device.type == "meta"
+    y.sum().backward()
+    assert m.fc1.weight.grad.shape == (128, 64) and x.grad.shape == x.shape
+    m.to_empty(device="cpu")
+    m.reset_parameters()
+    with fusible.autocast(enabled=r is not None, recipe=r):
+        y = m(torch.randn(32, 64))
+    assert y.device.type == "cpu" and torch.isfinite(y).all()
+    if rec == "delayed":
+        assert m.fc1.recipe_state(True).amax_history.device.type == "cpu"
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compile_with_quantized_weights_raises_the_documented_error(fullgraph):
+    torch._dynamo.reset()
+    rec = recipe.Float8CurrentScaling()
+    with fusible.quantized_model_init(rec):
+        m = fusible.Linear(64, 64)
+    f = torch.compile(m, fullgraph=fullgraph, backend="aot_eager")
+    with pytest.raises(RuntimeError, match=r"torch\.compile does not support quantized weights"):
+        with fusible.autocast(recipe=rec):
+            f(torch.randn(32, 64))
