@@ -58,9 +58,12 @@ _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _ALGO = {"max": 0, "most_recent": 1}
 
 
+_HAS_CUDA = bool(_C.has_cuda())
+
+
 def has_cuda() -> bool:
     """True if the core library was built with its CUDA backend."""
-    return bool(_C.has_cuda())
+    return _HAS_CUDA
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -91,7 +94,10 @@ class _FusibleOp:
         self.op = op
         self.fn: Callable[..., Any] = op._init_fn
         self.mutates = tuple(mutates)
-        self.signature = inspect.signature(self.fn) if mutates else None
+        # Positions of the mutated arguments (bumping their version counters on the direct
+        # path without binding the signature at every call).
+        names = list(inspect.signature(self.fn).parameters)
+        self.mutated_at = tuple((names.index(m), m) for m in self.mutates)
         functools.update_wrapper(self, self.fn)
 
     def _direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -106,9 +112,8 @@ class _FusibleOp:
         if not (DIRECT[0] or self._direct(args, kwargs)):
             return self.op(*args, **kwargs)
         out = self.fn(*args, **kwargs)
-        if self.signature is not None:
-            bound = self.signature.bind(*args, **kwargs)
-            mutated = [bound.arguments[name] for name in self.mutates]
+        if self.mutated_at:
+            mutated = [args[i] if i < len(args) else kwargs[name] for i, name in self.mutated_at]
             flat = [t for m in mutated for t in (m if isinstance(m, (list, tuple)) else (m,))]
             torch.autograd.graph.increment_version(flat)
         return out
@@ -121,6 +126,12 @@ class _FusibleOp:
 #: :func:`plain_eager` (once per run, not once per kernel): the kernels then call the core
 #: library directly.
 DIRECT = [False]
+#: Set by the op executor while it runs a plan for an input signature (shapes, contiguity) it
+#: has run before with every check passing: what the checks verify (dtypes, devices,
+#: contiguity, shapes, argument choices) is then fixed by the plan's key and that signature, so
+#: the argument checks are skipped. Validation happens once per plan and signature, in the
+#: validated run; a new shape, dtype or device is a new plan or signature and is checked again.
+TRUSTED = [False]
 
 
 def plain_eager(args: Sequence[Any]) -> bool:
@@ -165,6 +176,8 @@ def _check_tensor(
     dtypes: Sequence[torch.dtype] | None = None,
     device: torch.device | None = None,
 ) -> None:
+    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+        return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"fusible.{op}: argument '{name}' must be a torch.Tensor, got {type(t)}")
     if dtypes is not None and t.dtype not in dtypes:
@@ -186,7 +199,7 @@ def _check_tensor(
             f"fusible.{op}: argument '{name}' must be contiguous (shape {tuple(t.shape)}, "
             f"stride {t.stride()}); call .contiguous() first"
         )
-    if t.device.type == "cuda" and not has_cuda():
+    if t.is_cuda and not _HAS_CUDA:
         raise RuntimeError(
             f"fusible.{op}: argument '{name}' is a CUDA tensor but fusible was built without its "
             "CUDA backend (no nvcc at build time)"
@@ -194,6 +207,8 @@ def _check_tensor(
 
 
 def _check_scalar(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
+    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+        return
     _check_tensor(op, name, t, (torch.float32,), device)
     if t.numel() != 1:
         raise ValueError(
@@ -203,6 +218,8 @@ def _check_scalar(op: str, name: str, t: torch.Tensor, device: torch.device) -> 
 
 
 def _check_fp8_dtype(op: str, dtype: torch.dtype) -> None:
+    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+        return
     if dtype not in FP8_DTYPES:
         raise TypeError(
             f"fusible.{op}: argument 'fp8_dtype' must be torch.float8_e4m3fn or "
@@ -229,6 +246,8 @@ def _check_same_device(op: str, name: str, t: torch.Tensor, device: torch.device
 
 
 def _check_margin(op: str, margin: int) -> None:
+    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+        return
     if not -(2**31) <= margin < 2**31:
         raise ValueError(f"fusible.{op}: argument 'margin' must fit in int32, got {margin}")
 
@@ -241,11 +260,19 @@ def _mat(t: torch.Tensor, rows: int, cols: int) -> _C.Tensor:
     return _C.Tensor(_ptr(t), _CODE[t.dtype], rows, cols)
 
 
+# The current stream's raw handle in one call (what torch.cuda.current_stream(...).cuda_stream
+# gives, without building a Stream object); older torch builds fall back to that.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_CPU_CTX = _C.Context(0, 0, 0)
+
+
 def _ctx(t: torch.Tensor) -> _C.Context:
-    if t.device.type == "cuda":
-        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if t.is_cuda:
+        index = t.get_device()
+        if _raw_stream is not None:
+            return _C.Context(1, index, _raw_stream(index))
         return _C.Context(1, index, torch.cuda.current_stream(t.device).cuda_stream)
-    return _C.Context(0, 0, 0)
+    return _CPU_CTX
 
 
 def _empty(x: torch.Tensor) -> torch.Tensor:
@@ -267,6 +294,8 @@ def _fp8_outputs(
 
 
 def _require_a_copy(op: str, rowwise: bool, columnwise: bool) -> None:
+    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+        return
     if not (rowwise or columnwise):
         raise ValueError(f"fusible.{op}: at least one of 'rowwise' and 'columnwise' must be True")
 
@@ -369,6 +398,8 @@ def _(data, scale_inv, out_dtype):
 
 
 def _check_out_dtype(op: str, dtype: torch.dtype) -> None:
+    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+        return
     if dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(
             f"fusible.{op}: argument 'out_dtype' must be float32, float16 or bfloat16, got {dtype}"
@@ -698,12 +729,16 @@ def _gemm_check_epilogue_operand(
     arg: str, t: torch.Tensor | None, epilogue: str, needed_by: Any, what: str = ""
 ) -> None:
     """An operand given exactly when ``epilogue`` (one of ``needed_by`` or not) uses it."""
+    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+        return
     if (t is not None) != (epilogue in needed_by):
         use = "required" if t is None else "not used"
         raise ValueError(f"fusible.gemm: argument '{arg}'{what} is {use} by epilogue {epilogue!r}")
 
 
 def _gemm_check_mn(name: str, t: torch.Tensor, m: int, n: int) -> None:
+    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+        return
     if t.dim() == 0 or t.shape[-1] != n or t.numel() != m * n:
         raise ValueError(
             f"fusible.gemm: argument '{name}' has shape {tuple(t.shape)}; expected a tensor "
@@ -926,11 +961,15 @@ def _c_call(op: str, fn: object, *args: object) -> None:
 
 
 def _check_choice(op: str, name: str, value: str, choices: Sequence[str]) -> None:
+    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+        return
     if value not in choices:
         raise ValueError(f"fusible.{op}: argument '{name}' must be one of {choices}, got {value!r}")
 
 
 def _check_opt_out_dtype(op: str, dtype: torch.dtype | None) -> None:
+    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+        return
     if dtype is not None and dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(
             f"fusible.{op}: argument 'out_dtype' must be None, float32, float16 or bfloat16, "
@@ -947,6 +986,8 @@ def _check_quant_args(
     columnwise: bool,
     device: torch.device,
 ) -> None:
+    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+        return
     _check_choice(op, "quant", quant, QUANT_MODES)
     if quant == "none":
         return
@@ -1023,6 +1064,8 @@ def _quantized_struct(
 
 
 def _check_vector(op: str, name: str, t: torch.Tensor, n: int, device: torch.device) -> None:
+    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+        return
     _check_tensor(op, name, t, HIGH_PRECISION_DTYPES, device)
     if tuple(t.shape) != (n,):
         raise ValueError(
@@ -1032,6 +1075,8 @@ def _check_vector(op: str, name: str, t: torch.Tensor, n: int, device: torch.dev
 
 
 def _check_stats(op: str, name: str, t: torch.Tensor, rows: int, device: torch.device) -> None:
+    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+        return
     _check_tensor(op, name, t, (torch.float32,), device)
     if t.numel() != rows:
         raise ValueError(

@@ -18,6 +18,7 @@ the trace first touched it, and miss plans built later in the same trace).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -100,6 +101,11 @@ class Plan:
     backward_states: list[Any] = field(default_factory=list)
     # Forward and backward units' results are checked on the first run only.
     checked: list[bool] = field(default_factory=lambda: [False, False])
+    # Input signatures (workspace modes, shapes, contiguity) this plan's forward / backward ran
+    # with every kernel argument check passing: later runs with one skip the checks
+    # (_kernels.TRUSTED).
+    trusted_forward: set[Any] = field(default_factory=set)
+    trusted_backward: set[Any] = field(default_factory=set)
 
 
 def _build_units(
@@ -319,6 +325,12 @@ _QFIELDS: dict[type, tuple[str, ...]] = {
     Float8Data: ("data", "data_t", "scale_inv"),
     MXFP8Data: ("data", "scale", "col_data", "col_scale"),
 }
+# The other fields (dtype, shape): read by name (torch.compile cannot trace __dict__ of a frozen
+# dataclass on every torch version).
+_QCONSTS: dict[type, tuple[str, ...]] = {
+    cls: tuple(f.name for f in dataclasses.fields(cls) if f.name not in names)
+    for cls, names in _QFIELDS.items()
+}
 
 
 def _pack(saved_lists: list[list[Any]], tensors: list[torch.Tensor]) -> list[Any]:
@@ -333,14 +345,14 @@ def _pack(saved_lists: list[list[Any]], tensors: list[torch.Tensor]) -> list[Any
                 spec.append(len(tensors))
                 tensors.append(v)
             elif t in _QFIELDS:
-                names = _QFIELDS[t]
                 fields, consts = {}, {}
-                for name, f in v.__dict__.items():
-                    if name not in names:
-                        consts[name] = f
-                    elif f is not None:
+                for name in _QFIELDS[t]:
+                    f = getattr(v, name)
+                    if f is not None:
                         fields[name] = len(tensors)
                         tensors.append(f)
+                for name in _QCONSTS[t]:
+                    consts[name] = getattr(v, name)
                 spec.append((t, fields, consts))
             else:
                 leaves, tree = pytree.tree_flatten(v)
@@ -410,14 +422,22 @@ class _PlanFunction(torch.autograd.Function):
                 c.workspace = unflatten_workspace(list(args[pos : pos + n]), slot.meta)
                 pos += n
             c.cache_weight = mode == 2
+        sig = None
         if torch.compiler.is_compiling():  # traced: no module state may change
             y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
         else:
-            K.DIRECT[0] = K.plain_eager((x, args))
+            direct = K.plain_eager((x, args))
+            if direct:
+                sig = (ws_modes, x.shape, x.is_contiguous(),
+                       *[(e.shape, e.is_contiguous()) for e in args[:n_extra]])  # fmt: skip
+            trusted = sig in plan.trusted_forward
+            K.DIRECT[0], K.TRUSTED[0] = direct, trusted
             try:
                 y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
             finally:
-                K.DIRECT[0] = False
+                K.DIRECT[0] = K.TRUSTED[0] = False
+            if sig is not None and not trusted:
+                plan.trusted_forward.add(sig)  # every check passed
         if not isinstance(y, torch.Tensor):
             y = y.dequantize()
         elif not torch.compiler.is_compiling() and y._base is not None:
@@ -427,7 +447,7 @@ class _PlanFunction(torch.autograd.Function):
         tensors: list[torch.Tensor] = []
         layout = _pack([c.saved for c in ctxs], tensors)
         ctx.save_for_backward(*tensors)
-        ctx.fusible = (plan, layout, [c.attrs for c in ctxs])
+        ctx.fusible = (plan, layout, [c.attrs for c in ctxs], sig)
         flat_out = [t for eo in extra_out for t in eo]
         new_ws: list[torch.Tensor] = []
         for slot, mode in zip(plan.workspace_slots, ws_modes, strict=True):
@@ -439,7 +459,7 @@ class _PlanFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor | None, *out_grads: torch.Tensor | None) -> Any:  # type: ignore[override]
-        plan, layout, attrs = ctx.fusible
+        plan, layout, attrs, sig = ctx.fusible
         fast = not torch.compiler.is_compiling()
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor once
         saved_lists = _unpack(layout, saved, fast)
@@ -457,11 +477,19 @@ class _PlanFunction(torch.autograd.Function):
         if not fast:
             dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
         else:
-            K.DIRECT[0] = K.plain_eager((dy, saved, out_grads))
+            direct = K.plain_eager((dy, saved, out_grads))
+            # dy is contiguous (above); the signature is the forward's (dy has its output's
+            # shape, dtype and device), valid when the branch gradients are contiguous too.
+            if sig is not None and not all(g is None or g.is_contiguous() for g in out_grads):
+                sig = None
+            trusted = direct and sig in plan.trusted_backward
+            K.DIRECT[0], K.TRUSTED[0] = direct, trusted
             try:
                 dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
             finally:
-                K.DIRECT[0] = False
+                K.DIRECT[0] = K.TRUSTED[0] = False
+            if direct and sig is not None and not trusted:
+                plan.trusted_backward.add(sig)
         if plan.backward_states:
             _autocast.end_backward_pass(plan.backward_states)
         dx = _dequantize_if_needed(dx) if dx is not None and ctx.needs_input_grad[2] else None

@@ -221,7 +221,8 @@ class Sequential(torch.nn.Module):
             index, x.requires_grad, torch.is_grad_enabled(),
             tuple([t.requires_grad for t in extra]) if extra else (),
             rkey, STATE_EPOCH[0], x.dtype, x.device,
-            tuple([(p.requires_grad, p.dtype, type(p), p.shape) for p in params]),
+            tuple([(p.requires_grad, p.dtype, type(p), p.shape, p.device, p.is_contiguous())
+                   for p in params]),
             tuple([op.training for op in ops]), registry._VERSION[0], registry._DISABLED[0],
         )  # fmt: skip
 

@@ -1,0 +1,114 @@
+"""The hot path (issue 11): kernel argument checks run once per plan and input signature, a
+cached plan runs lean, and what the checks guarded still holds on later runs (a new shape,
+layout or dtype is checked again). Counts, never timings."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fusible
+from fusible import _kernels as K
+from fusible import ops, recipe
+
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+import overhead  # noqa: E402
+
+CURRENT = recipe.Float8CurrentScaling()
+
+
+def _block(h=64, f=128):
+    return ops.Sequential(ops.LayerNorm(h), ops.Linear(h, f), ops.GELU(), ops.Linear(f, h))
+
+
+def _step(m, x, rec):
+    with fusible.autocast(enabled=rec is not None, recipe=rec):
+        y = m(x)
+    y.float().sum().backward()
+    return y
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """Counts kernel argument checks that ran (not skipped as trusted)."""
+    seen = {"checked": 0}
+    real = K._check_tensor
+
+    def spy(*args, **kwargs):
+        if not K.TRUSTED[0]:
+            seen["checked"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(K, "_check_tensor", spy)
+    return seen
+
+
+@pytest.mark.parametrize("rec", [None, CURRENT, recipe.MXFP8BlockScaling()])
+def test_kernel_checks_run_once_per_plan_and_signature(checks, rec):
+    m = _block()
+    x = torch.randn(32, 64, requires_grad=True)
+    _step(m, x, rec)
+    first = checks["checked"]
+    assert first > 0 or rec is None
+    checks["checked"] = 0
+    _step(m, x, rec)
+    assert checks["checked"] == 0  # the same plan and signature: no check runs again
+    _step(m, torch.randn(64, 64, requires_grad=True), rec)  # a new shape is checked again
+    assert checks["checked"] == first
+
+
+def test_new_layout_is_checked_and_correct():
+    torch.manual_seed(0)
+    m = _block()
+    x = torch.randn(32, 64)
+    for _ in range(2):
+        with fusible.autocast(recipe=CURRENT):
+            m(x)
+    xt = torch.randn(64, 32).t()  # same shape, not contiguous
+    with fusible.autocast(recipe=CURRENT):
+        got = m(xt)
+        want = m(xt.contiguous())
+    assert torch.equal(got, want)
+
+
+def test_bad_input_after_trusted_runs_still_raises():
+    m = fusible.Linear(64, 64)
+    for _ in range(2):
+        with fusible.autocast(recipe=CURRENT):
+            m(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="in_features 64"), fusible.autocast(recipe=CURRENT):
+        m(torch.randn(8, 63))
+    with pytest.raises(TypeError), fusible.autocast(recipe=CURRENT):
+        m(torch.randn(8, 64, dtype=torch.float64))
+
+
+def test_parameter_dtype_change_builds_a_new_plan():
+    m = fusible.Linear(64, 64)
+    x = torch.randn(8, 64)
+    m(x)
+    m(x)
+    m.to(torch.bfloat16)
+    y = m(x.bfloat16())
+    assert y.dtype == torch.bfloat16 and len(m._plans) == 2
+
+
+# Regression ceilings for the Python calls of one forward + backward step of the issue-11 block
+# (CPU, Python 3.11, benchmarks/overhead.py; torch eager makes about 72). Measured at this
+# commit: bf16 710, delayed 1650, current 1445, mxfp8 1655; before the executor rewrite
+# (60c0229): 1431, 2896, 2667, 3077. The issue's target (<= 2x torch eager) needs the per-kernel
+# marshalling moved into the core library's binding: see the README's hot-path section.
+CEILINGS = {"fusible bf16": 780, "fusible delayed": 1800, "fusible current": 1600,
+            "fusible mxfp8": 1900}  # fmt: skip
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="counts are for CPython 3.11")
+def test_calls_per_step_stay_below_ceilings():
+    rows = {r["variant"]: r for r in overhead.calls_table("cpu")}
+    for name, ceiling in CEILINGS.items():
+        assert rows[name]["calls"] <= ceiling, (name, rows[name]["calls"])
