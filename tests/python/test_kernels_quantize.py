@@ -1054,7 +1054,7 @@ def test_cuda_tensor_on_cpu_only_build(monkeypatch):
     """With a CPU-only build, a CUDA tensor raises RuntimeError naming the op and argument. Where
     the build has its CUDA backend, the CPU-only build is simulated."""
     if K.has_cuda():
-        monkeypatch.setattr(K, "has_cuda", lambda: False)
+        monkeypatch.setattr(K, "_HAS_CUDA", False)
     x = torch.ones(4, 64, device="cuda")
     with pytest.raises(RuntimeError, match=r"fusible\.quantize_fp8: argument 'x' is a CUDA tensor"):
         ops.quantize_fp8(x, torch.ones(1, device="cuda"), E4M3, True, False)
