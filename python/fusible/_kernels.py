@@ -275,8 +275,24 @@ def _ctx(t: torch.Tensor) -> _C.Context:
     return _CPU_CTX
 
 
+_NOTHING: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _nothing(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-element tensor for an output not asked for. The direct path (``DIRECT``) shares one
+    per dtype and device (no allocation per call); the custom op, whose outputs may not alias
+    each other, gets a new one."""
+    if not DIRECT[0]:
+        return torch.empty(0, dtype=dtype, device=device)
+    key = (dtype, device)
+    t = _NOTHING.get(key)
+    if t is None:
+        t = _NOTHING[key] = torch.empty(0, dtype=dtype, device=device)
+    return t
+
+
 def _empty(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.float32, device=x.device)
+    return _nothing(torch.float32, x.device)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -289,7 +305,7 @@ def _fp8_outputs(
     rows, cols = _matrix_shape(op, x)
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if rowwise else None
     data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=x.device) if columnwise else None
-    e = torch.empty(0, dtype=fp8_dtype, device=x.device)
+    e = _nothing(fp8_dtype, x.device)
     return (data if data is not None else e), (data_t if data_t is not None else e)
 
 
@@ -481,19 +497,23 @@ def _mx_outputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, cols = _matrix_shape("quantize_mxfp8", x)
     dev = x.device
-    e8 = torch.empty(0, dtype=fp8_dtype, device=dev)
-    e0 = torch.empty(0, dtype=torch.uint8, device=dev)
+    e8 = _nothing(fp8_dtype, dev)
+    e0 = _nothing(torch.uint8, dev)
     data = torch.empty(x.shape, dtype=fp8_dtype, device=dev) if rowwise else e8
     scale = (
         torch.empty((rows, _ceil_div(cols, MXFP8_BLOCK)), dtype=torch.uint8, device=dev)
         if rowwise
         else e0
     )
-    col = torch.empty(x.shape, dtype=fp8_dtype, device=dev) if columnwise else e8.clone()
+    col = (
+        torch.empty(x.shape, dtype=fp8_dtype, device=dev)
+        if columnwise
+        else _nothing(fp8_dtype, dev)
+    )
     col_scale = (
         torch.empty((_ceil_div(rows, MXFP8_BLOCK), cols), dtype=torch.uint8, device=dev)
         if columnwise
-        else e0.clone()
+        else _nothing(torch.uint8, dev)
     )
     return data, scale, col, col_scale
 
@@ -708,8 +728,9 @@ def _gemm_outputs(
     epilogue: str,
     aux: torch.Tensor | None,
     want_amax: bool,
+    dims: tuple[int, int, int, tuple[int, ...]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, n, _, d_shape = _gemm_dims(a, b, transa, transb)
+    _, n, _, d_shape = dims if dims is not None else _gemm_dims(a, b, transa, transb)
     dev = a.device
     vec = _gemm_epilogue_dtype(out_dtype, bias)
     if epilogue in _GEMM_READS_AUX and aux is not None and out_dtype in FP8_DTYPES:
@@ -718,10 +739,13 @@ def _gemm_outputs(
     aux_out = (
         torch.empty(d_shape, dtype=vec, device=dev)
         if epilogue in _GEMM_WRITES_AUX
-        else torch.empty(0, dtype=vec, device=dev)
+        else _nothing(vec, dev)
     )
-    dbias = torch.empty(n if epilogue == "dgelu_bgrad" else 0, dtype=vec, device=dev)
-    amax = torch.empty(1 if want_amax else 0, dtype=torch.float32, device=dev)
+    dbias = (
+        torch.empty(n, dtype=vec, device=dev) if epilogue == "dgelu_bgrad" else _nothing(vec, dev)
+    )
+    f32 = torch.float32
+    amax = torch.empty(1, dtype=f32, device=dev) if want_amax else _nothing(f32, dev)
     return d, aux_out, dbias, amax
 
 
@@ -797,7 +821,8 @@ def gemm(
             f"fusible.{op}: argument 'out_dtype' must be float32, float16, bfloat16, "
             f"float8_e4m3fn or float8_e5m2, got {out_dtype}"
         )
-    m, n, _, _ = _gemm_dims(a, b, transa, transb)
+    dims = _gemm_dims(a, b, transa, transb)
+    m, n = dims[0], dims[1]
     fp8 = a.dtype in FP8_DTYPES
     if not fp8 and b.dtype == a.dtype and out_dtype not in (a.dtype, torch.float32):
         raise ValueError(
@@ -851,32 +876,35 @@ def gemm(
         _check_tensor(op, "c", c, _GEMM_DTYPES, a.device)
         _gemm_check_mn("c", c, m, n)
     d, aux_out, dbias, amax = _gemm_outputs(
-        a, b, transa, transb, out_dtype, bias, epilogue, aux, want_amax
+        a, b, transa, transb, out_dtype, bias, epilogue, aux, want_amax, dims=dims
     )
+    k = dims[2]
     try:
+        # Positional, in the binding's order (a b transa transb a_scale_inv b_scale_inv d d_scale
+        # d_amax c alpha beta epilogue bias aux dbias use_fast_accum ctx): no keyword matching.
         _C.gemm(
-            a=_mat(a, *_matrix_shape(op, a, "a")),
-            b=_mat(b, *_matrix_shape(op, b, "b")),
-            transa=transa,
-            transb=transb,
-            a_scale_inv=_ptr(a_scale_inv),
-            b_scale_inv=_ptr(b_scale_inv),
-            d=_mat(d, m, n),
-            d_scale=_ptr(out_scale),
-            d_amax=_ptr(amax),
-            c=_mat(c, m, n) if beta != 0.0 and c is not None else _ABSENT,
-            alpha=float(alpha),
-            beta=float(beta),
-            epilogue=_GEMM_EPILOGUE_CODE[epilogue],
-            bias=_mat(bias, 1, n) if bias is not None else _ABSENT,
-            aux=(
+            _mat(a, k, m) if transa else _mat(a, m, k),
+            _mat(b, n, k) if transb else _mat(b, k, n),
+            transa,
+            transb,
+            _ptr(a_scale_inv),
+            _ptr(b_scale_inv),
+            _mat(d, m, n),
+            _ptr(out_scale),
+            _ptr(amax),
+            _mat(c, m, n) if beta != 0.0 and c is not None else _ABSENT,
+            float(alpha),
+            float(beta),
+            _GEMM_EPILOGUE_CODE[epilogue],
+            _mat(bias, 1, n) if bias is not None else _ABSENT,
+            (
                 _mat(aux_out, m, n)
                 if epilogue in _GEMM_WRITES_AUX
                 else (_mat(aux, m, n) if aux is not None else _ABSENT)
             ),
-            dbias=_mat(dbias, 1, n) if epilogue == "dgelu_bgrad" else _ABSENT,
-            use_fast_accum=bool(fast_accum),
-            ctx=_ctx(a),
+            _mat(dbias, 1, n) if epilogue == "dgelu_bgrad" else _ABSENT,
+            bool(fast_accum),
+            _ctx(a),
         )
     except (ValueError, TypeError) as e:  # the C API's message names the argument
         raise type(e)(f"fusible.{op}: {e}") from None
@@ -1015,19 +1043,25 @@ def _quant_outputs(
     cols = shape[-1] if len(shape) else 1
     u8 = torch.uint8
     if quant == "none":
-        e = torch.empty(0, dtype=u8, device=device)
-        f = torch.empty(0, dtype=torch.float32, device=device)
-        return e, e.clone(), f, e.clone(), f.clone()
-    e8 = torch.empty(0, dtype=fp8_dtype, device=device)
-    e0 = torch.empty(0, dtype=u8, device=device)
+        e = _nothing(u8, device)
+        f = _nothing(torch.float32, device)
+        return e, _nothing(u8, device), f, _nothing(u8, device), _nothing(torch.float32, device)
+    e8 = _nothing(fp8_dtype, device)
+    e0 = _nothing(u8, device)
     amax = torch.empty(1, dtype=torch.float32, device=device)
     data = torch.empty(shape, dtype=fp8_dtype, device=device) if rowwise else e8
     if quant == "fp8":
         data_t = (
-            torch.empty((cols, rows), dtype=fp8_dtype, device=device) if columnwise else e8.clone()
+            torch.empty((cols, rows), dtype=fp8_dtype, device=device)
+            if columnwise
+            else _nothing(fp8_dtype, device)
         )
         return data, data_t, torch.empty(1, dtype=torch.float32, device=device), e0, amax
-    col = torch.empty(shape, dtype=fp8_dtype, device=device) if columnwise else e8.clone()
+    col = (
+        torch.empty(shape, dtype=fp8_dtype, device=device)
+        if columnwise
+        else _nothing(fp8_dtype, device)
+    )
     s = (
         torch.empty((rows, _ceil_div(cols, MXFP8_BLOCK)), dtype=u8, device=device)
         if rowwise
@@ -1036,7 +1070,7 @@ def _quant_outputs(
     cs = (
         torch.empty((_ceil_div(rows, MXFP8_BLOCK), cols), dtype=u8, device=device)
         if columnwise
-        else e0.clone()
+        else _nothing(u8, device)
     )
     return data, col, s, cs, amax
 
@@ -1102,7 +1136,7 @@ def _norm_fwd_outputs(
     y = (
         torch.empty(x.shape, dtype=out_dtype, device=dev)
         if out_dtype is not None
-        else torch.empty(0, dtype=x.dtype, device=dev)
+        else _nothing(x.dtype, dev)
     )
     q = _quant_outputs(x.shape, dev, quant, fp8_dtype, rowwise, columnwise)
     mean = torch.empty(rows if kind == "layernorm" else 0, dtype=torch.float32, device=dev)
@@ -1305,7 +1339,7 @@ def _act_fwd_outputs(
     y = (
         torch.empty(shape, dtype=out_dtype, device=x.device)
         if out_dtype is not None
-        else torch.empty(0, dtype=x.dtype, device=x.device)
+        else _nothing(x.dtype, x.device)
     )
     return (y, *_quant_outputs(shape, x.device, quant, fp8_dtype, rowwise, columnwise))
 
@@ -1372,7 +1406,7 @@ def _act_bwd_outputs(
     dx = (
         torch.empty(x.shape, dtype=out_dtype, device=dev)
         if out_dtype is not None
-        else torch.empty(0, dtype=grad.dtype, device=dev)
+        else _nothing(grad.dtype, dev)
     )
     q = _quant_outputs(x.shape, dev, quant, fp8_dtype, rowwise, columnwise)
     dbias = torch.empty(x.shape[-1] if with_dbias else 0, dtype=dt, device=dev)
