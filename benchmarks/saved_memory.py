@@ -36,8 +36,12 @@ def param_storages(model: torch.nn.Module) -> set[int]:
     return out
 
 
-def saved_bytes(model: torch.nn.Module, x: torch.Tensor, rec: Any, **kw: Any) -> int:
-    """Bytes of the distinct non-parameter storages saved for backward by one forward."""
+def saved_bytes(
+    model: torch.nn.Module, x: torch.Tensor, rec: Any, *, backward: bool = True, **kw: Any
+) -> int:
+    """Bytes of the distinct non-parameter storages one forward saves for backward (the
+    backward is run too unless ``backward=False``, so delayed-scaling state moves as in
+    training). Shared with tests/python/ops/test_saved_memory.py."""
     seen: dict[int, int] = {}
     params = param_storages(model)
 
@@ -50,7 +54,8 @@ def saved_bytes(model: torch.nn.Module, x: torch.Tensor, rec: Any, **kw: Any) ->
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with fusible.autocast(enabled=rec is not None, recipe=rec):
             y = model(x, **kw)
-    y.float().sum().backward()
+    if backward:
+        y.float().sum().backward()
     return sum(seen.values())
 
 

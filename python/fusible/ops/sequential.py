@@ -259,12 +259,22 @@ class Sequential(torch.nn.Module):
                 f"{type(self).__name__}.forward: the input must be a torch.Tensor, got "
                 f"{type(x).__name__}"
             )
-        if torch.compiler.is_compiling():
-            return self._forward_traced(x, extra_inputs, is_first_microbatch)
+        if x.dim() == 0:
+            raise ValueError(
+                f"{type(self).__name__}.forward: the input must have at least one dimension "
+                "(features last), got a 0-dim tensor"
+            )
+        # Under torch.compile the same plans are looked up through constants (see
+        # _traced_activate / _traced_plan_id); eagerly, by one dict lookup per run.
+        traced = torch.compiler.is_compiling()
         recipe = _autocast.get_recipe()
-        rkey = None if recipe is None else recipe.key
-        if self._token != (rkey, ACTIVE_EPOCH[0]):
-            self._activate(recipe)
+        if traced:
+            rkey = _recipe_key(recipe)
+            _traced_activate(self._seq_uid, rkey)
+        else:
+            rkey = None if recipe is None else recipe.key
+            if self._token != (rkey, ACTIVE_EPOCH[0]):
+                self._activate(recipe)
         cast = _torch_autocast_dtype(x)
         pending = extra_inputs
         extra_outputs: list[torch.Tensor] = []
@@ -279,15 +289,12 @@ class Sequential(torch.nn.Module):
             run_params = params
             if cast is not None:
                 x, extra, run_params = _cast_for_torch_autocast(cast, x, extra, params)
-            if x.dim() == 0:
-                raise ValueError(
-                    f"{type(self).__name__}.forward: the input must have at least one dimension "
-                    "(features last), got a 0-dim tensor"
-                )
-            key = self._eager_key(index, rkey, x, extra, run_params, run)
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = self._plan(key, recipe)
+            if traced:
+                key = self._traced_key(index, x, extra, run_params, run)
+                plan = fuser.plan_by_id(_traced_plan_id(self._seq_uid, key, rkey))
+            else:
+                key = self._eager_key(index, rkey, x, extra, run_params, run)
+                plan = self._plans.get(key) or self._plan(key, recipe)
             x, outs = fuser.run_plan(plan, x, extra, run_params, is_first_microbatch, params)
             if outs:
                 extra_outputs.extend(outs)
@@ -295,38 +302,8 @@ class Sequential(torch.nn.Module):
                 _autocast.end_forward_pass(plan.forward_states)
         if pending:
             self._too_many_extra_inputs(extra_inputs, pending)
-        self._last_run = (recipe, x.dtype, x.device)
-        return (x, *extra_outputs) if extra_outputs else x
-
-    def _forward_traced(
-        self, x: torch.Tensor, extra_inputs: Any, is_first_microbatch: bool | None
-    ) -> Any:
-        """forward under torch.compile: the same plans, looked up through constants."""
-        recipe = _autocast.get_recipe()
-        rkey = _recipe_key(recipe)
-        _traced_activate(self._seq_uid, rkey)
-        cast = _torch_autocast_dtype(x)
-        pending = list(extra_inputs)
-        extra_outputs: list[torch.Tensor] = []
-        for index, run, n_in in self._runs():
-            if n_in < 0:
-                x = run[0](x)
-                continue
-            if n_in > len(pending):
-                self._too_few_extra_inputs(extra_inputs)
-            extra, pending = pending[:n_in], pending[n_in:]
-            params = fuser.params_of(run)
-            run_params = params
-            if cast is not None:
-                x, extra, run_params = _cast_for_torch_autocast(cast, x, extra, params)
-            key = self._traced_key(index, x, extra, run_params, run)
-            plan = fuser.plan_by_id(_traced_plan_id(self._seq_uid, key, rkey))
-            x, outs = fuser.run_plan(plan, x, extra, run_params, is_first_microbatch, params)
-            extra_outputs.extend(outs)
-            if plan.forward_states:
-                _autocast.end_forward_pass(plan.forward_states)
-        if pending:
-            self._too_many_extra_inputs(extra_inputs, pending)
+        if not traced:
+            self._last_run = (recipe, x.dtype, x.device)
         return (x, *extra_outputs) if extra_outputs else x
 
     def _too_few_extra_inputs(self, given: Any) -> None:

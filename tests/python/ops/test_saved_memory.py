@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,7 +33,7 @@ import fusible
 from fusible import _kernels as K
 from fusible import ops, recipe
 from fusible.quantization import Float8CurrentScalingQuantizer
-from fusible.quantization.quantizers import QuantizedTensor, qdata_tensors
+from fusible.quantization.quantizers import QuantizedTensor
 
 DT = torch.bfloat16
 ES = 2  # bytes per bf16 element
@@ -39,38 +41,13 @@ T, H, F = 64, 64, 128  # tokens, hidden, ffn: divisible by 32 (MXFP8)
 SAVED_RECIPES = ["none", "delayed", "current", "mxfp8"]
 
 
-# ---- counting -----------------------------------------------------------------------------------
+# ---- counting: benchmarks/saved_memory.py's counter ---------------------------------------------
 
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
 
-def _param_storages(model: torch.nn.Module) -> set[int]:
-    out = set()
-    for p in model.parameters():
-        ts = list(qdata_tensors(p.qdata).values()) if isinstance(p, QuantizedTensor) else [p]
-        out.update(t.untyped_storage().data_ptr() for t in ts)
-    return out
-
-
-def saved_bytes(
-    model: torch.nn.Module, x: torch.Tensor, rec: Any, *, backward: bool = True, **kw: Any
-) -> int:
-    """Bytes of the distinct non-parameter storages one forward saves for backward (the
-    backward is run too, so delayed-scaling state moves as in training)."""
-    seen: dict[int, int] = {}
-    params = _param_storages(model)
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with fusible.autocast(enabled=rec is not None, recipe=rec):
-            y = model(x, **kw)
-    if backward:
-        y.float().sum().backward()
-    return sum(seen.values())
-
+from saved_memory import saved_bytes  # noqa: E402
 
 # ---- what backward reads ------------------------------------------------------------------------
 
