@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -109,7 +110,7 @@ class _FusibleOp:
         return True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not (DIRECT[0] or self._direct(args, kwargs)):
+        if not (FLAGS.direct or self._direct(args, kwargs)):
             return self.op(*args, **kwargs)
         out = self.fn(*args, **kwargs)
         if self.mutated_at:
@@ -122,16 +123,23 @@ class _FusibleOp:
         return self.op.register_fake(fn)
 
 
-#: Set by the op executor (ops/fuser.py) while it runs a plan whose arguments it checked with
-#: :func:`plain_eager` (once per run, not once per kernel): the kernels then call the core
-#: library directly.
-DIRECT = [False]
-#: Set by the op executor while it runs a plan for an input signature (shapes, contiguity) it
-#: has run before with every check passing: what the checks verify (dtypes, devices,
-#: contiguity, shapes, argument choices) is then fixed by the plan's key and that signature, so
-#: the argument checks are skipped. Validation happens once per plan and signature, in the
-#: validated run; a new shape, dtype or device is a new plan or signature and is checked again.
-TRUSTED = [False]
+class _RunFlags(threading.local):
+    """Set by the op executor (ops/fuser.py) around a plan's forward or backward, per thread
+    (threads may run models side by side, e.g. ``nn.DataParallel``).
+
+    ``direct``: the executor checked the run's arguments with :func:`plain_eager` (once per run,
+    not once per kernel): the kernels call the core library directly.
+    ``trusted``: the run is for an input signature (shapes, contiguity) the plan has run before
+    with every check passing: what the checks verify (dtypes, devices, contiguity, shapes,
+    argument choices) is then fixed by the plan's key and that signature, so the argument checks
+    are skipped. Validation happens once per plan and signature, in the validated run; a new
+    shape, dtype or device is a new plan or signature and is checked again."""
+
+    direct = False
+    trusted = False
+
+
+FLAGS = _RunFlags()
 
 
 def plain_eager(args: Sequence[Any]) -> bool:
@@ -176,7 +184,7 @@ def _check_tensor(
     dtypes: Sequence[torch.dtype] | None = None,
     device: torch.device | None = None,
 ) -> None:
-    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+    if FLAGS.trusted:  # a plan run that was validated before (see _RunFlags)
         return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"fusible.{op}: argument '{name}' must be a torch.Tensor, got {type(t)}")
@@ -207,7 +215,7 @@ def _check_tensor(
 
 
 def _check_scalar(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
-    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+    if FLAGS.trusted:  # a plan run that was validated before (see _RunFlags)
         return
     _check_tensor(op, name, t, (torch.float32,), device)
     if t.numel() != 1:
@@ -218,7 +226,7 @@ def _check_scalar(op: str, name: str, t: torch.Tensor, device: torch.device) -> 
 
 
 def _check_fp8_dtype(op: str, dtype: torch.dtype) -> None:
-    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+    if FLAGS.trusted:  # a plan run that was validated before (see _RunFlags)
         return
     if dtype not in FP8_DTYPES:
         raise TypeError(
@@ -246,7 +254,7 @@ def _check_same_device(op: str, name: str, t: torch.Tensor, device: torch.device
 
 
 def _check_margin(op: str, margin: int) -> None:
-    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+    if FLAGS.trusted:  # a plan run that was validated before (see _RunFlags)
         return
     if not -(2**31) <= margin < 2**31:
         raise ValueError(f"fusible.{op}: argument 'margin' must fit in int32, got {margin}")
@@ -279,10 +287,10 @@ _NOTHING: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _nothing(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 0-element tensor for an output not asked for. The direct path (``DIRECT``) shares one
+    """A 0-element tensor for an output not asked for. The direct path (``FLAGS.direct``) shares one
     per dtype and device (no allocation per call); the custom op, whose outputs may not alias
     each other, gets a new one."""
-    if not DIRECT[0]:
+    if not FLAGS.direct:
         return torch.empty(0, dtype=dtype, device=device)
     key = (dtype, device)
     t = _NOTHING.get(key)
@@ -310,7 +318,7 @@ def _fp8_outputs(
 
 
 def _require_a_copy(op: str, rowwise: bool, columnwise: bool) -> None:
-    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+    if FLAGS.trusted:  # a plan run that was validated before (see _RunFlags)
         return
     if not (rowwise or columnwise):
         raise ValueError(f"fusible.{op}: at least one of 'rowwise' and 'columnwise' must be True")
@@ -414,7 +422,7 @@ def _(data, scale_inv, out_dtype):
 
 
 def _check_out_dtype(op: str, dtype: torch.dtype) -> None:
-    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+    if FLAGS.trusted:  # a plan run that was validated before (see _RunFlags)
         return
     if dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(
@@ -753,7 +761,7 @@ def _gemm_check_epilogue_operand(
     arg: str, t: torch.Tensor | None, epilogue: str, needed_by: Any, what: str = ""
 ) -> None:
     """An operand given exactly when ``epilogue`` (one of ``needed_by`` or not) uses it."""
-    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+    if FLAGS.trusted:  # a plan run that was validated before (see _RunFlags)
         return
     if (t is not None) != (epilogue in needed_by):
         use = "required" if t is None else "not used"
@@ -761,7 +769,7 @@ def _gemm_check_epilogue_operand(
 
 
 def _gemm_check_mn(name: str, t: torch.Tensor, m: int, n: int) -> None:
-    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+    if FLAGS.trusted:  # a plan run that was validated before (see _RunFlags)
         return
     if t.dim() == 0 or t.shape[-1] != n or t.numel() != m * n:
         raise ValueError(
@@ -989,14 +997,14 @@ def _c_call(op: str, fn: object, *args: object) -> None:
 
 
 def _check_choice(op: str, name: str, value: str, choices: Sequence[str]) -> None:
-    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+    if FLAGS.trusted:  # a plan run that was validated before (see _RunFlags)
         return
     if value not in choices:
         raise ValueError(f"fusible.{op}: argument '{name}' must be one of {choices}, got {value!r}")
 
 
 def _check_opt_out_dtype(op: str, dtype: torch.dtype | None) -> None:
-    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+    if FLAGS.trusted:  # a plan run that was validated before (see _RunFlags)
         return
     if dtype is not None and dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(
@@ -1014,7 +1022,7 @@ def _check_quant_args(
     columnwise: bool,
     device: torch.device,
 ) -> None:
-    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+    if FLAGS.trusted:  # a plan run that was validated before (see _RunFlags)
         return
     _check_choice(op, "quant", quant, QUANT_MODES)
     if quant == "none":
@@ -1098,7 +1106,7 @@ def _quantized_struct(
 
 
 def _check_vector(op: str, name: str, t: torch.Tensor, n: int, device: torch.device) -> None:
-    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+    if FLAGS.trusted:  # a plan run that was validated before (see _RunFlags)
         return
     _check_tensor(op, name, t, HIGH_PRECISION_DTYPES, device)
     if tuple(t.shape) != (n,):
@@ -1109,7 +1117,7 @@ def _check_vector(op: str, name: str, t: torch.Tensor, n: int, device: torch.dev
 
 
 def _check_stats(op: str, name: str, t: torch.Tensor, rows: int, device: torch.device) -> None:
-    if TRUSTED[0]:  # a plan run that was validated before (see TRUSTED)
+    if FLAGS.trusted:  # a plan run that was validated before (see _RunFlags)
         return
     _check_tensor(op, name, t, (torch.float32,), device)
     if t.numel() != rows:

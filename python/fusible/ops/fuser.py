@@ -103,7 +103,7 @@ class Plan:
     checked: list[bool] = field(default_factory=lambda: [False, False])
     # Input signatures (workspace modes, shapes, contiguity) this plan's forward / backward ran
     # with every kernel argument check passing: later runs with one skip the checks
-    # (_kernels.TRUSTED).
+    # (_kernels.FLAGS.trusted).
     trusted_forward: set[Any] = field(default_factory=set)
     trusted_backward: set[Any] = field(default_factory=set)
 
@@ -431,11 +431,11 @@ class _PlanFunction(torch.autograd.Function):
                 sig = (ws_modes, x.shape, x.is_contiguous(),
                        *[(e.shape, e.is_contiguous()) for e in args[:n_extra]])  # fmt: skip
             trusted = sig in plan.trusted_forward
-            K.DIRECT[0], K.TRUSTED[0] = direct, trusted
+            K.FLAGS.direct, K.FLAGS.trusted = direct, trusted
             try:
                 y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
             finally:
-                K.DIRECT[0] = K.TRUSTED[0] = False
+                K.FLAGS.direct = K.FLAGS.trusted = False
             if sig is not None and not trusted:
                 plan.trusted_forward.add(sig)  # every check passed
         if not isinstance(y, torch.Tensor):
@@ -483,11 +483,11 @@ class _PlanFunction(torch.autograd.Function):
             if sig is not None and not all(g is None or g.is_contiguous() for g in out_grads):
                 sig = None
             trusted = direct and sig in plan.trusted_backward
-            K.DIRECT[0], K.TRUSTED[0] = direct, trusted
+            K.FLAGS.direct, K.FLAGS.trusted = direct, trusted
             try:
                 dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
             finally:
-                K.DIRECT[0] = K.TRUSTED[0] = False
+                K.FLAGS.direct = K.FLAGS.trusted = False
             if direct and sig is not None and not trusted:
                 plan.trusted_backward.add(sig)
         if plan.backward_states:

@@ -4,7 +4,9 @@ layout or dtype is checked again). Counts, never timings."""
 
 from __future__ import annotations
 
+import copy
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -41,7 +43,7 @@ def checks(monkeypatch):
     real = K._check_tensor
 
     def spy(*args, **kwargs):
-        if not K.TRUSTED[0]:
+        if not K.FLAGS.trusted:
             seen["checked"] += 1
         return real(*args, **kwargs)
 
@@ -112,3 +114,37 @@ def test_calls_per_step_stay_below_ceilings():
     rows = {r["variant"]: r for r in overhead.calls_table("cpu")}
     for name, ceiling in CEILINGS.items():
         assert rows[name]["calls"] <= ceiling, (name, rows[name]["calls"])
+
+
+def test_run_flags_are_per_thread():
+    K.FLAGS.trusted = K.FLAGS.direct = True
+    try:
+        seen: list[tuple[bool, bool]] = []
+        t = threading.Thread(target=lambda: seen.append((K.FLAGS.direct, K.FLAGS.trusted)))
+        t.start()
+        t.join()
+        assert seen == [(False, False)]
+    finally:
+        K.FLAGS.trusted = K.FLAGS.direct = False
+
+
+def test_models_in_threads_match_sequential_runs():
+    torch.manual_seed(0)
+    models = [_block() for _ in range(2)]
+    twins = [copy.deepcopy(m) for m in models]
+    xs = [torch.randn(32, 64, requires_grad=True) for _ in models]
+
+    def train(m, x):
+        for _ in range(5):
+            _step(m, x, CURRENT)
+
+    threads = [threading.Thread(target=train, args=(m, x)) for m, x in zip(models, xs, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for m, x in zip(twins, xs, strict=True):
+        train(m, x.detach().requires_grad_())
+    for m, t in zip(models, twins, strict=True):
+        for p, q in zip(m.parameters(), t.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
