@@ -101,16 +101,17 @@ def test_different_recipe_replaces_state():
 
 @pytest.mark.parametrize("rec", sorted(RECIPES))
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
-def test_output_accepts_inplace_add(kind, rec):
+def test_output_accepts_inplace_add(kind, rec, devices):
     torch.manual_seed(0)
+    d = devices
     make = {
-        "Linear": lambda: fusible.Linear(64, 64),
-        "LayerNormLinear": lambda: fusible.LayerNormLinear(64, 64),
-        "LayerNormMLP": lambda: fusible.LayerNormMLP(64, 128),
+        "Linear": lambda: fusible.Linear(64, 64, device=d),
+        "LayerNormLinear": lambda: fusible.LayerNormLinear(64, 64, device=d),
+        "LayerNormMLP": lambda: fusible.LayerNormMLP(64, 128, device=d),
     }[kind]
     m = make()
-    x = torch.randn(2, 32, 64, requires_grad=True)
-    r = torch.randn(2, 32, 64)
+    x = torch.randn(2, 32, 64, device=d, requires_grad=True)
+    r = torch.randn(2, 32, 64, device=d)
     with fusible.autocast(enabled=RECIPES[rec] is not None, recipe=RECIPES[rec]):
         y = m(x)
         assert y._base is None
@@ -141,13 +142,15 @@ class _Block(torch.nn.Module):
 
 
 @pytest.mark.parametrize("rec", ["none", "delayed", "current"])
-def test_compile_several_plans_cold_fullgraph(rec):
+def test_compile_several_plans_cold_fullgraph(rec, devices):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    m = torch.nn.Sequential(fusible.Linear(64, 64), torch.nn.ReLU(), fusible.Linear(64, 64))
+    d = devices
+    lin = [fusible.Linear(64, 64, device=d) for _ in range(2)]
+    m = torch.nn.Sequential(lin[0], torch.nn.ReLU(), lin[1])
     twin = copy.deepcopy(m)
     f = torch.compile(m, fullgraph=True, backend="aot_eager")
-    x = torch.randn(32, 64, requires_grad=True)
+    x = torch.randn(32, 64, device=devices, requires_grad=True)
     for model in (f, twin):
         with fusible.autocast(enabled=RECIPES[rec] is not None, recipe=RECIPES[rec]):
             y = model(x)
@@ -157,10 +160,10 @@ def test_compile_several_plans_cold_fullgraph(rec):
 
 
 @pytest.mark.parametrize("rec", ["none", "delayed", "current"])
-def test_block_with_sdpa_is_one_graph(rec):
+def test_block_with_sdpa_is_one_graph(rec, devices):
     torch._dynamo.reset()
-    m = _Block()
-    x = torch.randn(2, 32, 64)
+    m = _Block().to(devices)
+    x = torch.randn(2, 32, 64, device=devices)
 
     def fn(x):
         with fusible.autocast(enabled=RECIPES[rec] is not None, recipe=RECIPES[rec]):
@@ -174,11 +177,15 @@ def test_block_with_sdpa_is_one_graph(rec):
 
 
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
-def test_torch_autocast_dtype_is_followed(kind):
+def test_torch_autocast_dtype_is_followed(kind, devices):
     torch.manual_seed(0)
-    m = fusible.Linear(64, 32) if kind == "Linear" else fusible.LayerNormMLP(64, 128)
-    x = torch.randn(16, 64, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    d = devices
+    if kind == "Linear":
+        m: torch.nn.Module = fusible.Linear(64, 32, device=d)
+    else:
+        m = fusible.LayerNormMLP(64, 128, device=d)
+    x = torch.randn(16, 64, device=d, requires_grad=True)
+    with torch.autocast(d, dtype=torch.bfloat16):
         y = m(x)
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
@@ -189,14 +196,15 @@ def test_torch_autocast_dtype_is_followed(kind):
         ref = torch.nn.functional.linear(
             x.detach().bfloat16(), m.weight.detach().bfloat16(), m.bias.detach().bfloat16()
         )
-        assert torch.equal(y.detach(), ref)
+        # The same bf16 operands; the GEMM libraries may round the bias add differently.
+        torch.testing.assert_close(y.detach(), ref, rtol=1.6e-2, atol=1e-2)
 
 
-def test_torch_autocast_with_fp8_recipe_and_weight_cache():
+def test_torch_autocast_with_fp8_recipe_and_weight_cache(devices):
     torch.manual_seed(0)
-    m = fusible.Linear(64, 64)
-    x = torch.randn(32, 64)
-    with torch.autocast("cpu", dtype=torch.bfloat16), fusible.autocast(recipe=DELAYED):
+    m = fusible.Linear(64, 64, device=devices)
+    x = torch.randn(32, 64, device=devices)
+    with torch.autocast(devices, dtype=torch.bfloat16), fusible.autocast(recipe=DELAYED):
         y1 = m(x, is_first_microbatch=True)
         y2 = m(x, is_first_microbatch=False)  # the cached workspace (of the fp32 weight)
     assert y1.dtype == torch.bfloat16 and torch.equal(y1, y2)
@@ -249,9 +257,13 @@ def test_fused_op_returning_wrong_result_is_named():
 
 
 @pytest.mark.parametrize("rec", ["none", "delayed"])
-def test_dropped_model_is_freed(rec):
-    m = fusible.LayerNormMLP(64, 128)
-    _train(m, RECIPES[rec], 2)
+def test_dropped_model_is_freed(rec, devices):
+    m = fusible.LayerNormMLP(64, 128, device=devices)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x = torch.randn(32, 64, generator=g).to(devices)
+        with fusible.autocast(enabled=rec != "none", recipe=RECIPES[rec]):
+            m(x).sum().backward()
     refs = [weakref.ref(p) for p in m.parameters()]
     ids = list(m._plan_ids)
     assert ids and all(hasattr(fuser._SLOTS, f"p{i}") for i in ids)
