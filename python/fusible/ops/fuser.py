@@ -106,6 +106,9 @@ class Plan:
     # (_kernels.FLAGS.trusted).
     trusted_forward: set[Any] = field(default_factory=set)
     trusted_backward: set[Any] = field(default_factory=set)
+    # False when a user fusion rule's fused op runs in the plan: its kernel calls are not
+    # determined by the plan key, so its checks always run.
+    trustable: bool = True
 
 
 def _build_units(
@@ -184,6 +187,8 @@ def build_plan(
     counts = [len(p) for p in op_params]
     plan = Plan(ops, fwd, bwd, rejected, recipe, counts, registry.fusion_enabled())
     plan.id = next(_IDS)
+    user_rules = {r.name for r in registry.rules(True) + registry.rules(False) if r.user}
+    plan.trustable = not any(u.rule in user_rules for u in (*fwd, *bwd))
     n_in = [op.num_extra_inputs for op in ops]
     extra_rg = list(extra_requires_grad) if extra_requires_grad is not None else []
     extra_rg += [True] * (sum(n_in) - len(extra_rg))
@@ -313,6 +318,14 @@ def _backward_units(
     return dy, param_grads, extra_in_grads
 
 
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor default hooks are active (True when torch cannot say)."""
+    return _top_hooks is None or _top_hooks(True) is not None
+
+
 def _dequantize_if_needed(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else x.dequantize()
 
@@ -426,10 +439,10 @@ class _PlanFunction(torch.autograd.Function):
         if torch.compiler.is_compiling():  # traced: no module state may change
             y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
         else:
-            direct = K.plain_eager((x, args))
+            direct = K.plain_eager((x, args)) and plan.trustable
             if direct:
-                sig = (ws_modes, x.shape, x.is_contiguous(),
-                       *[(e.shape, e.is_contiguous()) for e in args[:n_extra]])  # fmt: skip
+                sig = (ws_modes, x.shape, x.stride(),
+                       *[(e.shape, e.stride(), e.device) for e in args[:n_extra]])  # fmt: skip
             trusted = sig in plan.trusted_forward
             K.FLAGS.direct, K.FLAGS.trusted = direct, trusted
             try:
@@ -447,6 +460,10 @@ class _PlanFunction(torch.autograd.Function):
         tensors: list[torch.Tensor] = []
         layout = _pack([c.saved for c in ctxs], tensors)
         ctx.save_for_backward(*tensors)
+        if sig is not None and _saved_tensor_hooks_active():
+            # Saved-tensor hooks (activation checkpointing, offloading, user hooks) may hand
+            # backward other tensors than forward saved: its checks run at every call.
+            sig = None
         ctx.fusible = (plan, layout, [c.attrs for c in ctxs], sig)
         flat_out = [t for eo in extra_out for t in eo]
         new_ws: list[torch.Tensor] = []
@@ -462,7 +479,9 @@ class _PlanFunction(torch.autograd.Function):
         plan, layout, attrs, sig = ctx.fusible
         fast = not torch.compiler.is_compiling()
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor once
-        saved_lists = _unpack(layout, saved, fast)
+        # Containers are rebuilt without validation only when nothing could have changed the
+        # saved tensors (no saved-tensor hooks at forward time: sig is kept).
+        saved_lists = _unpack(layout, saved, fast and sig is not None)
         ctxs = [
             OpContext(f[0], f[1], s, a)
             for f, s, a in zip(plan.flags, saved_lists, attrs, strict=True)
@@ -527,7 +546,10 @@ def run_plan(
             ws = None
             if not is_first_microbatch:
                 op = plan.ops[slot.op_index]
-                ws = _cache(op).lookup(cache_params[slot.param_index], slot.quantizer)
+                ws = _cache(op).lookup(
+                    cache_params[slot.param_index], slot.quantizer,
+                    params[slot.param_index].dtype,
+                )  # fmt: skip
             if ws is None:
                 mode = 2  # first micro-batch, or an invalid cache: quantize and cache
             else:
@@ -543,7 +565,8 @@ def run_plan(
                 n = workspace_len(slot.meta)
                 ws = unflatten_workspace(new_ws[:n], slot.meta)
                 w = cache_params[slot.param_index]
-                _cache(plan.ops[slot.op_index]).store(w, slot.quantizer, ws)
+                src = params[slot.param_index].dtype  # the dtype quantized (torch.autocast)
+                _cache(plan.ops[slot.op_index]).store(w, slot.quantizer, ws, src)
                 new_ws = new_ws[n:]
     if n_out == 1:
         return outs[0], []

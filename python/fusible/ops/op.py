@@ -65,10 +65,11 @@ class OpContext:
 _UIDS = itertools.count()
 # uid -> op, so cached plans can be found from plain constants (see fuser.plan_key_for).
 OPS_BY_UID: weakref.WeakValueDictionary[int, BasicOperation] = weakref.WeakValueDictionary()
-#: Bumped whenever any op builds new recipe states (new quantizer objects): plans resolve their
-#: quantizers when built, so plan caches key on it. Stashing and restoring a state (a run
-#: without a recipe between runs with one) keeps the quantizer objects and does not bump it.
-STATE_EPOCH = [0]
+#: Generations of recipe states: an op takes a new one whenever it builds new states (new
+#: quantizer objects); plans resolve their quantizers when built, so plan caches key on their
+#: ops' generations. Stashing and restoring a state (a run without a recipe between runs with
+#: one) keeps the quantizer objects and the generation.
+_STATE_GENS = itertools.count(1)
 #: Bumped whenever any op's active states change (built, stashed or restored): a Sequential
 #: re-activates its ops' states only when the recipe or this changed.
 ACTIVE_EPOCH = [0]
@@ -94,6 +95,8 @@ class BasicOperation(torch.nn.Module):
         self._role_scope_override: str | None = None
         self._recipe_states: dict[str, RecipeState | None] = {"forward": None, "backward": None}
         self._recipe_key: Any = None
+        self.state_gen = 0  # see _STATE_GENS
+        self._built = False  # states built for _recipe_key (a recipe, not None)
         # The states of the last recipe, kept while the op runs without one (an evaluation pass
         # outside autocast): (recipe key, states). Restored when that recipe comes back; only a
         # different recipe replaces them.
@@ -162,9 +165,10 @@ class BasicOperation(torch.nn.Module):
     def reset_recipe_state(self, recipe: Any | None) -> None:
         """(Re)build the forward/backward RecipeStates for ``recipe`` (None: high precision;
         this discards the states, unlike :meth:`ensure_recipe_state`)."""
-        STATE_EPOCH[0] += 1
+        self.state_gen = next(_STATE_GENS)
         ACTIVE_EPOCH[0] += 1
         self._stashed = None
+        self._built = recipe is not None
         self._recipe_states = {"forward": None, "backward": None}  # new: never mutate a held one
         for mode, fwd in (("forward", True), ("backward", False)):
             roles = self.get_quantizer_roles(fwd)
@@ -218,6 +222,24 @@ class BasicOperation(torch.nn.Module):
             if state is not None and state.device != device:
                 state.to(device)
 
+    #: What ``_state_snapshot`` saves: everything building recipe states may change.
+    _SNAPSHOT_ATTRS: ClassVar[tuple[str, ...]] = (
+        "_recipe_states", "_recipe_key", "_stashed", "_qmap", "_pending_recipe_state",
+        "state_gen", "_built",
+    )  # fmt: skip
+
+    def _state_snapshot(self) -> dict[str, Any]:
+        """The recipe-state bookkeeping as it is (containers copied): ``explain()`` plans with
+        states of its own and puts these back."""
+        out = {}
+        for name in self._SNAPSHOT_ATTRS:
+            v = self.__dict__.get(name)
+            out[name] = dict(v) if isinstance(v, dict) else v
+        return out
+
+    def _restore_snapshot(self, snapshot: dict[str, Any]) -> None:
+        self.__dict__.update(snapshot)
+
     def _held_states(self) -> dict[str, RecipeState | None]:
         """The active states, or the stashed ones while the op runs without a recipe."""
         if self._stashed is not None and self._recipe_key is None:
@@ -232,6 +254,11 @@ class BasicOperation(torch.nn.Module):
         for mode, state in self._held_states().items():
             for k, v in recipe_state_to_dict(state).items():
                 out[f"{mode}.{k}"] = v
+        # State loaded from a checkpoint and not built yet (no run under a recipe since): saved
+        # as loaded, so re-saving a loaded model keeps it.
+        for mode, fields in self._pending_recipe_state.items():
+            for k, v in fields.items():
+                out.setdefault(f"{mode}.{k}", v)
         return out
 
     def set_extra_state(self, state: Any) -> None:
@@ -294,7 +321,7 @@ class BasicOperation(torch.nn.Module):
             self._build_qmap()
             ACTIVE_EPOCH[0] += 1
             return
-        if self._recipe_key != key or (self._recipe_states["forward"] is None and self.role_scope):
+        if self._recipe_key != key or not self._built:
             self.reset_recipe_state(recipe)
 
     def recipe_state(self, fwd: bool) -> RecipeState | None:

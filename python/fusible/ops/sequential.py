@@ -11,7 +11,7 @@ import torch
 
 from fusible.ops import fuser, registry
 from fusible.ops.basic.linear import _COMPILE_UNSUPPORTED
-from fusible.ops.op import ACTIVE_EPOCH, STATE_EPOCH, BasicOperation
+from fusible.ops.op import ACTIVE_EPOCH, BasicOperation
 from fusible.quantization import autocast as _autocast
 from fusible.quantization.quantizers import QuantizedTensor
 from fusible.quantization.recipe import recipe_from_key
@@ -23,6 +23,7 @@ __all__ = ["Sequential"]
 _SEQ_UIDS = itertools.count()
 _SEQ_BY_UID: weakref.WeakValueDictionary[int, Sequential] = weakref.WeakValueDictionary()
 _NO_RECIPE: Any = object()  # explain(): no recipe argument given
+_MAX_PLANS = 32  # per container
 
 
 @torch._dynamo.assume_constant_result
@@ -53,8 +54,9 @@ def _traced_plan_id(seq_uid: int, key: tuple[Any, ...], recipe_key: str | None) 
     """The id of the plan for ``key`` (see :meth:`Sequential._traced_key`), built on first use.
     Under ``torch.compile`` this runs at trace time and its result is a constant of the graph:
     planning is Python bookkeeping, never traced."""
-    full = (*key, recipe_key, STATE_EPOCH[0])
-    return _SEQ_BY_UID[seq_uid]._plan(full, recipe_from_key(recipe_key)).id
+    seq = _SEQ_BY_UID[seq_uid]
+    gens = tuple(op.state_gen for op in seq._runs()[key[0]][1])
+    return seq._plan((*key, recipe_key, gens), recipe_from_key(recipe_key)).id
 
 
 def _recipe_key(recipe: Any) -> str | None:
@@ -89,6 +91,12 @@ class Sequential(torch.nn.Module):
         self._runs_cache: tuple[tuple[Any, ...], list[Any]] | None = None
         self._token: Any = None  # (recipe key, ACTIVE_EPOCH) the ops' states were set for
         self._last_run: tuple[Any, torch.dtype, torch.device] | None = None
+
+    def _replicate_for_data_parallel(self) -> Any:
+        # A replica shares this container's __dict__ copy: it plans for its own ops.
+        replica = super()._replicate_for_data_parallel()
+        replica._init_plans()
+        return replica
 
     def __getstate__(self) -> dict[str, Any]:
         # Plans reference this container's ops: a copy (deepcopy, pickle) plans afresh.
@@ -188,8 +196,20 @@ class Sequential(torch.nn.Module):
             for i, g in enumerate(groups)
         ]
         if not torch.compiler.is_compiling():  # no mutation in a traced region (checkpoint)
+            if cache is not None:
+                # The children changed: plans of the old runs go, and the new ops get their
+                # recipe states at the next run.
+                self._drop_plans()
+                self._token = None
             self._runs_cache = (mods, runs)
         return runs
+
+    def _drop_plans(self, keep: int = 0) -> None:
+        """Forget cached plans, oldest first, down to ``keep``."""
+        while len(self._plans) > keep:
+            plan = self._plans.pop(next(iter(self._plans)))
+            fuser.release_plans([plan.id])
+            self._plan_ids.remove(plan.id)
 
     def _activate(self, recipe: Any) -> None:
         """Make every op's recipe states ``recipe``'s (see ``BasicOperation.ensure_recipe_state``:
@@ -209,6 +229,10 @@ class Sequential(torch.nn.Module):
                 ops, recipe, input_requires_grad=key[1], grad_enabled=key[2],
                 extra_requires_grad=key[3],
             )  # fmt: skip
+            if len(self._plans) >= _MAX_PLANS:
+                # Plans of states that were replaced (a recipe change, a checkpoint load) are
+                # never looked up again: bounded, oldest first.
+                self._drop_plans(_MAX_PLANS - 1)
             self._plans[key] = plan
             self._plan_ids.append(plan.id)
         return plan
@@ -220,7 +244,7 @@ class Sequential(torch.nn.Module):
         return (
             index, x.requires_grad, torch.is_grad_enabled(),
             tuple([t.requires_grad for t in extra]) if extra else (),
-            rkey, STATE_EPOCH[0], x.dtype, x.device,
+            rkey, tuple([op.state_gen for op in ops]), x.dtype, x.device,
             tuple([(p.requires_grad, p.dtype, type(p), p.shape, p.device, p.is_contiguous())
                    for p in params]),
             tuple([op.training for op in ops]), registry._VERSION[0], registry._DISABLED[0],
@@ -233,7 +257,7 @@ class Sequential(torch.nn.Module):
         return (
             index, x.requires_grad, torch.is_grad_enabled(),
             tuple(t.requires_grad for t in extra), "traced", x.dtype, x.device.type,
-            tuple((p.requires_grad, p.dtype) for p in params),
+            tuple((p.requires_grad, p.dtype, tuple(p.shape)) for p in params),
             tuple(op.training for op in ops), registry.version(),
         )  # fmt: skip
 
@@ -273,6 +297,7 @@ class Sequential(torch.nn.Module):
             _traced_activate(self._seq_uid, rkey)
         else:
             rkey = None if recipe is None else recipe.key
+            self._runs()  # first: changed children reset the token
             if self._token != (rkey, ACTIVE_EPOCH[0]):
                 self._activate(recipe)
         cast = _torch_autocast_dtype(x)
@@ -344,12 +369,12 @@ class Sequential(torch.nn.Module):
         if device is None:
             device = last[2] if last is not None else "cpu"
         basic = [m for m in self._modules.values() if isinstance(m, BasicOperation)]
-        held = [(op._recipe_states, op._recipe_key, op._stashed, op._qmap) for op in basic]
+        held = [op._state_snapshot() for op in basic]
         try:
             return self._explain(recipe, dtype, device)
         finally:
             for op, h in zip(basic, held, strict=True):
-                op._recipe_states, op._recipe_key, op._stashed, op._qmap = h
+                op._restore_snapshot(h)
             self._token = None
 
     def _explain(self, recipe: Any, dtype: torch.dtype, device: Any) -> str:

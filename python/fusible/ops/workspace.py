@@ -94,7 +94,9 @@ class WorkspaceCache:
     key: Any = None
 
     @staticmethod
-    def key_for(weight: torch.Tensor, quantizer: Quantizer) -> Any:
+    def key_for(
+        weight: torch.Tensor, quantizer: Quantizer, source_dtype: torch.dtype | None = None
+    ) -> Any:
         # Eager: the version counter (in-place updates) and the storage address (``.data =``
         # reassignment, e.g. ``module.to(dtype)``, which keeps the version). Under
         # torch.compile, Tensor._version is an unbacked SymInt (functionalized away, never
@@ -104,24 +106,34 @@ class WorkspaceCache:
         # after changing weights. Writes through ``weight.data`` (an alias with its own version
         # counter) are invisible to both.
         state = None if torch.compiler.is_compiling() else (weight._version, weight.data_ptr())
+        # source_dtype: the dtype the workspace was quantized from (a torch.autocast cast of the
+        # weight differs from the weight itself).
         return (id(weight), state, weight.device, id(quantizer), type(quantizer),
-                quantizer.dtype)  # fmt: skip
+                quantizer.dtype, source_dtype or weight.dtype)  # fmt: skip
 
-    def lookup(self, weight: torch.Tensor, quantizer: Quantizer) -> QuantizedData | None:
+    def lookup(
+        self, weight: torch.Tensor, quantizer: Quantizer, source_dtype: torch.dtype | None = None
+    ) -> QuantizedData | None:
         """The cached workspace if still valid for this weight and quantizer, else None
         (under torch.compile the weight's version is not compared, see ``key_for``)."""
         if self.workspace is None or self.key is None:
             return None
-        key = self.key_for(weight, quantizer)
+        key = self.key_for(weight, quantizer, source_dtype)
         if torch.compiler.is_compiling():
             key, stored = key[:1] + key[2:], self.key[:1] + self.key[2:]
         else:
             stored = self.key
         return self.workspace if stored == key else None
 
-    def store(self, weight: torch.Tensor, quantizer: Quantizer, ws: QuantizedData | None) -> None:
+    def store(
+        self,
+        weight: torch.Tensor,
+        quantizer: Quantizer,
+        ws: QuantizedData | None,
+        source_dtype: torch.dtype | None = None,
+    ) -> None:
         self.workspace = ws
-        self.key = None if ws is None else self.key_for(weight, quantizer)
+        self.key = None if ws is None else self.key_for(weight, quantizer, source_dtype)
 
     def clear(self) -> None:
         self.workspace, self.key = None, None

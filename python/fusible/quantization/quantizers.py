@@ -495,6 +495,13 @@ class Float8Quantizer(Quantizer):
         else:
             seen.copy_(torch.maximum(seen, amax.reshape(1).to(seen)))
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The slot views are not state: a copy (pickle does not keep a view sharing its base's
+        # storage) makes its own from its buffers.
+        state = self.__dict__.copy()
+        state["_views"] = {}
+        return state
+
     def _slot_view(self, name: str) -> torch.Tensor:
         """This slot's ``(1,)`` view of ``buffers.scale`` / of this step's row of
         ``buffers.amax_history``, made once per buffer tensor (the buffers are read at every

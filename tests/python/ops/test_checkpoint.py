@@ -157,7 +157,8 @@ def test_load_restores_recipe_state_bit_for_bit(rec_name, order):
     fresh.load_state_dict(sd, strict=True)
     if order == "load_then_build":
         # The state is built lazily; the loaded values wait for it and are applied when it is.
-        assert all(op.get_extra_state() == {} for op in fresh)
+        # Until then the model saves them as loaded (re-saving a loaded model keeps them).
+        _assert_states_equal(_extra_states(fresh), _extra_states(trained))
         for op in fresh:
             op.ensure_recipe_state(rec)
     if order != "load_then_forward":

@@ -64,6 +64,7 @@ class BasicLinear(BasicOperation):
     """
 
     role_scope = "linear"
+    _SNAPSHOT_ATTRS = (*BasicOperation._SNAPSHOT_ATTRS, "_rowwise_twins")
 
     def __init__(
         self,

@@ -50,7 +50,7 @@ class ForwardLinearBiasAdd(FusedOperation):
         bias = params[1][0].to(out_dtype) if has_bias else None
         y, _ = C.gemm_fprop(xq, wq, out_dtype, bias=bias,
                                epilogue="bias" if has_bias else "none",
-                               c=C.as_2d(residual.to(out_dtype)))  # fmt: skip
+                               c=C.as_2d(residual.to(out_dtype)).contiguous())  # fmt: skip
         linear.save_operands(ctxs[0], xq, wq, out_dtype, w.dtype)
         if has_bias:
             ctxs[1].attrs["dtype"] = params[1][0].dtype
