@@ -355,3 +355,40 @@ def test_state_to_device_keeps_quantizers_attached():
     s.scale.fill_(8.0)
     assert float(q.quantize(torch.ones(2, 2)).scale_inv) == 0.125
     assert "DelayedScalingRecipeState" in repr(s)
+
+
+def test_repeated_updates_follow_moved_and_loaded_states():
+    """update_delayed_scaling replays its prepared batches only while every state holds the
+    tensors they were prepared for: the replay equals a fresh update bit for bit, and moving a
+    state or dropping it is seen."""
+    import gc
+    import weakref
+
+    from fusible.quantization import state as state_mod
+
+    rec = DelayedScaling(amax_history_len=3)
+    a, b = (RecipeState.create(rec, mode="forward", num_quantizers=n) for n in (2, 1))
+    a2, b2 = (RecipeState.create(rec, mode="forward", num_quantizers=n) for n in (2, 1))
+
+    def fresh_update(states):
+        saved = dict(state_mod._PREPARED)
+        state_mod._PREPARED.clear()
+        update_delayed_scaling(states)
+        state_mod._PREPARED.clear()
+        state_mod._PREPARED.update(saved)
+
+    for step in range(4):  # from the second call on, [a, b] replays its prepared batch
+        if step == 3:
+            a.amax_history = a.amax_history.clone()  # new tensors: prepared afresh
+        for s, v in ((a, 2.0), (b, 4.0), (a2, 2.0), (b2, 4.0)):
+            s.amax_history[0].fill_(v * (step + 1))
+        update_delayed_scaling([a, b])
+        fresh_update([a2, b2])
+        for got, want in ((a, a2), (b, b2)):
+            assert torch.equal(got.amax_history, want.amax_history), step
+            assert torch.equal(got.scale, want.scale), step
+    ref = weakref.ref(b)
+    del b, got, want
+    gc.collect()
+    assert ref() is None  # the prepared entries hold states weakly
+    assert len(state_mod._PREPARED) <= state_mod._MAX_PREPARED
