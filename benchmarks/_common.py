@@ -187,3 +187,39 @@ def write_json(name: str, payload: dict[str, Any], out_dir: str | None = None) -
     path = out / f"{name}_{gpu}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def dynamo_graphs() -> int:
+    """Graphs torch.compile has made so far in this process (a rise of more than one per
+    compiled mode means recompiles or graph breaks)."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
+def error_cell(e: Exception) -> str:
+    """A table cell for a variant that failed (reported, not fatal)."""
+    first = str(e).splitlines()[0][:160] if str(e) else ""
+    return f"error: {type(e).__name__}: {first}"
+
+
+def capture_cuda_graph(
+    warmup: Callable[[], Any],
+    capture: Callable[[], Any],
+    before_capture: Callable[[], Any] = lambda: None,
+) -> Callable[[], Any]:
+    """The CUDA graphs docs' capture recipe: ``warmup`` three times on a side stream, then
+    ``before_capture()``, then ``capture`` recorded into a graph; returns its ``replay``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            warmup()
+    torch.cuda.current_stream().wait_stream(side)
+    before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        capture()
+    return graph.replay

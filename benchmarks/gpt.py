@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _common import environment, print_table, time_ms, write_json
+from _common import dynamo_graphs, environment, error_cell, print_table, time_ms, write_json
 
 FUSIBLE = ("bf16", "delayed", "current", "mxfp8")
 ALL_VARIANTS = ("torch", *FUSIBLE, "torchao")
@@ -212,21 +212,6 @@ def measure(step: Callable[[], None], cfg: dict[str, int], cuda: bool) -> dict[s
     return out
 
 
-def dynamo_graphs() -> int:
-    """Graphs torch.compile has made so far in this process (a rise of more than one per
-    compiled mode means recompiles or graph breaks)."""
-    try:
-        from torch._dynamo.utils import counters
-    except Exception:
-        return 0
-    return int(counters["stats"]["unique_graphs"])
-
-
-def _error(e: Exception) -> str:
-    first = str(e).splitlines()[0][:160] if str(e) else ""
-    return f"error: {type(e).__name__}: {first}"
-
-
 def _free(cuda: bool) -> None:
     torch._dynamo.reset()
     gc.collect()
@@ -246,7 +231,7 @@ def run_variant(
     try:
         runner = Runner(variant, cfg, device, dt)
     except Exception as e:
-        return [{"variant": variant, "mode": m, "step_ms": _error(e)} for m in modes]
+        return [{"variant": variant, "mode": m, "step_ms": error_cell(e)} for m in modes]
     for mode in modes:
         row: dict[str, Any] = {"variant": variant, "mode": mode}
         try:
@@ -257,7 +242,7 @@ def run_variant(
             if cuda:
                 row["resident_MiB"] = (row.pop("_before") - start) / MIB
         except Exception as e:  # a variant that cannot run is reported, not fatal
-            row["step_ms"] = _error(e)
+            row["step_ms"] = error_cell(e)
         rows.append(row)
         print(f"  {variant} {mode}: {row.get('step_ms')}", flush=True)
     del runner
@@ -311,7 +296,7 @@ def profile(
                         torch.cuda.synchronize()
             except Exception as e:
                 failures += 1
-                print(f"profile {variant} {mode}: {_error(e)}")
+                print(f"profile {variant} {mode}: {error_cell(e)}")
                 continue
             finally:
                 runner = None  # type: ignore[assignment]

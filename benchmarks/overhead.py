@@ -46,7 +46,16 @@ from typing import Any
 
 import torch
 
-from _common import TorchBlock, environment, fusible_block, print_table, write_json
+from _common import (
+    TorchBlock,
+    capture_cuda_graph,
+    dynamo_graphs,
+    environment,
+    error_cell,
+    fusible_block,
+    print_table,
+    write_json,
+)
 
 HIDDEN, FFN, TOKENS, MX_TOKENS = 256, 1024, 16, 32
 MODES = ("eager", "compiled", "graphed")
@@ -192,30 +201,22 @@ class Stepper:
             self._zero_grad()
 
         if mode == "compiled":
-            # One eager step first: compiling a fresh fusible model fails on its first call
-            # (dynamo: KeyError in the plan lookup after the plan is built at trace time).
-            step()
+            step()  # one eager step first: the steady state is measured
             torch._dynamo.reset()  # a fresh cache: no recompile limit shared across variants
             fwd = torch.compile(self.forward, fullgraph=True)
         if mode != "graphed":
             return step
         if not self.x.is_cuda:
             raise RuntimeError("graphed mode needs CUDA")
+
         # The whole-network capture recipe of the CUDA graphs docs: warm up on a side stream,
         # set the grads to None so backward allocates them from the graph's pool, capture
         # forward + backward + opt.step (each replay overwrites the grads, so no zero_grad).
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        self._zero_grad()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        def body() -> None:
             loss_of(self.forward(self.x)).backward()
             self.opt.step()
-        return graph.replay
+
+        return capture_cuda_graph(step, body, self._zero_grad)
 
 
 def host_ms_per_step(
@@ -237,21 +238,11 @@ def host_ms_per_step(
     return statistics.median(times)
 
 
-def dynamo_graphs() -> int:
-    """Graphs torch.compile has made so far in this process (a rise of more than one per
-    compiled mode means recompiles or graph breaks)."""
-    try:
-        from torch._dynamo.utils import counters
-    except Exception:
-        return 0
-    return int(counters["stats"]["unique_graphs"])
-
-
 def _cell(fn: Callable[[], float]) -> float | str:
     try:
         return fn()
     except Exception as e:  # a variant that cannot run a mode is reported, not fatal
-        return f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        return error_cell(e)
 
 
 def host_table(device: str, modes: list[str], iters: int) -> list[dict[str, Any]]:

@@ -30,7 +30,15 @@ from typing import Any
 import torch
 
 import fusible
-from _common import TorchBlock, environment, fusible_block, print_table, time_ms, write_json
+from _common import (
+    TorchBlock,
+    capture_cuda_graph,
+    environment,
+    fusible_block,
+    print_table,
+    time_ms,
+    write_json,
+)
 from fusible import recipe
 from fusible.quantization import QuantizedTensor
 
@@ -100,16 +108,7 @@ class Stepper:
 
         if mode != "graphed":
             return step
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return graph.replay
+        return capture_cuda_graph(step, step)
 
 
 def host_ms_per_step(step: Callable[[], Any], iters: int = 200) -> float:

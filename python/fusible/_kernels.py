@@ -102,12 +102,7 @@ class _FusibleOp:
         functools.update_wrapper(self, self.fn)
 
     def _direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        if not plain_eager(args):
-            return False
-        for a in kwargs.values():
-            if not plain_eager((a,)):
-                return False
-        return True
+        return plain_eager((*args, *kwargs.values()))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (FLAGS.direct or self._direct(args, kwargs)):
@@ -297,10 +292,6 @@ def _nothing(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if t is None:
         t = _NOTHING[key] = torch.empty(0, dtype=dtype, device=device)
     return t
-
-
-def _empty(x: torch.Tensor) -> torch.Tensor:
-    return _nothing(torch.float32, x.device)
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from fusible.ops import GEGLU, GELU, LayerNorm, ReLU, RMSNorm, SiLU, SwiGLU
+from fusible.ops import GEGLU, GELU, LayerNorm, ReLU, RMSNorm, Sequential, SiLU, SwiGLU
 from fusible.ops.op import BasicOperation
 
 ACTIVATIONS: dict[str, type[BasicOperation]] = {
@@ -18,6 +18,20 @@ ACTIVATIONS: dict[str, type[BasicOperation]] = {
     "geglu": GEGLU,
 }
 GLU = {"swiglu", "geglu"}
+
+
+class NormFirst(Sequential):
+    """A module whose first op is its norm, with TransformerEngine's names for the norm's
+    parameters."""
+
+    @property
+    def layer_norm_weight(self) -> torch.nn.Parameter:
+        return self[0].weight  # type: ignore[return-value]
+
+    @property
+    def layer_norm_bias(self) -> torch.nn.Parameter | None:
+        """The norm's bias (None for RMSNorm)."""
+        return getattr(self[0], "bias", None)
 
 
 def make_norm(

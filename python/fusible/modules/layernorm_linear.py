@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from fusible.modules._common import make_norm, use_te_state_dict_names
-from fusible.ops import BasicLinear, Bias, Sequential
+from fusible.modules._common import NormFirst, make_norm, use_te_state_dict_names
+from fusible.ops import BasicLinear, Bias
 
 __all__ = ["LayerNormLinear"]
 
 
-class LayerNormLinear(Sequential):
+class LayerNormLinear(NormFirst):
     """``Linear(Norm(x))``; roles ``...:layernorm_linear``.
 
     ``state_dict()`` keys are TransformerEngine's: ``layer_norm_weight``, ``layer_norm_bias``
@@ -48,15 +48,6 @@ class LayerNormLinear(Sequential):
         if bias:
             names["2.bias"] = "bias"
         use_te_state_dict_names(self, {**names, "1._extra_state": "_extra_state"})
-
-    @property
-    def layer_norm_weight(self) -> torch.nn.Parameter:
-        return self[0].weight  # type: ignore[return-value]
-
-    @property
-    def layer_norm_bias(self) -> torch.nn.Parameter | None:
-        """The norm's bias (None for RMSNorm)."""
-        return getattr(self[0], "bias", None)
 
     @property
     def weight(self) -> torch.nn.Parameter:

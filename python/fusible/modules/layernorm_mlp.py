@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from fusible.modules._common import GLU, make_activation, make_norm, use_te_state_dict_names
-from fusible.ops import BasicLinear, Bias, Sequential
+from fusible.modules._common import (
+    GLU,
+    NormFirst,
+    make_activation,
+    make_norm,
+    use_te_state_dict_names,
+)
+from fusible.ops import BasicLinear, Bias
 
 __all__ = ["LayerNormMLP"]
 
 
-class LayerNormMLP(Sequential):
+class LayerNormMLP(NormFirst):
     """``fc2(act(fc1(Norm(x))))``; roles ``...:layernorm_mlp`` with names ``fc1`` / ``fc2``.
 
     ``activation``: ``gelu`` (tanh), ``relu``, ``silu``, ``swiglu`` or ``geglu`` (gated: fc1
@@ -80,15 +86,6 @@ class LayerNormMLP(Sequential):
     @property
     def fc2(self) -> BasicLinear:
         return self[self._fc2_index]  # type: ignore[return-value]
-
-    @property
-    def layer_norm_weight(self) -> torch.nn.Parameter:
-        return self[0].weight  # type: ignore[return-value]
-
-    @property
-    def layer_norm_bias(self) -> torch.nn.Parameter | None:
-        """The norm's bias (None for RMSNorm)."""
-        return getattr(self[0], "bias", None)
 
     @property
     def fc1_weight(self) -> torch.nn.Parameter:

@@ -99,8 +99,8 @@ class Plan:
     workspace_slots: list[WorkspaceSlot] = field(default_factory=list)
     forward_states: list[Any] = field(default_factory=list)
     backward_states: list[Any] = field(default_factory=list)
-    # Forward and backward units' results are checked on the first run only.
-    checked: list[bool] = field(default_factory=lambda: [False, False])
+    # The forward units' results are checked on the first (eager) run only.
+    checked: bool = False
     # Input signatures (workspace modes, shapes, contiguity) this plan's forward / backward ran
     # with every kernel argument check passing: later runs with one skip the checks
     # (_kernels.FLAGS.trusted).
@@ -264,7 +264,7 @@ def _forward_units(
 ) -> tuple[Any, list[Any]]:
     ops = plan.ops
     extra_out: list[Any] = [()] * len(ops)
-    check = not plan.checked[0]
+    check = not plan.checked
     for start, stop, fused, nxt in plan.forward_steps:
         if fused is None:
             out: Any = ops[start].op_forward(
@@ -290,7 +290,7 @@ def _forward_units(
     if check and not torch.compiler.is_compiling():
         # Not while tracing: a mutation of the plan there becomes a side effect dynamo replays
         # with the graph, which then captures the traced tensors.
-        plan.checked[0] = True
+        plan.checked = True
     return x, extra_out
 
 

@@ -295,15 +295,16 @@ class Sequential(torch.nn.Module):
         if traced:
             rkey = _recipe_key(recipe)
             _traced_activate(self._seq_uid, rkey)
+            runs = self._runs()
         else:
             rkey = None if recipe is None else recipe.key
-            self._runs()  # first: changed children reset the token
+            runs = self._runs()  # first: changed children reset the token
             if self._token != (rkey, ACTIVE_EPOCH[0]):
                 self._activate(recipe)
         cast = _torch_autocast_dtype(x)
         pending = extra_inputs
         extra_outputs: list[torch.Tensor] = []
-        for index, run, n_in in self._runs():
+        for index, run, n_in in runs:
             if n_in < 0:
                 x = run[0](x)
                 continue
