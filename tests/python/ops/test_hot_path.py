@@ -102,7 +102,7 @@ def test_parameter_dtype_change_builds_a_new_plan():
 
 # Regression ceilings for the Python calls of one forward + backward step of the issue-11 block
 # (CPU, Python 3.11, benchmarks/overhead.py; torch eager makes about 72). Measured at this
-# commit: bf16 704, delayed 1568, current 1411, mxfp8 1613; before the executor rewrite
+# commit: bf16 702, delayed 1566, current 1409, mxfp8 1611; before the executor rewrite
 # (60c0229): 1431, 2896, 2667, 3077. The issue's target (<= 2x torch eager) needs the per-kernel
 # marshalling moved into the core library's binding: see the README's hot-path section.
 CEILINGS = {"fusible bf16": 780, "fusible delayed": 1800, "fusible current": 1600,
