@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Short GPU rounds for a lent machine with a few minutes per command (the H200 device):
-#   bash scripts/gpu_quick.sh build OUT_DIR    build, and keep the core library as OUT_DIR/_C.so.gz
-#   bash scripts/gpu_quick.sh use SO_GZ        use a core library built earlier (no rebuild):
+#   bash scripts/gpu_quick.sh build OUT_DIR    build, and keep the compiled libraries (the _C module
+#                                              and the torch operators) as OUT_DIR/libs.tar.gz
+#   bash scripts/gpu_quick.sh use LIBS_TGZ     use libraries built earlier (no rebuild):
 #                                              python/ is then the package (PYTHONPATH)
 # Afterwards run the tests and benchmarks as usual. Python changes need no rebuild with `use`.
 set -euo pipefail
@@ -12,12 +13,10 @@ case ${1:?build or use} in
     out=${2:?OUT_DIR}
     CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" bash scripts/setup.sh > "$out/build.log" 2>&1 \
       || { tail -40 "$out/build.log"; exit 1; }
-    so=$(python3 -c "import fusible, glob, os; print(glob.glob(os.path.dirname(fusible.__file__) + '/_C*.so')[0])")
-    gzip -c "$so" > "$out/_C.so.gz"
+    pkg=$(python3 -c "import fusible, os; print(os.path.dirname(fusible.__file__))")
+    (cd "$pkg" && tar czf "$out/libs.tar.gz" _C*.so libfusible_torch*.so)
     ;;
   use)
-    so=${2:?SO_GZ}
-    name=$(python3 -c "import sysconfig; print('_C' + sysconfig.get_config_var('EXT_SUFFIX'))")
-    gunzip -c "$so" > "python/fusible/$name"
+    tar xzf "${2:?LIBS_TGZ}" -C python/fusible
     ;;
 esac

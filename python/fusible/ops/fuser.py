@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fusible import _kernels as K
 from fusible.ops import registry
 from fusible.ops.op import BasicOperation, FusedOperation, OpContext
 from fusible.ops.workspace import (
@@ -101,14 +100,6 @@ class Plan:
     backward_states: list[Any] = field(default_factory=list)
     # The forward units' results are checked on the first (eager) run only.
     checked: bool = False
-    # Input signatures (workspace modes, shapes, contiguity) this plan's forward / backward ran
-    # with every kernel argument check passing: later runs with one skip the checks
-    # (_kernels.FLAGS.trusted).
-    trusted_forward: set[Any] = field(default_factory=set)
-    trusted_backward: set[Any] = field(default_factory=set)
-    # False when a user fusion rule's fused op runs in the plan: its kernel calls are not
-    # determined by the plan key, so its checks always run.
-    trustable: bool = True
 
 
 def _build_units(
@@ -187,8 +178,6 @@ def build_plan(
     counts = [len(p) for p in op_params]
     plan = Plan(ops, fwd, bwd, rejected, recipe, counts, registry.fusion_enabled())
     plan.id = next(_IDS)
-    user_rules = {r.name for r in registry.rules(True) + registry.rules(False) if r.user}
-    plan.trustable = not any(u.rule in user_rules for u in (*fwd, *bwd))
     n_in = [op.num_extra_inputs for op in ops]
     extra_rg = list(extra_requires_grad) if extra_requires_grad is not None else []
     extra_rg += [True] * (sum(n_in) - len(extra_rg))
@@ -435,22 +424,7 @@ class _PlanFunction(torch.autograd.Function):
                 c.workspace = unflatten_workspace(list(args[pos : pos + n]), slot.meta)
                 pos += n
             c.cache_weight = mode == 2
-        sig = None
-        if torch.compiler.is_compiling():  # traced: no module state may change
-            y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
-        else:
-            direct = K.plain_eager((x, args)) and plan.trustable
-            if direct:
-                sig = (ws_modes, x.shape, x.stride(),
-                       *[(e.shape, e.stride(), e.device) for e in args[:n_extra]])  # fmt: skip
-            trusted = sig in plan.trusted_forward
-            K.FLAGS.direct, K.FLAGS.trusted = direct, trusted
-            try:
-                y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
-            finally:
-                K.FLAGS.direct = K.FLAGS.trusted = False
-            if sig is not None and not trusted:
-                plan.trusted_forward.add(sig)  # every check passed
+        y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
         if not isinstance(y, torch.Tensor):
             y = y.dequantize()
         elif not torch.compiler.is_compiling() and y._base is not None:
@@ -460,11 +434,10 @@ class _PlanFunction(torch.autograd.Function):
         tensors: list[torch.Tensor] = []
         layout = _pack([c.saved for c in ctxs], tensors)
         ctx.save_for_backward(*tensors)
-        if sig is not None and _saved_tensor_hooks_active():
-            # Saved-tensor hooks (activation checkpointing, offloading, user hooks) may hand
-            # backward other tensors than forward saved: its checks run at every call.
-            sig = None
-        ctx.fusible = (plan, layout, [c.attrs for c in ctxs], sig)
+        # Saved-tensor hooks (activation checkpointing, offloading, user hooks) may hand backward
+        # other tensors than forward saved: their containers are then rebuilt with validation.
+        same = not torch.compiler.is_compiling() and not _saved_tensor_hooks_active()
+        ctx.fusible = (plan, layout, [c.attrs for c in ctxs], same)
         flat_out = [t for eo in extra_out for t in eo]
         new_ws: list[torch.Tensor] = []
         for slot, mode in zip(plan.workspace_slots, ws_modes, strict=True):
@@ -476,12 +449,11 @@ class _PlanFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor | None, *out_grads: torch.Tensor | None) -> Any:  # type: ignore[override]
-        plan, layout, attrs, sig = ctx.fusible
-        fast = not torch.compiler.is_compiling()
+        plan, layout, attrs, same = ctx.fusible
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor once
         # Containers are rebuilt without validation only when nothing could have changed the
-        # saved tensors (no saved-tensor hooks at forward time: sig is kept).
-        saved_lists = _unpack(layout, saved, fast and sig is not None)
+        # saved tensors (no saved-tensor hooks at forward time).
+        saved_lists = _unpack(layout, saved, same and not torch.compiler.is_compiling())
         ctxs = [
             OpContext(f[0], f[1], s, a)
             for f, s, a in zip(plan.flags, saved_lists, attrs, strict=True)
@@ -493,22 +465,7 @@ class _PlanFunction(torch.autograd.Function):
             pos += n
         if dy is not None and not dy.is_contiguous():
             dy = dy.contiguous()  # e.g. the expanded gradient of a sum(): kernels read rows
-        if not fast:
-            dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
-        else:
-            direct = K.plain_eager((dy, saved, out_grads))
-            # dy is contiguous (above); the signature is the forward's (dy has its output's
-            # shape, dtype and device), valid when the branch gradients are contiguous too.
-            if sig is not None and not all(g is None or g.is_contiguous() for g in out_grads):
-                sig = None
-            trusted = direct and sig in plan.trusted_backward
-            K.FLAGS.direct, K.FLAGS.trusted = direct, trusted
-            try:
-                dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
-            finally:
-                K.FLAGS.direct = K.FLAGS.trusted = False
-            if direct and sig is not None and not trusted:
-                plan.trusted_backward.add(sig)
+        dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
         if plan.backward_states:
             _autocast.end_backward_pass(plan.backward_states)
         dx = _dequantize_if_needed(dx) if dx is not None and ctx.needs_input_grad[2] else None

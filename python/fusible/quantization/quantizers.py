@@ -26,7 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._pytree import tree_map
 
-from fusible import _kernels as _ops  # torch.ops.fusible.*, with the eager fast path
+from fusible import _kernels as _ops  # torch.ops.fusible.*
 from fusible._kernels import FP8_DTYPES, HIGH_PRECISION_DTYPES
 from fusible.quantization.recipe import Float8CurrentScaling, MXFP8BlockScaling, Recipe
 from fusible.quantization.roles import QuantizerRole, as_role

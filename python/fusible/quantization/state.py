@@ -387,9 +387,7 @@ def update_delayed_scaling(states: Sequence[RecipeState], group: Any = None) -> 
         ([d.amax_history for d in ds], [d.scale for d in ds], [d.fp8_max for d in ds], algo, margin)
         for (_, algo, margin), ds in batches.items()
     ]
-    # No gradient flows through the update: without grad mode it calls the core library
-    # directly (see _kernels._FusibleOp) rather than through the custom-op dispatch.
-    with torch.no_grad():
+    with torch.no_grad():  # no gradient flows through the update
         for args in calls:
             _kernels.delayed_scaling_update(*args)
     if group is None and not torch.compiler.is_compiling():
@@ -432,13 +430,8 @@ def _prepared_update(states: Sequence[RecipeState]) -> _Prepared | None:
 
 def _run_prepared(entry: _Prepared) -> None:
     with torch.no_grad():
-        flags = _kernels.FLAGS
-        prev, flags.trusted = flags.trusted, True  # the tensors the remembered call checked
-        try:
-            for args in entry[2]:
-                _kernels.delayed_scaling_update(*args)
-        finally:
-            flags.trusted = prev
+        for args in entry[2]:
+            _kernels.delayed_scaling_update(*args)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------

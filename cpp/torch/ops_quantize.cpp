@@ -1,0 +1,183 @@
+// torch.ops.fusible quantize family: per-tensor FP8 (delayed and current scaling), MXFP8, FP8
+// transpose, amax (cpp/include/fusible/quantize.h).
+#include "fusible/quantize.h"
+
+#include "families.h"
+#include "torch_ops.h"
+
+namespace fusible_torch {
+namespace {
+
+// data (x's shape) and data_t [k, rows] for the requested copies; empty when not requested.
+std::pair<Tensor, Tensor> fp8_outputs(const Tensor& x, int64_t rows, int64_t cols,
+                                      at::ScalarType fp8_dtype, bool rowwise, bool columnwise) {
+  return {rowwise ? empty(x.sizes(), fp8_dtype, x) : nothing(fp8_dtype, x),
+          columnwise ? empty({cols, rows}, fp8_dtype, x) : nothing(fp8_dtype, x)};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, const Tensor& scale,
+                                                        at::ScalarType fp8_dtype, bool rowwise,
+                                                        bool columnwise) {
+  const char* op = "quantize_fp8";
+  check_tensor(op, "x", x, high_precision());
+  check_scalar(op, "scale", scale, x.device());
+  check_fp8_dtype(op, fp8_dtype);
+  require_a_copy(op, rowwise, columnwise);
+  auto [rows, cols] = matrix_shape(op, x);
+  auto [data, data_t] = fp8_outputs(x, rows, cols, fp8_dtype, rowwise, columnwise);
+  Tensor scale_inv = empty({1}, at::kFloat, x);
+  Tensor amax = empty({1}, at::kFloat, x);
+  if (!shapes_only(x)) {
+    fus_quantized q{FUS_SCALING_PER_TENSOR, code_of(fp8_dtype), rows,        cols,
+                    ptr(data),              ptr(data_t),        ptr(scale_inv), nullptr,
+                    fptr(scale),            fptr(amax)};
+    const fus_tensor in = mat(x, rows, cols);
+    const fus_context ctx = context_of(x);
+    check_status(op, fus_quantize(&in, &q, &ctx));
+  }
+  return {data, data_t, scale_inv, amax};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quantize_fp8_current(
+    const Tensor& x, at::ScalarType fp8_dtype, int64_t margin, bool rowwise, bool columnwise) {
+  const char* op = "quantize_fp8_current";
+  check_tensor(op, "x", x, high_precision());
+  check_fp8_dtype(op, fp8_dtype);
+  require_a_copy(op, rowwise, columnwise);
+  check_margin(op, margin);
+  auto [rows, cols] = matrix_shape(op, x);
+  auto [data, data_t] = fp8_outputs(x, rows, cols, fp8_dtype, rowwise, columnwise);
+  // All three are written by the call (amax first, then scale from it, then scale_inv).
+  Tensor scale = empty({1}, at::kFloat, x);
+  Tensor scale_inv = empty({1}, at::kFloat, x);
+  Tensor amax = empty({1}, at::kFloat, x);
+  if (!shapes_only(x)) {
+    fus_quantized q{FUS_SCALING_PER_TENSOR, code_of(fp8_dtype), rows,        cols,
+                    ptr(data),              ptr(data_t),        ptr(scale_inv), nullptr,
+                    fptr(scale),            fptr(amax)};
+    const fus_tensor in = mat(x, rows, cols);
+    const fus_context ctx = context_of(x);
+    check_status(op, fus_quantize_current_scaling(&in, &q, static_cast<int>(margin), &ctx));
+  }
+  return {data, data_t, scale, scale_inv, amax};
+}
+
+Tensor dequantize_fp8(const Tensor& data, const Tensor& scale_inv, at::ScalarType out_dtype) {
+  const char* op = "dequantize_fp8";
+  check_tensor(op, "data", data, fp8_dtypes());
+  check_scalar(op, "scale_inv", scale_inv, data.device());
+  check_out_dtype(op, out_dtype);
+  auto [rows, cols] = matrix_shape(op, data, "data");
+  Tensor out = empty(data.sizes(), out_dtype, data);
+  if (!shapes_only(data)) {
+    const fus_quantized q{FUS_SCALING_PER_TENSOR, code_of(data.scalar_type()), rows, cols,
+                          ptr(data), nullptr, ptr(scale_inv), nullptr, nullptr, nullptr};
+    fus_tensor o = mat(out, rows, cols);
+    const fus_context ctx = context_of(data);
+    check_status(op, fus_dequantize(&q, 0, &o, &ctx));
+  }
+  return out;
+}
+
+Tensor transpose_fp8(const Tensor& x) {
+  const char* op = "transpose_fp8";
+  check_tensor(op, "x", x, fp8_dtypes());
+  FUS_VALUE_CHECK(x.dim() == 2, op, "argument 'x' must be a 2-D matrix [rows, cols], got shape ",
+                  shape_str(x.sizes()));
+  const int64_t rows = x.size(0), cols = x.size(1);
+  Tensor out = empty({cols, rows}, x.scalar_type(), x);
+  if (!shapes_only(x)) {
+    const fus_tensor in = mat(x, rows, cols);
+    fus_tensor o = mat(out, cols, rows);
+    const fus_context ctx = context_of(x);
+    check_status(op, fus_transpose_fp8(&in, &o, &ctx));
+  }
+  return out;
+}
+
+Tensor compute_amax(const Tensor& x) {
+  const char* op = "compute_amax";
+  check_tensor(op, "x", x, high_precision());
+  auto [rows, cols] = matrix_shape(op, x);
+  Tensor amax = empty({1}, at::kFloat, x);
+  if (!shapes_only(x)) {
+    const fus_tensor in = mat(x, rows, cols);
+    const fus_context ctx = context_of(x);
+    check_status(op, fus_compute_amax(&in, fptr(amax), &ctx));
+  }
+  return amax;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mxfp8(const Tensor& x,
+                                                          at::ScalarType fp8_dtype, bool rowwise,
+                                                          bool columnwise) {
+  const char* op = "quantize_mxfp8";
+  check_tensor(op, "x", x, high_precision());
+  check_fp8_dtype(op, fp8_dtype);
+  require_a_copy(op, rowwise, columnwise);
+  auto [rows, cols] = matrix_shape(op, x);
+  const auto u8 = at::kByte;
+  Tensor data = rowwise ? empty(x.sizes(), fp8_dtype, x) : nothing(fp8_dtype, x);
+  Tensor scale = rowwise ? empty({rows, ceil_div(cols, FUS_MXFP8_BLOCK)}, u8, x) : nothing(u8, x);
+  Tensor col = columnwise ? empty(x.sizes(), fp8_dtype, x) : nothing(fp8_dtype, x);
+  Tensor col_scale =
+      columnwise ? empty({ceil_div(rows, FUS_MXFP8_BLOCK), cols}, u8, x) : nothing(u8, x);
+  if (!shapes_only(x)) {
+    fus_quantized q{FUS_SCALING_MXFP8, code_of(fp8_dtype), rows,           cols,
+                    ptr(data),         ptr(col),           ptr(scale),     ptr(col_scale),
+                    nullptr,           nullptr};
+    const fus_tensor in = mat(x, rows, cols);
+    const fus_context ctx = context_of(x);
+    check_status(op, fus_quantize(&in, &q, &ctx));
+  }
+  return {data, scale, col, col_scale};
+}
+
+Tensor dequantize_mxfp8(const Tensor& data, const Tensor& scale, bool columnwise,
+                        at::ScalarType out_dtype) {
+  const char* op = "dequantize_mxfp8";
+  check_tensor(op, "data", data, fp8_dtypes());
+  check_tensor(op, "scale", scale, {at::kByte}, data.device());
+  check_out_dtype(op, out_dtype);
+  auto [rows, cols] = matrix_shape(op, data, "data");
+  const std::vector<int64_t> expected =
+      columnwise ? std::vector<int64_t>{ceil_div(rows, FUS_MXFP8_BLOCK), cols}
+                 : std::vector<int64_t>{rows, ceil_div(cols, FUS_MXFP8_BLOCK)};
+  FUS_VALUE_CHECK(rows * cols == 0 || scale.sizes() == at::IntArrayRef(expected), op,
+                  "argument 'scale' has shape ", shape_str(scale.sizes()), ", expected ",
+                  shape_str(expected), " for ", columnwise ? "columnwise" : "rowwise",
+                  " data of matrix shape (", rows, ", ", cols, ")");
+  Tensor out = empty(data.sizes(), out_dtype, data);
+  if (!shapes_only(data)) {
+    void* p = ptr(data);
+    void* s = ptr(scale);
+    const fus_quantized q{FUS_SCALING_MXFP8,
+                          code_of(data.scalar_type()),
+                          rows,
+                          cols,
+                          columnwise ? nullptr : p,
+                          columnwise ? p : nullptr,
+                          columnwise ? nullptr : s,
+                          columnwise ? s : nullptr,
+                          nullptr,
+                          nullptr};
+    fus_tensor o = mat(out, rows, cols);
+    const fus_context ctx = context_of(data);
+    check_status(op, fus_dequantize(&q, columnwise ? 1 : 0, &o, &ctx));
+  }
+  return out;
+}
+
+}  // namespace
+
+void register_quantize(torch::Library& m) {
+  m.impl("quantize_fp8", &quantize_fp8);
+  m.impl("quantize_fp8_current", &quantize_fp8_current);
+  m.impl("dequantize_fp8", &dequantize_fp8);
+  m.impl("transpose_fp8", &transpose_fp8);
+  m.impl("compute_amax", &compute_amax);
+  m.impl("quantize_mxfp8", &quantize_mxfp8);
+  m.impl("dequantize_mxfp8", &dequantize_mxfp8);
+}
+
+}  // namespace fusible_torch

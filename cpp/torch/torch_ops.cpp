@@ -1,0 +1,225 @@
+// Helpers shared by the torch operator layer (torch_ops.h).
+#include "torch_ops.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <cmath>
+#include <sstream>
+
+namespace fusible_torch {
+
+fus_dtype code_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return FUS_FLOAT32;
+    case at::kHalf: return FUS_FLOAT16;
+    case at::kBFloat16: return FUS_BFLOAT16;
+    case at::kFloat8_e4m3fn: return FUS_FLOAT8_E4M3;
+    case at::kFloat8_e5m2: return FUS_FLOAT8_E5M2;
+    case at::kByte: return FUS_E8M0;
+    default: TORCH_CHECK_TYPE(false, "fusible: dtype ", dtype_name(t), " has no fus_dtype");
+  }
+}
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {  // torch's Python names (c10's are "Float", "Half", ...)
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
+    case at::kFloat8_e5m2: return "torch.float8_e5m2";
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+std::string dtype_list(const std::vector<at::ScalarType>& dtypes) {
+  std::string s;
+  for (size_t i = 0; i < dtypes.size(); ++i) s += (i ? ", " : "") + dtype_name(dtypes[i]);
+  return s;
+}
+
+std::string shape_str(at::IntArrayRef shape) {  // Python's tuple repr: (), (5,), (2, 3)
+  std::ostringstream s;
+  s << "(";
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  if (shape.size() == 1) s << ",";
+  s << ")";
+  return s.str();
+}
+
+const std::vector<at::ScalarType>& high_precision() {
+  static const std::vector<at::ScalarType> v{at::kFloat, at::kHalf, at::kBFloat16};
+  return v;
+}
+
+const std::vector<at::ScalarType>& fp8_dtypes() {
+  static const std::vector<at::ScalarType> v{at::kFloat8_e4m3fn, at::kFloat8_e5m2};
+  return v;
+}
+
+bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+void check_tensor(const char* op, const char* name, const Tensor& t,
+                  const std::vector<at::ScalarType>& dtypes, std::optional<c10::Device> device) {
+  if (!dtypes.empty()) {
+    bool ok = false;
+    for (auto d : dtypes) ok = ok || t.scalar_type() == d;
+    FUS_TYPE_CHECK(ok, op, "argument '", name, "' must have dtype in (", dtype_list(dtypes),
+                   "), got ", dtype_name(t.scalar_type()));
+  }
+  const auto type = t.device().type();
+  FUS_VALUE_CHECK(type == c10::DeviceType::CPU || type == c10::DeviceType::CUDA ||
+                      type == c10::DeviceType::Meta,
+                  op, "argument '", name, "' is on ", t.device().str(),
+                  "; expected a CPU or CUDA tensor");
+  FUS_VALUE_CHECK(!device.has_value() || t.device() == *device, op, "argument '", name, "' is on ",
+                  t.device().str(), ", expected the input's device ",
+                  device.has_value() ? device->str() : "");
+  FUS_VALUE_CHECK(t.is_contiguous(), op, "argument '", name, "' must be contiguous (shape ",
+                  shape_str(t.sizes()), ", stride ", shape_str(t.strides()),
+                  "); call .contiguous() first");
+  TORCH_CHECK(type != c10::DeviceType::CUDA || fus_has_cuda(), "fusible.", op, ": argument '",
+              name,
+              "' is a CUDA tensor but fusible was built without its CUDA backend (no nvcc at "
+              "build time)");
+}
+
+void check_scalar(const char* op, const char* name, const Tensor& t, c10::Device device) {
+  check_tensor(op, name, t, {at::kFloat}, device);
+  FUS_VALUE_CHECK(t.numel() == 1, op, "argument '", name,
+                  "' must hold exactly one float32 value, got shape ", shape_str(t.sizes()));
+}
+
+void check_fp8_dtype(const char* op, at::ScalarType t) {
+  FUS_TYPE_CHECK(is_fp8(t), op,
+                 "argument 'fp8_dtype' must be torch.float8_e4m3fn or torch.float8_e5m2, got ",
+                 dtype_name(t));
+}
+
+void check_out_dtype(const char* op, at::ScalarType t) {
+  FUS_TYPE_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op,
+                 "argument 'out_dtype' must be float32, float16 or bfloat16, got ", dtype_name(t));
+}
+
+void check_opt_out_dtype(const char* op, std::optional<at::ScalarType> t) {
+  FUS_TYPE_CHECK(!t.has_value() || *t == at::kFloat || *t == at::kHalf || *t == at::kBFloat16, op,
+                 "argument 'out_dtype' must be None, float32, float16 or bfloat16, got ",
+                 t.has_value() ? dtype_name(*t) : "None");
+}
+
+void check_margin(const char* op, int64_t margin) {
+  FUS_VALUE_CHECK(margin >= -(int64_t{1} << 31) && margin < (int64_t{1} << 31), op,
+                  "argument 'margin' must fit in int32, got ", margin);
+}
+
+void require_a_copy(const char* op, bool rowwise, bool columnwise) {
+  FUS_VALUE_CHECK(rowwise || columnwise, op,
+                  "at least one of 'rowwise' and 'columnwise' must be True");
+}
+
+int check_choice(const char* op, const char* name, std::string_view value,
+                 const std::vector<std::string_view>& choices) {
+  for (size_t i = 0; i < choices.size(); ++i)
+    if (choices[i] == value) return static_cast<int>(i);
+  std::string list;  // Python's tuple repr: ('a', 'b')
+  for (size_t i = 0; i < choices.size(); ++i)
+    list += std::string(i ? ", " : "") + "'" + std::string(choices[i]) + "'";
+  FUS_VALUE_CHECK(false, op, "argument '", name, "' must be one of (", list, "), got '",
+                  std::string(value), "'");
+  return -1;
+}
+
+std::pair<int64_t, int64_t> matrix_shape(const char* op, const Tensor& x, const char* name) {
+  FUS_VALUE_CHECK(x.dim() > 0, op, "argument '", name,
+                  "' must have at least one dimension, got a scalar");
+  const int64_t cols = x.size(-1);
+  int64_t rows = 1;
+  for (int64_t i = 0; i + 1 < x.dim(); ++i) rows *= x.size(i);
+  return {rows, cols};
+}
+
+fus_context context_of(const Tensor& t) {
+  if (!t.is_cuda()) return fus_context{FUS_DEVICE_CPU, 0, nullptr};
+  const c10::Device dev = t.device();
+  // The current stream through the CUDA guard that torch registers at run time: no link against
+  // torch's CUDA libraries, and the same stream torch.cuda.current_stream() names (CUDA graph
+  // capture included).
+  const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  return fus_context{FUS_DEVICE_CUDA, dev.index(), impl->getStream(dev).native_handle()};
+}
+
+void check_status(const char* op, fus_status st) {
+  if (st == FUS_SUCCESS) return;
+  FUS_VALUE_CHECK(st != FUS_ERROR_INVALID_ARGUMENT, op, fus_last_error());
+  FUS_TYPE_CHECK(st != FUS_ERROR_UNSUPPORTED, op, fus_last_error());
+  TORCH_CHECK(false, "fusible.", op, ": ", fus_last_error());
+}
+
+Tensor empty(at::IntArrayRef shape, at::ScalarType dtype, const Tensor& like) {
+  return at::empty(shape, at::TensorOptions().dtype(dtype).device(like.device()));
+}
+
+int check_quant_args(const char* op, std::string_view quant, at::ScalarType fp8_dtype,
+                     const OptTensor& scale, bool rowwise, bool columnwise, c10::Device device) {
+  const int mode = check_choice(op, "quant", quant, {"none", "fp8", "mxfp8"});
+  if (mode == kQuantNone) return mode;
+  check_fp8_dtype(op, fp8_dtype);
+  require_a_copy(op, rowwise, columnwise);
+  if (mode == kQuantFp8) {
+    FUS_VALUE_CHECK(scale.has_value(), op,
+                    "argument 'scale' is required for quant='fp8' (float32, one value)");
+    check_scalar(op, "scale", *scale, device);
+  } else if (scale.has_value()) {
+    check_tensor(op, "scale", *scale, {}, device);  // unused, but must not mix devices
+  }
+  return mode;
+}
+
+std::vector<Tensor> quant_outputs(at::IntArrayRef shape, const Tensor& like, int quant,
+                                  at::ScalarType fp8_dtype, bool rowwise, bool columnwise) {
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
+  const int64_t cols = shape.empty() ? 1 : shape.back();
+  const auto u8 = at::kByte;
+  if (quant == kQuantNone)
+    return {nothing(u8, like), nothing(u8, like), nothing(at::kFloat, like), nothing(u8, like),
+            nothing(at::kFloat, like)};
+  Tensor data = rowwise ? empty(shape, fp8_dtype, like) : nothing(fp8_dtype, like);
+  Tensor amax = empty({1}, at::kFloat, like);
+  if (quant == kQuantFp8) {
+    Tensor data_t = columnwise ? empty({cols, rows}, fp8_dtype, like) : nothing(fp8_dtype, like);
+    return {data, data_t, empty({1}, at::kFloat, like), nothing(u8, like), amax};
+  }
+  Tensor col = columnwise ? empty(shape, fp8_dtype, like) : nothing(fp8_dtype, like);
+  Tensor s = rowwise ? empty({rows, ceil_div(cols, FUS_MXFP8_BLOCK)}, u8, like) : nothing(u8, like);
+  Tensor cs =
+      columnwise ? empty({ceil_div(rows, FUS_MXFP8_BLOCK), cols}, u8, like) : nothing(u8, like);
+  return {data, col, s, cs, amax};
+}
+
+std::optional<fus_quantized> quantized_view(int quant, at::ScalarType fp8_dtype, int64_t rows,
+                                            int64_t cols, const std::vector<Tensor>& outs,
+                                            size_t first, const OptTensor& scale) {
+  if (quant == kQuantNone) return std::nullopt;
+  const Tensor& data = outs[first];
+  const Tensor& data2 = outs[first + 1];
+  const Tensor& s = outs[first + 2];
+  const Tensor& cs = outs[first + 3];
+  const Tensor& amax = outs[first + 4];
+  if (quant == kQuantFp8)
+    return fus_quantized{FUS_SCALING_PER_TENSOR, code_of(fp8_dtype), rows,   cols,
+                         ptr(data),              ptr(data2),         ptr(s), nullptr,
+                         fptr(scale),            fptr(amax)};
+  return fus_quantized{FUS_SCALING_MXFP8, code_of(fp8_dtype), rows,    cols,    ptr(data),
+                       ptr(data2),        ptr(s),             ptr(cs), nullptr, fptr(amax)};
+}
+
+}  // namespace fusible_torch

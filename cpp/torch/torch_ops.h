@@ -1,0 +1,107 @@
+// The torch operator layer (torch.ops.fusible.*): one C++ function per operator, registered for the
+// CPU and CUDA dispatch keys. Each validates its arguments (raising ValueError / TypeError that
+// name the operator, the argument and what was expected), allocates its outputs with ATen and
+// calls the C API on the input's device and the current CUDA stream. Fake tensors (torch.compile)
+// get their shapes from the fake kernels in python/fusible/_kernels.py (symbolic shapes need
+// them); torch.library.opcheck checks that the two agree.
+//
+// Conventions shared with the C API (cpp/include/fusible/common.h): tensors are viewed as
+// row-major matrices, x of shape (..., k) being [numel / k, k]; outputs not asked for are
+// 0-element tensors (operators cannot return None).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "fusible/common.h"
+
+namespace fusible_torch {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// "fusible.<op>: argument '<name>' ..." messages, as ValueError / TypeError.
+#define FUS_VALUE_CHECK(cond, op, ...) TORCH_CHECK_VALUE(cond, "fusible.", op, ": ", __VA_ARGS__)
+#define FUS_TYPE_CHECK(cond, op, ...) TORCH_CHECK_TYPE(cond, "fusible.", op, ": ", __VA_ARGS__)
+
+// torch dtype -> fus_dtype (fusible/common.h); only the dtypes fusible stores.
+fus_dtype code_of(at::ScalarType t);
+
+// Names for messages: "torch.float32".
+std::string dtype_name(at::ScalarType t);
+std::string dtype_list(const std::vector<at::ScalarType>& dtypes);
+std::string shape_str(at::IntArrayRef shape);
+
+const std::vector<at::ScalarType>& high_precision();  // float32, float16, bfloat16
+const std::vector<at::ScalarType>& fp8_dtypes();      // float8_e4m3fn, float8_e5m2
+bool is_fp8(at::ScalarType t);
+
+// A tensor argument: dtype in `dtypes` (when not empty), on a CPU / CUDA / meta device, on `device`
+// (when given), contiguous, and not CUDA in a build without the CUDA backend.
+void check_tensor(const char* op, const char* name, const Tensor& t,
+                  const std::vector<at::ScalarType>& dtypes = {},
+                  std::optional<c10::Device> device = std::nullopt);
+// One float32 value on `device`.
+void check_scalar(const char* op, const char* name, const Tensor& t, c10::Device device);
+void check_fp8_dtype(const char* op, at::ScalarType t);
+void check_out_dtype(const char* op, at::ScalarType t);  // float32, float16, bfloat16
+void check_opt_out_dtype(const char* op, std::optional<at::ScalarType> t);
+void check_margin(const char* op, int64_t margin);
+void require_a_copy(const char* op, bool rowwise, bool columnwise);
+// `value` is one of `choices`; returns its index (the C enum's value).
+int check_choice(const char* op, const char* name, std::string_view value,
+                 const std::vector<std::string_view>& choices);
+
+// [prod(shape[:-1]), shape[-1]]; a 0-d tensor is an error naming `name`.
+std::pair<int64_t, int64_t> matrix_shape(const char* op, const Tensor& x, const char* name = "x");
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Whether the tensors hold no data (meta, or fake tensors running a Meta kernel with Meta in the
+// thread's included dispatch keys). The fake kernels serve those; this guard keeps a kernel from
+// reading their data pointers should one reach it anyway.
+inline bool shapes_only(const Tensor& t) {
+  return t.is_meta() || c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Meta);
+}
+
+// The C API's views. A 0-element tensor passes a null pointer.
+inline void* ptr(const Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr(); }
+inline void* ptr(const OptTensor& t) { return t.has_value() ? ptr(*t) : nullptr; }
+inline float* fptr(const Tensor& t) { return static_cast<float*>(ptr(t)); }
+inline float* fptr(const OptTensor& t) { return static_cast<float*>(ptr(t)); }
+inline fus_tensor mat(const Tensor& t, int64_t rows, int64_t cols) {
+  return fus_tensor{ptr(t), code_of(t.scalar_type()), rows, cols};
+}
+inline constexpr fus_tensor kAbsent{nullptr, FUS_FLOAT32, 0, 0};
+
+// The C API's context for `t`'s device: the current CUDA stream for a CUDA tensor.
+fus_context context_of(const Tensor& t);
+
+// A failed C status becomes ValueError (bad argument), TypeError (unsupported) or RuntimeError,
+// with the C API's message (naming the C function and argument) after "fusible.<op>: ".
+void check_status(const char* op, fus_status st);
+
+// Output allocation on `like`'s device.
+Tensor empty(at::IntArrayRef shape, at::ScalarType dtype, const Tensor& like);
+inline Tensor nothing(at::ScalarType dtype, const Tensor& like) { return empty({0}, dtype, like); }
+
+// The quantized output of norm_fwd / act_fwd / act_bwd as four tensors plus amax (see
+// python/fusible/_kernels.py): quant 0 = none, 1 = fp8, 2 = mxfp8.
+enum QuantMode { kQuantNone = 0, kQuantFp8 = 1, kQuantMx = 2 };
+int check_quant_args(const char* op, std::string_view quant, at::ScalarType fp8_dtype,
+                     const OptTensor& scale, bool rowwise, bool columnwise, c10::Device device);
+std::vector<Tensor> quant_outputs(at::IntArrayRef shape, const Tensor& like, int quant,
+                                  at::ScalarType fp8_dtype, bool rowwise, bool columnwise);
+// The fus_quantized view of quant_outputs (outs[first .. first + 5)), or nullopt for quant none.
+std::optional<fus_quantized> quantized_view(int quant, at::ScalarType fp8_dtype, int64_t rows,
+                                            int64_t cols, const std::vector<Tensor>& outs,
+                                            size_t first, const OptTensor& scale);
+
+}  // namespace fusible_torch
