@@ -254,13 +254,13 @@ class GroupedLinear(BasicOperation):
                 continue
             xi = xs[i]
             xq: Any = xi if qx is None else qx.quantize(xi, rowwise=True, columnwise=need_wgrad[i])
-            if isinstance(xq, torch.Tensor) and isinstance(wq, torch.Tensor):
-                yi = torch.nn.functional.linear(
-                    xq, wq.to(dtype), None if b is None else b.to(dtype)
-                )
+            # As ops.Linear computes it (BasicLinear, fused with its Bias): the same bits.
+            if b is not None:
+                yi, _ = C.gemm_fprop(xq, wq, dtype, bias=b.to(dtype), epilogue="bias")
+            elif isinstance(xq, torch.Tensor) and isinstance(wq, torch.Tensor):
+                yi = torch.nn.functional.linear(xq, wq.to(dtype))
             else:
-                epi = "none" if b is None else "bias"
-                yi, _ = C.gemm_fprop(xq, wq, dtype, bias=b, epilogue=epi)
+                yi, _ = C.gemm_fprop(xq, wq, dtype)
             ys.append(yi)
             saved_x.append(C.keep_columnwise(xq) if need_wgrad[i] else None)
             saved_w.append(C.keep_columnwise(wq) if need_dgrad else None)
