@@ -353,6 +353,9 @@ def check_splits(m_splits: Any, num_gemms: int, owner: str = "GroupedLinear") ->
     for i, v in enumerate(m_splits):
         if isinstance(v, bool):
             raise TypeError(f"{owner}: m_splits[{i}] must be an int, got {v!r}")
+        if isinstance(v, (int, torch.SymInt)):
+            out.append(v)
+            continue
         try:
             out.append(operator.index(v))
         except TypeError:
