@@ -557,9 +557,7 @@ def run_plan(
                 mode = 1
                 ws_flat.extend(flatten_workspace(ws)[0])
         modes.append(mode)
-    outs = _PlanFunction.apply(
-        plan.id, tuple(modes), calls, x, *extra_inputs, *params, *ws_flat
-    )
+    outs = _PlanFunction.apply(plan.id, tuple(modes), calls, x, *extra_inputs, *params, *ws_flat)
     n_out = 1 + sum(plan.n_extra_out)
     if 2 in modes:
         new_ws = list(outs[n_out:])

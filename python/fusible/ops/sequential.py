@@ -332,9 +332,7 @@ class Sequential(torch.nn.Module):
                 key = self._eager_key(index, rkey, x, extra, run_params, run)
                 plan = self._plans.get(key) or self._plan(key, recipe)
             calls = fuser.call_args(plan, call_kwargs) if plan.call_ops else None
-            x, outs = fuser.run_plan(
-                plan, x, extra, run_params, is_first_microbatch, params, calls
-            )
+            x, outs = fuser.run_plan(plan, x, extra, run_params, is_first_microbatch, params, calls)
             if outs:
                 extra_outputs.extend(outs)
             if plan.forward_states:

@@ -12,7 +12,7 @@ import torch
 
 from fusible.ops import _compute as C
 from fusible.ops.basic.linear import _inference
-from fusible.ops.op import BasicOperation, OpContext
+from fusible.ops.op import BasicOperation
 from fusible.ops.workspace import WorkspaceCache, quantize_weight
 from fusible.quantization import QuantizerRole
 from fusible.quantization.model_init import get_quantized_model_init_recipe
@@ -174,7 +174,7 @@ class GroupedLinear(BasicOperation):
 
     # ---- per-call split sizes ------------------------------------------------------------------
 
-    def prepare_call(self, kwargs: Mapping[str, Any]) -> tuple[int, ...]:
+    def prepare_call(self, kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
         """``m_splits`` checked and as a tuple of ints (a tensor is read with ``.tolist()``)."""
         if "m_splits" not in kwargs or kwargs["m_splits"] is None:
             raise TypeError(
@@ -334,7 +334,7 @@ class GroupedLinear(BasicOperation):
         return dx, dws + (dbs if self.use_bias else []), []
 
 
-def check_splits(m_splits: Any, num_gemms: int, owner: str = "GroupedLinear") -> tuple[int, ...]:
+def check_splits(m_splits: Any, num_gemms: int, owner: str = "GroupedLinear") -> tuple[Any, ...]:
     """``m_splits`` as a tuple of ``num_gemms`` ints >= 0 (see :class:`GroupedLinear`); raises
     ``TypeError`` / ``ValueError`` naming ``owner``, the argument and what was expected."""
     if isinstance(m_splits, torch.Tensor):
@@ -349,7 +349,7 @@ def check_splits(m_splits: Any, num_gemms: int, owner: str = "GroupedLinear") ->
             f"{owner}: m_splits must be a list or tuple of {num_gemms} ints (or a 1-D integer "
             f"tensor), got {type(m_splits).__name__}"
         )
-    out = []
+    out: list[Any] = []
     for i, v in enumerate(m_splits):
         if isinstance(v, bool):
             raise TypeError(f"{owner}: m_splits[{i}] must be an int, got {v!r}")
