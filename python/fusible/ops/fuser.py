@@ -408,9 +408,9 @@ def _unpack(layout: list[Any], tensors: Sequence[torch.Tensor], fast: bool) -> l
 
 
 class _PlanFunction(torch.autograd.Function):
-    """Runs a plan. Arguments: the plan id, each workspace slot's mode and the per-call
-    constants of the plan's ``call_ops`` (None when it has none) -- constants --, then
-    tensors: the input, the extra inputs, every op's parameters, and the cached weight workspaces
+    """Runs a plan. Arguments: the plan id and ``(workspace modes, calls)`` -- constants: each
+    workspace slot's mode, and the per-call constants of the plan's ``call_ops`` (None when it
+    has none; one argument with the modes, as torch pays per argument) --, then tensors: the input, the extra inputs, every op's parameters, and the cached weight workspaces
     given (flattened). Outputs: the output, the extra outputs, then the new workspaces
     (flattened, not differentiable). Workspace modes: 0 quantize the weight and keep nothing,
     1 use the workspace given, 2 quantize and return the new workspace."""
@@ -419,12 +419,12 @@ class _PlanFunction(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any,
         plan_id: int,
-        ws_modes: tuple[int, ...],
-        calls: tuple[Any, ...] | None,
+        consts: tuple[tuple[int, ...], tuple[Any, ...] | None],
         x: torch.Tensor,
         *args: torch.Tensor,
     ) -> Any:
         plan = plan_by_id(plan_id)
+        ws_modes, calls = consts
         n_extra = plan.n_extra_in
         extra_in = [args[a:b] for a, b in plan.extra_in_bounds]
         params = [args[n_extra + a : n_extra + b] for a, b in plan.param_bounds]
@@ -495,11 +495,11 @@ class _PlanFunction(torch.autograd.Function):
         dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
         if plan.backward_states:
             _autocast.end_backward_pass(plan.backward_states)
-        dx = _dequantize_if_needed(dx) if dx is not None and ctx.needs_input_grad[3] else None
+        dx = _dequantize_if_needed(dx) if dx is not None and ctx.needs_input_grad[2] else None
         flat_eg = [g for eg in extra_in_grads for g in eg]
         flat_pg = [g for pg in param_grads for g in pg]
-        n_rest = len(ctx.needs_input_grad) - 4 - len(flat_eg) - len(flat_pg)
-        return (None, None, None, dx, *flat_eg, *flat_pg, *([None] * n_rest))
+        n_rest = len(ctx.needs_input_grad) - 3 - len(flat_eg) - len(flat_pg)
+        return (None, None, dx, *flat_eg, *flat_pg, *([None] * n_rest))
 
 
 def _cache(op: BasicOperation, key: int | None) -> WorkspaceCache:
@@ -557,7 +557,7 @@ def run_plan(
                 mode = 1
                 ws_flat.extend(flatten_workspace(ws)[0])
         modes.append(mode)
-    outs = _PlanFunction.apply(plan.id, tuple(modes), calls, x, *extra_inputs, *params, *ws_flat)
+    outs = _PlanFunction.apply(plan.id, (tuple(modes), calls), x, *extra_inputs, *params, *ws_flat)
     n_out = 1 + sum(plan.n_extra_out)
     if 2 in modes:
         new_ws = list(outs[n_out:])
