@@ -410,8 +410,9 @@ def _unpack(layout: list[Any], tensors: Sequence[torch.Tensor], fast: bool) -> l
 class _PlanFunction(torch.autograd.Function):
     """Runs a plan. Arguments: the plan id and ``(workspace modes, calls)`` -- constants: each
     workspace slot's mode, and the per-call constants of the plan's ``call_ops`` (None when it
-    has none; one argument with the modes, as torch pays per argument) --, then tensors: the input, the extra inputs, every op's parameters, and the cached weight workspaces
-    given (flattened). Outputs: the output, the extra outputs, then the new workspaces
+    has none; one argument with the modes, as torch pays per argument) --, then tensors: the
+    input, the extra inputs, every op's parameters, and the cached weight workspaces given
+    (flattened). Outputs: the output, the extra outputs, then the new workspaces
     (flattened, not differentiable). Workspace modes: 0 quantize the weight and keep nothing,
     1 use the workspace given, 2 quantize and return the new workspace."""
 

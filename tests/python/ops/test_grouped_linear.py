@@ -5,6 +5,7 @@ per-expert quantizers and weight workspaces, roles, and bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -346,6 +347,34 @@ def test_moe_expert_mlp(recipe_name):
     assert roles[:3] == ["input:grouped_linear:fc1_gemm0", "weight:grouped_linear:fc1_gemm0",
                          "output:grouped_linear:fc1_gemm0"]  # fmt: skip
     assert roles[12] == "input:grouped_linear:fc2_gemm0" and len(roles) == 24
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+def test_between_fusing_ops(recipe_name):
+    """LayerNorm -> GroupedLinear -> GELU -> Linear -> AddExtraInput: the neighbours fuse and
+    hand quantized tensors over among themselves, never to or from the GroupedLinear (per-expert
+    scales); the result equals the unfused path."""
+    rec = RECIPES[recipe_name]
+    torch.manual_seed(0)
+    model = ops.Sequential(
+        ops.LayerNorm(32), ops.GroupedLinear(2, 32, 64), ops.GELU(), ops.Linear(64, 32),
+        ops.AddExtraInput(),
+    )  # fmt: skip
+    twin = copy.deepcopy(model)
+    x, r, g = torch.randn(64, 32), torch.randn(64, 32), torch.randn(64, 32)
+    outs = []
+    for m, fuse in ((model, True), (twin, False)):
+        xx, rr = x.clone().requires_grad_(True), r.clone().requires_grad_(True)
+        region = contextlib.nullcontext() if fuse else ops.fusion_disabled()
+        with fusible.autocast(enabled=rec is not None, recipe=rec), region:
+            y = m(xx, rr, m_splits=[32, 32])
+            y.backward(g)
+        outs.append([y.detach(), xx.grad, rr.grad] + [p.grad for p in m.parameters()])
+    for a, b in zip(*outs, strict=True):
+        assert rel_err(a, b) < 2e-5
+    assert model[1].input_quantizer() is None and model[1].grad_output_quantizer() is None
+    _, plan = model._plan_for(list(model), x.requires_grad_(True), rec)
+    assert [u.rule for u in plan.forward_units] == [None, None, None, "linear_bias_add"]
 
 
 # ---- frozen experts, inference ------------------------------------------------------------

@@ -43,16 +43,21 @@ class GroupedLinear(BasicOperation):
     (``seq(x, m_splits=[...])``; the module ``fusible.GroupedLinear`` passes its positional
     argument on): a list or tuple of ``num_gemms`` ints >= 0 summing to the token count, or a
     1-D integer tensor, which is read with ``.tolist()`` -- a device-to-host sync for a CUDA
-    tensor, and a graph break under ``torch.compile``; pass a list there. The sizes are not
-    part of the fusion plan's key, so one cached plan serves every split; :meth:`prepare_call`
-    checks them and they cross the autograd function as a constant (a tuple of ints, saved for
-    backward in the op's context), so a change of sizes between calls needs no new plan, and
-    backward always uses the sizes of its own forward. Under ``torch.compile`` the tuple is a
-    constant of the graph: another split recompiles (as in TransformerEngine, whose grouped GEMM
-    takes the sizes as host integers). Every ``GroupedLinear`` of one ``Sequential`` call reads
-    the same ``m_splits`` (an MoE expert MLP keeps tokens grouped between its two layers).
-    Empty experts (0 rows) are allowed: no kernel runs for them, their rows of ``y`` do not
-    exist and their weight and bias gradients are zeros.
+    tensor, and a graph break under ``torch.compile``; pass a list there. Why a keyword and not
+    an extra input (TransformerEngine's op takes a tensor of sizes as one): the per-expert loop
+    needs the sizes on the host, and a tensor read inside the autograd function would sync
+    there and cannot be traced. The sizes are not part of the fusion plan's key, so one cached
+    plan serves every split: :meth:`prepare_call` checks them per call and they cross the
+    autograd function as a constant (a tuple of ints, kept in the op's context for backward),
+    so a new split needs no new plan, and backward always uses the sizes of its own forward
+    (several forwards may be pending). Under ``torch.compile`` the first call specializes the
+    sizes; after a change, dynamo traces them as symbolic ints and one graph serves every split
+    that leaves the same experts empty (the op branches on an expert being empty, which
+    recompiles). Every ``GroupedLinear`` of one ``Sequential`` call reads the same ``m_splits``
+    (an MoE expert MLP keeps tokens grouped between its two layers). Empty experts (0 rows)
+    are allowed: no kernel runs for them (on an ``is_first_microbatch=True`` step their weight
+    is still quantized, to fill the cache), they have no rows in ``y`` and their weight and bias
+    gradients are zeros.
 
     **Quantizer roles** (scope ``grouped_linear``; the GEMM index in the role's name:
     ``gemm<i>``, or ``<name>_gemm<i>`` for an op built with ``name=``): forward, per GEMM in
