@@ -396,6 +396,40 @@ def test_frozen_expert_and_inference():
     assert torch.equal(yi, yt.detach())
 
 
+@pytest.mark.parametrize("recipe_name", ["none", "current", "delayed", "mxfp8"])
+def test_saves_per_expert_what_backward_reads(recipe_name):
+    """Per expert with tokens, what a Linear saves for its slice (tests/python/ops/
+    test_saved_memory.py's rules): the input's and the weight's columnwise copies, never the
+    rowwise ones; nothing for an empty expert."""
+    import sys
+    from pathlib import Path
+
+    benchmarks = str(Path(__file__).resolve().parents[3] / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    from saved_memory import saved_bytes
+
+    rec = RECIPES[recipe_name]
+    splits, k, n, es = [32, 0, 64], 64, 96, 2
+
+    def columnwise(rows, cols):
+        if recipe_name == "none":
+            return rows * cols * es
+        if recipe_name == "mxfp8":
+            return rows * cols + rows // 32 * cols
+        return rows * cols + 4
+
+    model = ops.Sequential(ops.GroupedLinear(3, k, n, dtype=torch.bfloat16))
+    x = torch.randn(sum(splits), k, dtype=torch.bfloat16, requires_grad=True)
+    if recipe_name == "none":  # the input slices are views of x: one storage
+        want = columnwise(sum(splits), k)
+    else:
+        want = sum(columnwise(m, k) + columnwise(n, k) for m in splits if m)
+    for _ in range(2 if recipe_name == "delayed" else 1):
+        got = saved_bytes(model, x, rec, m_splits=splits)
+    assert got == want
+
+
 # ---- weight workspaces: one per expert ----------------------------------------------------
 
 QUANTIZE_OPS = ("quantize_fp8", "quantize_fp8_current", "quantize_mxfp8")
