@@ -1,7 +1,8 @@
 """Modules: thin compositions of ops (one implementation of the math, no second code path)."""
 
+from fusible.modules.grouped_linear import GroupedLinear
 from fusible.modules.layernorm_linear import LayerNormLinear
 from fusible.modules.layernorm_mlp import LayerNormMLP
 from fusible.modules.linear import Linear
 
-__all__ = ["LayerNormLinear", "LayerNormMLP", "Linear"]
+__all__ = ["GroupedLinear", "LayerNormLinear", "LayerNormMLP", "Linear"]
