@@ -155,8 +155,15 @@ def cases() -> dict[str, Callable[[], dict[str, str]]]:
 
 
 def compute(name: str) -> dict[str, str]:
-    torch.manual_seed(0)
-    return cases()[name]()
+    """One case's digests, on one thread (torch's CPU reductions, e.g. the embedding backward,
+    split work by thread count)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        return cases()[name]()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def main() -> None:
