@@ -1,0 +1,330 @@
+"""Peak memory of one training step, traced on CPU: which tensors are alive at the peak.
+
+``torch.cuda.max_memory_allocated`` (benchmarks/step.py) says how high one step's memory goes
+on a GPU, not what is alive then. This harness runs the same step (the LayerNorm(H) ->
+Linear(H, F) -> GELU(tanh) -> Linear(F, H) block, bf16, SGD; forward, backward, optimizer step)
+on CPU under a ``TorchDispatchMode`` that sees every operator call -- aten operators and the
+core library's ``torch.ops.fusible.*`` alike -- and the tensors each returns. Every new storage
+an operator returns is counted once (views and aliases of it are not counted again; storages
+that existed before the step, e.g. parameters, gradients and recipe state updated in place, are
+not counted) until a ``weakref.finalize`` on the storage reports it freed. So the figures are
+deterministic, and at the peak the harness can name every live allocation: the operator that
+made it, its shape, dtype and bytes, and the line of fusible (or of the caller) that called it.
+
+What it cannot see: memory an operator allocates and frees inside itself (a GEMM's workspace, a
+kernel's temporaries) and the CUDA caching allocator's rounding. The GPU runs the same Python
+and allocates the same tensors (same shapes, same lifetimes), so the peak here is the
+``step_peak`` of benchmarks/step.py up to those.
+
+    python benchmarks/peak_memory.py [--tokens 512] [--hidden 256] [--ffn 1024] [--top 12]
+
+Shared with tests/python/ops/test_peak_memory.py (``trace_step``, ``LiveBytes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_FUSIBLE_DIR = str(Path(__file__).resolve().parents[1] / "python" / "fusible")
+
+
+@dataclass(frozen=True)
+class Alloc:
+    """One storage an operator returned: when (operator call index), by whom, how big."""
+
+    seq: int
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    site: str  # the innermost fusible frame (file:line function) that called the operator
+    phase: str  # the phase label set by LiveBytes.phase when it was allocated
+
+    def describe(self) -> str:
+        shape = "x".join(map(str, self.shape)) or "()"
+        return f"{self.nbytes:>10}  {self.op:<28} {shape:<12} {str(self.dtype)[6:]:<14} {self.site}"
+
+
+def _site() -> str:
+    """``file:line function`` of the innermost frame inside the fusible package (else the
+    innermost frame outside torch), as the caller of the operator being traced."""
+    f = sys._getframe(2)
+    fallback = None
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith(_FUSIBLE_DIR):
+            rel = name[len(_FUSIBLE_DIR) + 1 :]
+            return f"{rel}:{f.f_lineno} {f.f_code.co_name}"
+        if fallback is None and "/torch/" not in name and not name.endswith("peak_memory.py"):
+            fallback = f"{Path(name).name}:{f.f_lineno} {f.f_code.co_name}"
+        f = f.f_back
+    return fallback or "?"
+
+
+class LiveBytes(TorchDispatchMode):
+    """Tracks the bytes of the storages operators return while the mode is active.
+
+    ``live``: bytes alive now; ``peak``: the most alive at once (first reached after operator
+    call ``peak_seq``, in phase ``peak_phase``); ``at_peak``: the allocations alive then;
+    ``allocs``: every allocation, with ``freed[seq]`` the operator count when it was freed.
+    ``phase(name)`` labels what follows (e.g. ``forward``, ``backward``, ``step``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = self.peak_seq = 0
+        self.peak_phase = self.peak_op = ""
+        self.allocs: list[Alloc] = []
+        self.freed: dict[int, int] = {}  # Alloc.seq -> operator count when freed
+        self._alive: dict[int, Alloc] = {}  # id(storage) -> Alloc
+        self._seq = 0
+        self._phase = ""
+        self._finalizers: list[Any] = []
+
+    def phase(self, name: str) -> None:
+        self._phase = name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._seq += 1
+        inputs: set[int] | None = None
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key = id(st)
+            if key in self._alive or st.nbytes() == 0:
+                continue
+            if inputs is None:
+                inputs = {
+                    id(a.untyped_storage())
+                    for a in pytree.tree_leaves((args, kwargs))
+                    if isinstance(a, torch.Tensor)
+                }
+            if key in inputs:
+                continue  # an alias of an input (in-place or out= operator, a view)
+            name = getattr(getattr(func, "overloadpacket", None), "__name__", str(func))
+            a = Alloc(self._seq, name, tuple(t.shape), t.dtype, st.nbytes(), _site(),
+                      self._phase)  # fmt: skip
+            self._alive[key] = a
+            self.allocs.append(a)
+            self.live += a.nbytes
+            self._finalizers.append(weakref.finalize(st, self._free, key))
+            if self.live > self.peak:
+                self.peak, self.peak_seq = self.live, self._seq
+                self.peak_phase, self.peak_op = self._phase, name
+        return out
+
+    def _free(self, key: int) -> None:
+        a = self._alive.pop(key, None)
+        if a is not None:
+            self.live -= a.nbytes
+            self.freed[a.seq] = self._seq
+
+    def __exit__(self, *exc: Any) -> Any:
+        out = super().__exit__(*exc)
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+        self._alive.clear()
+        return out
+
+    def alive_at(self, seq: int) -> list[Alloc]:
+        """The allocations alive right after operator call ``seq`` returned."""
+        return [a for a in self.allocs if a.seq <= seq and self.freed.get(a.seq, seq) >= seq]
+
+    @property
+    def at_peak(self) -> list[Alloc]:
+        return self.alive_at(self.peak_seq)
+
+    def report(self, top: int | None = None) -> str:
+        rows = sorted(self.at_peak, key=lambda a: -a.nbytes)
+        if top is not None:
+            rows = rows[:top]
+        head = f"peak {self.peak} bytes in {self.peak_phase} (after {self.peak_op}); alive then:"
+        return "\n".join([head, *("  " + a.describe() for a in rows)])
+
+
+# ---- the block and its step ---------------------------------------------------------------------
+
+
+class TorchBlock(torch.nn.Module):
+    """The plain-PyTorch reference block (as benchmarks/_common.py's)."""
+
+    def __init__(self, h: int, f: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(h)
+        self.fc1, self.fc2 = torch.nn.Linear(h, f), torch.nn.Linear(f, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gelu = torch.nn.functional.gelu
+        return self.fc2(gelu(self.fc1(self.norm(x)), approximate="tanh"))
+
+
+def fusible_block(h: int, f: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    from fusible import ops
+
+    kw: dict[str, Any] = {"device": "cpu", "dtype": dtype}
+    return ops.Sequential(
+        ops.LayerNorm(h, **kw), ops.Linear(h, f, **kw), ops.GELU(), ops.Linear(f, h, **kw)
+    )
+
+
+def recipes() -> dict[str, Any]:
+    from fusible import recipe
+
+    return {
+        "none": None,
+        "delayed": recipe.DelayedScaling(),
+        "current": recipe.Float8CurrentScaling(),
+        "mxfp8": recipe.MXFP8BlockScaling(),
+    }
+
+
+def trace(step: Callable[[LiveBytes | None], Any], *, warmup: int = 2) -> LiveBytes:
+    """``step(mode)`` run ``warmup`` times untraced (optimizer and recipe state exist then; mode
+    None), then once traced (it may label phases with ``mode.phase``)."""
+    for _ in range(warmup):
+        step(None)
+    mode = LiveBytes()
+    with mode:
+        step(mode)
+    return mode
+
+
+def _phase(mode: LiveBytes | None, name: str) -> None:
+    if mode is not None:
+        mode.phase(name)
+
+
+def trace_step(
+    model: torch.nn.Module,
+    rec: Any,
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    *,
+    warmup: int = 2,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> LiveBytes:
+    """One training step of ``model`` as benchmarks/step.py runs it (``zero_grad(set_to_none=
+    False)``, forward under ``fusible.autocast(rec)`` unless ``rec`` is None, backward with
+    ``dy``, an SGD step), traced after ``warmup`` untraced steps."""
+    import fusible
+
+    opt = optimizer or torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)
+
+    def step(mode: LiveBytes | None) -> None:
+        opt.zero_grad(set_to_none=False)
+        _phase(mode, "forward")
+        with fusible.autocast(enabled=rec is not None, recipe=rec):
+            y = model(x)
+        _phase(mode, "backward")
+        y.backward(dy)
+        _phase(mode, "step")
+        opt.step()
+
+    return trace(step, warmup=warmup)
+
+
+def block_peaks(tokens: int, hidden: int, ffn: int, *, seed: int = 0) -> dict[str, LiveBytes]:
+    """Traced steps of the block per recipe (``none`` .. ``mxfp8``) and of ``torch`` (the
+    plain-PyTorch block), same shapes, bf16."""
+    out: dict[str, LiveBytes] = {}
+    torch.manual_seed(seed)
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    tb = TorchBlock(hidden, ffn).to(torch.bfloat16)
+    out["torch"] = trace_step(tb, None, x, dy)
+    for name, rec in recipes().items():
+        torch.manual_seed(seed)
+        out[name] = trace_step(fusible_block(hidden, ffn), rec, x, dy)
+    return out
+
+
+# benchmarks/gpt.py's model at 1/8 of its default widths (hidden 2048 -> 256, batch x seq
+# 8 x 1024 -> 8 x 128 tokens, vocab 32768 -> 4096; 8 layers): every activation, weight and logit
+# tensor scales by the same 1/64, so the peaks' ratios are the full size's.
+GPT_CFG = {"layers": 8, "hidden": 256, "heads": 16, "seq": 128, "batch": 8, "vocab": 4096}
+
+
+def gpt_peaks(cfg: dict[str, int] | None = None) -> dict[str, LiveBytes]:
+    """Traced steps of benchmarks/gpt.py's GPT (AdamW, ``zero_grad(set_to_none=True)`` after
+    the step, as gpt.py runs it), plain torch and fusible per recipe, bf16."""
+    import fusible
+
+    bench = str(Path(__file__).resolve().parent)
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import gpt
+
+    cfg = cfg or GPT_CFG
+    g = torch.Generator().manual_seed(1)
+    shape = (cfg["batch"], cfg["seq"])
+    idx = torch.randint(0, cfg["vocab"], shape, generator=g)
+    tgt = torch.randint(0, cfg["vocab"], shape, generator=g)
+    out: dict[str, LiveBytes] = {}
+    for name, rec in {"torch": None, **recipes()}.items():
+        torch.manual_seed(0)
+        model = gpt.GPT(cfg, name != "torch", "cpu", torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+        def step(mode: LiveBytes | None, model: Any = model, opt: Any = opt, rec: Any = rec) -> None:
+            _phase(mode, "forward")
+            with fusible.autocast(enabled=rec is not None, recipe=rec):
+                loss = model(idx, tgt)
+            _phase(mode, "backward")
+            loss.backward()
+            _phase(mode, "step")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        out[name] = trace(step, warmup=1)  # AdamW's and the recipe's state exist after one
+    return out
+
+
+def print_peaks(title: str, peaks: dict[str, LiveBytes], top: int) -> None:
+    base = peaks["none"].peak
+    print(title)
+    print(f"{'variant':<10} {'peak_bytes':>12} {'vs_none':>8}  where")
+    for name, m in peaks.items():
+        print(f"{name:<10} {m.peak:>12} {m.peak / base:>8.3f}  {m.peak_phase} ({m.peak_op})")
+    if top:
+        for name, m in peaks.items():
+            print(f"\n[{name}] " + m.report(top))
+    print()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=1024)
+    ap.add_argument("--models", default="block,gpt")
+    ap.add_argument("--top", type=int, default=12, help="live allocations listed per variant")
+    args = ap.parse_args()
+    models = args.models.split(",")
+    if "block" in models:
+        print_peaks(
+            f"block step peak (bytes above the between-steps level), {args.tokens} tokens, "
+            f"hidden {args.hidden}, ffn {args.ffn}, bf16, CPU trace",
+            block_peaks(args.tokens, args.hidden, args.ffn), args.top,
+        )  # fmt: skip
+    if "gpt" in models:
+        print_peaks(f"GPT step peak, {GPT_CFG}, bf16, CPU trace", gpt_peaks(), args.top)
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["Alloc", "LiveBytes", "block_peaks", "fusible_block", "gpt_peaks", "trace", "trace_step"]
