@@ -42,7 +42,8 @@ _FUSIBLE_DIR = str(Path(__file__).resolve().parents[1] / "python" / "fusible")
 class Alloc:
     """One storage an operator returned: when (operator call index), by whom, how big."""
 
-    seq: int
+    index: int  # position in LiveBytes.allocs
+    seq: int  # the operator call (count) that returned it
     op: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -50,25 +51,28 @@ class Alloc:
     site: str  # the innermost fusible frame (file:line function) that called the operator
     phase: str  # the phase label set by LiveBytes.phase when it was allocated
 
-    def describe(self) -> str:
+    def describe(self, nbytes: int | None = None) -> str:
         shape = "x".join(map(str, self.shape)) or "()"
-        return f"{self.nbytes:>10}  {self.op:<28} {shape:<12} {str(self.dtype)[6:]:<14} {self.site}"
+        n = self.nbytes if nbytes is None else nbytes
+        return f"{n:>10}  {self.op:<28} {shape:<12} {str(self.dtype)[6:]:<14} {self.site}"
 
 
-def _site() -> str:
-    """``file:line function`` of the innermost frame inside the fusible package (else the
-    innermost frame outside torch), as the caller of the operator being traced."""
+def _site(depth: int = 3) -> str:
+    """The innermost ``depth`` frames inside the fusible package that led to the operator
+    being traced (``file:line function``, innermost first; else the innermost frame outside
+    torch)."""
     f = sys._getframe(2)
+    frames: list[str] = []
     fallback = None
-    while f is not None:
+    while f is not None and len(frames) < depth:
         name = f.f_code.co_filename
         if name.startswith(_FUSIBLE_DIR):
             rel = name[len(_FUSIBLE_DIR) + 1 :]
-            return f"{rel}:{f.f_lineno} {f.f_code.co_name}"
-        if fallback is None and "/torch/" not in name and not name.endswith("peak_memory.py"):
+            frames.append(f"{rel}:{f.f_lineno} {f.f_code.co_name}")
+        elif fallback is None and "/torch/" not in name and not name.endswith("peak_memory.py"):
             fallback = f"{Path(name).name}:{f.f_lineno} {f.f_code.co_name}"
         f = f.f_back
-    return fallback or "?"
+    return " < ".join(frames) if frames else (fallback or "?")
 
 
 class LiveBytes(TorchDispatchMode):
@@ -76,15 +80,17 @@ class LiveBytes(TorchDispatchMode):
 
     ``live``: bytes alive now; ``peak``: the most alive at once (first reached after operator
     call ``peak_seq``, in phase ``peak_phase``); ``at_peak``: the allocations alive then;
-    ``allocs``: every allocation, with ``freed[seq]`` the operator count when it was freed.
+    ``allocs``: every allocation, with ``freed[index]`` the operator count when it was freed.
     ``phase(name)`` labels what follows (e.g. ``forward``, ``backward``, ``step``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = self.peak = self.peak_seq = 0
         self.peak_phase = self.peak_op = ""
+        self.phase_peaks: dict[str, int] = {}  # phase -> the most alive at once in it
+        self.phase_peak_seqs: dict[str, int] = {}  # phase -> operator call when first reached
         self.allocs: list[Alloc] = []
-        self.freed: dict[int, int] = {}  # Alloc.seq -> operator count when freed
+        self.freed: dict[int, int] = {}  # Alloc.index -> operator count when freed
         self._alive: dict[int, Alloc] = {}  # id(storage) -> Alloc
         self._seq = 0
         self._phase = ""
@@ -92,6 +98,8 @@ class LiveBytes(TorchDispatchMode):
 
     def phase(self, name: str) -> None:
         self._phase = name
+        if self.live > self.phase_peaks.get(name, -1):
+            self.phase_peaks[name], self.phase_peak_seqs[name] = self.live, self._seq
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -114,12 +122,15 @@ class LiveBytes(TorchDispatchMode):
             if key in inputs:
                 continue  # an alias of an input (in-place or out= operator, a view)
             name = getattr(getattr(func, "overloadpacket", None), "__name__", str(func))
-            a = Alloc(self._seq, name, tuple(t.shape), t.dtype, st.nbytes(), _site(),
-                      self._phase)  # fmt: skip
+            a = Alloc(len(self.allocs), self._seq, name, tuple(t.shape), t.dtype, st.nbytes(),
+                      _site(), self._phase)  # fmt: skip
             self._alive[key] = a
             self.allocs.append(a)
             self.live += a.nbytes
             self._finalizers.append(weakref.finalize(st, self._free, key))
+            if self.live > self.phase_peaks.get(self._phase, -1):
+                self.phase_peaks[self._phase] = self.live
+                self.phase_peak_seqs[self._phase] = self._seq
             if self.live > self.peak:
                 self.peak, self.peak_seq = self.live, self._seq
                 self.peak_phase, self.peak_op = self._phase, name
@@ -129,7 +140,7 @@ class LiveBytes(TorchDispatchMode):
         a = self._alive.pop(key, None)
         if a is not None:
             self.live -= a.nbytes
-            self.freed[a.seq] = self._seq
+            self.freed[a.index] = self._seq
 
     def __exit__(self, *exc: Any) -> Any:
         out = super().__exit__(*exc)
@@ -141,18 +152,30 @@ class LiveBytes(TorchDispatchMode):
 
     def alive_at(self, seq: int) -> list[Alloc]:
         """The allocations alive right after operator call ``seq`` returned."""
-        return [a for a in self.allocs if a.seq <= seq and self.freed.get(a.seq, seq) >= seq]
+        return [a for a in self.allocs if a.seq <= seq and self.freed.get(a.index, seq) >= seq]
 
     @property
     def at_peak(self) -> list[Alloc]:
         return self.alive_at(self.peak_seq)
 
-    def report(self, top: int | None = None) -> str:
-        rows = sorted(self.at_peak, key=lambda a: -a.nbytes)
+    def report(self, top: int | None = None, phase: str | None = None) -> str:
+        """The allocations alive at the peak (of ``phase``, when given), largest first."""
+        if phase is None:
+            peak, seq, where = self.peak, self.peak_seq, self.peak_phase
+        else:
+            peak, seq, where = self.phase_peaks[phase], self.phase_peak_seqs[phase], phase
+        groups: dict[tuple[Any, ...], list[Alloc]] = {}
+        for a in self.alive_at(seq):  # the same allocation made again (e.g. per layer): one row
+            groups.setdefault((a.op, a.shape, a.dtype, a.site), []).append(a)
+        rows = sorted(groups.values(), key=lambda g: -sum(a.nbytes for a in g))
         if top is not None:
             rows = rows[:top]
-        head = f"peak {self.peak} bytes in {self.peak_phase} (after {self.peak_op}); alive then:"
-        return "\n".join([head, *("  " + a.describe() for a in rows)])
+        head = f"peak {peak} bytes in {where} (after operator call {seq}); alive then:"
+        lines = [
+            ("  " if len(g) == 1 else f"{len(g):>2}x") + g[0].describe(sum(a.nbytes for a in g))
+            for g in rows
+        ]
+        return "\n".join([head, *lines])
 
 
 # ---- the block and its step ---------------------------------------------------------------------
@@ -278,7 +301,7 @@ def gpt_peaks(cfg: dict[str, int] | None = None) -> dict[str, LiveBytes]:
         model = gpt.GPT(cfg, name != "torch", "cpu", torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-        def step(mode: LiveBytes | None, model: Any = model, opt: Any = opt, rec: Any = rec) -> None:
+        def step(mode: LiveBytes | None, model: Any = model, opt: Any = opt, rec: Any = rec) -> Any:
             _phase(mode, "forward")
             with fusible.autocast(enabled=rec is not None, recipe=rec):
                 loss = model(idx, tgt)
@@ -292,15 +315,20 @@ def gpt_peaks(cfg: dict[str, int] | None = None) -> dict[str, LiveBytes]:
     return out
 
 
-def print_peaks(title: str, peaks: dict[str, LiveBytes], top: int) -> None:
+def print_peaks(
+    title: str, peaks: dict[str, LiveBytes], top: int, phase: str | None = None
+) -> None:
     base = peaks["none"].peak
     print(title)
-    print(f"{'variant':<10} {'peak_bytes':>12} {'vs_none':>8}  where")
+    cols = f"{'peak_bytes':>12} {'vs_none':>8} {'forward':>12} {'backward':>12}"
+    print(f"{'variant':<10} {cols}  where")
     for name, m in peaks.items():
-        print(f"{name:<10} {m.peak:>12} {m.peak / base:>8.3f}  {m.peak_phase} ({m.peak_op})")
+        f, b = m.phase_peaks.get("forward", 0), m.phase_peaks.get("backward", 0)
+        print(f"{name:<10} {m.peak:>12} {m.peak / base:>8.3f} {f:>12} {b:>12}  {m.peak_phase} "
+              f"({m.peak_op})")  # fmt: skip
     if top:
         for name, m in peaks.items():
-            print(f"\n[{name}] " + m.report(top))
+            print(f"\n[{name}] " + m.report(top, phase))
     print()
 
 
@@ -311,16 +339,22 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=1024)
     ap.add_argument("--models", default="block,gpt")
     ap.add_argument("--top", type=int, default=12, help="live allocations listed per variant")
+    ap.add_argument(
+        "--phase",
+        default=None,
+        choices=["forward", "backward", "step"],
+        help="list what is alive at this phase's peak (default: the step's)",
+    )
     args = ap.parse_args()
     models = args.models.split(",")
     if "block" in models:
         print_peaks(
             f"block step peak (bytes above the between-steps level), {args.tokens} tokens, "
             f"hidden {args.hidden}, ffn {args.ffn}, bf16, CPU trace",
-            block_peaks(args.tokens, args.hidden, args.ffn), args.top,
+            block_peaks(args.tokens, args.hidden, args.ffn), args.top, args.phase,
         )  # fmt: skip
     if "gpt" in models:
-        print_peaks(f"GPT step peak, {GPT_CFG}, bf16, CPU trace", gpt_peaks(), args.top)
+        print_peaks(f"GPT step peak, {GPT_CFG}, bf16, CPU trace", gpt_peaks(), args.top, args.phase)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,14 @@ so each piece of math has one implementation."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from fusible import _kernels as K
 from fusible.quantization.quantizers import (
+    Float8CurrentScalingQuantizer,
     Float8Data,
     Float8Quantizer,
     MXFP8Data,
@@ -23,29 +24,51 @@ __all__ = [
     "as_2d",
     "dequantize",
     "ensure_fp8_copy",
+    "fprop_dequant_dtype",
     "fused_quant_args",
     "gemm_dgrad",
     "gemm_fprop",
     "gemm_wgrad",
     "handoff",
+    "handoff_after",
     "hp_dtype",
     "keep_columnwise",
     "quantize",
+    "rowwise_dequantized",
+    "without_copy",
     "wrap_quantized",
 ]
 
 
-@dataclass(frozen=True)
 class HandOff:
     """A unit's output already quantized with the next op's input quantizer (quantizer hand-off),
-    with the high-precision dtype the unquantized value would have had."""
+    with the high-precision dtype the unquantized value would have had.
 
-    qdata: Float8Data | MXFP8Data
-    dtype: torch.dtype
+    The op it is made for may :meth:`take` the quantized data: the hand-off then holds none, so
+    the copies that op drops (a Linear's rowwise copy after its forward GEMM, a gradient's
+    copies after the backward GEMM that reads them) are freed at once, not when the executor
+    moves on to the next unit."""
+
+    __slots__ = ("_qdata", "dtype", "shape")
+
+    def __init__(self, qdata: Float8Data | MXFP8Data, dtype: torch.dtype) -> None:
+        self._qdata: Float8Data | MXFP8Data | None = qdata
+        self.dtype = dtype
+        self.shape: torch.Size = qdata.shape
 
     @property
-    def shape(self) -> torch.Size:
-        return self.qdata.shape
+    def qdata(self) -> Float8Data | MXFP8Data:
+        if self._qdata is None:
+            raise RuntimeError("fusible: this hand-off's data was taken by the op it was made for")
+        return self._qdata
+
+    def take(self) -> Float8Data | MXFP8Data:
+        """The quantized data, which the hand-off no longer holds (under ``torch.compile`` it
+        does: the compiled graph decides lifetimes there)."""
+        q = self.qdata
+        if not torch.compiler.is_compiling():
+            self._qdata = None
+        return q
 
     def dequantize(self) -> torch.Tensor:
         return self.qdata.dequantize(self.dtype)
@@ -75,6 +98,18 @@ def quantize(
 def handoff(q: Quantizer, y: torch.Tensor) -> HandOff:
     """``y`` quantized for the next op with its input quantizer (the copies it asks for)."""
     return HandOff(q.quantize(y), y.dtype)
+
+
+def handoff_after(q: Quantizer | None, y: torch.Tensor) -> torch.Tensor | HandOff:
+    """``y`` as an op whose kernel cannot write its output quantized by ``q`` returns it (see
+    :func:`fused_quant_args`): quantized for the next op here, by a separate cast, when ``q`` is
+    a current-scaling quantizer, so that the high-precision ``y`` is freed when this op returns
+    instead of living on while the next op quantizes it and runs its GEMM. (Current scaling
+    casts every copy with the scale of the whole tensor, so these are the bits the next op's
+    own cast would make.) ``y`` itself otherwise."""
+    if isinstance(q, Float8CurrentScalingQuantizer):
+        return handoff(q, y)
+    return y
 
 
 def record_amax(q: Quantizer, amax: torch.Tensor) -> None:
@@ -210,6 +245,20 @@ def keep_columnwise(x: Any) -> Any:
     return x
 
 
+def without_copy(x: Any, which: str) -> Any:
+    """``x`` without its rowwise (``which == "r"``) or columnwise (``"c"``) copy -- per-tensor
+    ``data`` / ``data_t``, MXFP8 ``data`` + ``scale`` / ``col_data`` + ``col_scale`` -- so that
+    copy is freed once nothing else holds it. ``x`` as it is when it has no other copy (a
+    container keeps at least one) or is not quantized."""
+    if isinstance(x, Float8Data) and x.data is not None and x.data_t is not None:
+        return replace(x, data_t=None) if which == "c" else replace(x, data=None)
+    if isinstance(x, MXFP8Data) and x.data is not None and x.col_data is not None:
+        if which == "c":
+            return replace(x, col_data=None, col_scale=None)
+        return replace(x, data=None, scale=None)
+    return x
+
+
 def _byte_transpose(m: torch.Tensor) -> torch.Tensor:
     return K.transpose_fp8(m.contiguous())
 
@@ -252,6 +301,29 @@ def _common_dtype(a: Any, b: Any, out_dtype: torch.dtype) -> torch.dtype:
     if isinstance(a, MXFP8Data) or isinstance(b, MXFP8Data):
         return torch.bfloat16
     return out_dtype
+
+
+def fprop_dequant_dtype(x: Any, w: Any, out_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype in which :func:`_gemm` dequantizes the forward GEMM's rowwise operands, when it
+    would: an MXFP8 GEMM runs on exactly dequantized operands, so a caller can make them first
+    (:func:`rowwise_dequantized`) and drop the rowwise MXFP8 copies, which nothing else reads,
+    before the GEMM allocates its output. None where ``_gemm`` takes another path with the
+    dequantized operands (an operand dtype other than ``out_dtype``) and for any other operands:
+    pass those as they are. The GEMM computes the same either way."""
+    if (
+        not (isinstance(x, MXFP8Data) or isinstance(w, MXFP8Data))
+        or isinstance(x, Float8Data)
+        or isinstance(w, Float8Data)
+    ):
+        return None
+    dt = _common_dtype(x, w, out_dtype)
+    return dt if dt == out_dtype else None
+
+
+def rowwise_dequantized(x: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``x``'s rowwise matrix in ``dtype``, as :func:`_gemm` reads a forward operand (see
+    :func:`fprop_dequant_dtype`)."""
+    return _dequant_copy(x, "r", dtype)[0]
 
 
 def gemm_fprop(x: Any, w: Any, out_dtype: torch.dtype, **kw: Any) -> tuple[torch.Tensor, Any]:

@@ -258,18 +258,28 @@ class BasicLinear(BasicOperation):
                     f"{tokens}"
                 )
         ctx.attrs["need_wgrad"], ctx.attrs["need_dgrad"] = need_wgrad, need_dgrad
-        xq: Any = x if qx is None else C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
+        xq: Any
+        if isinstance(x, C.HandOff):
+            xq = x.take()  # this op's alone: its rowwise copy is freed after the forward GEMM
+        else:
+            xq = x if qx is None else C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
         if need_wgrad:
             xq = _with_columnwise(xq, type(self).__name__)
+        # "w_own": whether what backward reads for dgrad is its own (freed after dgrad) rather
+        # than a parameter's or a cached workspace's (see linear_backward).
         if isinstance(w, QuantizedTensor):
             if torch.compiler.is_compiling():
                 raise RuntimeError(_COMPILE_UNSUPPORTED.format(op=type(self).__name__))
             if _stored_matches(w.qdata, qw, need_columnwise=need_dgrad):
-                # Used as it is (saved for dgrad without a copy); see the class docstring.
+                # Used as it is (saved for dgrad without a copy); see the class docstring. A
+                # per-tensor one gets its transposed copy in backward.
+                ctx.attrs["w_own"] = isinstance(w.qdata, Float8Data)
                 return xq, C.ensure_fp8_copy(w.qdata, "r")
             w = w.dequantize()
+            ctx.attrs["w_own"] = True
         if qw is None:
             return xq, w
+        ctx.attrs["w_own"] = ctx.workspace is None and not ctx.cache_weight
         wq, ctx.new_workspace = quantize_weight(
             w, qw, ctx.workspace, ctx.cache_weight, columnwise=need_dgrad
         )
@@ -279,14 +289,33 @@ class BasicLinear(BasicOperation):
         self.check_input(x)
         (w,) = params
         out_dtype = C.hp_dtype(x)
-        xq, wq = self.quantize_operands(ctx, x, w)
-        if isinstance(xq, torch.Tensor) and isinstance(wq, torch.Tensor):
+        xq, wq, hp = self.fprop_operands(ctx, x, w, out_dtype)
+        if hp:
             y = torch.nn.functional.linear(xq, wq.to(xq.dtype))
         else:
             y, _ = C.gemm_fprop(xq, wq, out_dtype)
             y = y.view(*x.shape[:-1], self.out_features)
-        self.save_operands(ctx, xq, wq, out_dtype, w.dtype)
         return y, []
+
+    def fprop_operands(
+        self, ctx: OpContext, x: Any, w: torch.Tensor, out_dtype: torch.dtype
+    ) -> tuple[Any, Any, bool]:
+        """``(x, w, high_precision)``: the forward GEMM's operands, after
+        :meth:`quantize_operands` and :meth:`save_operands` (so ``ctx`` holds what backward
+        reads); ``high_precision``: neither is quantized (the op then runs torch's linear).
+        What only this GEMM reads is referenced by the returned operands alone, so the caller
+        frees it by dropping them after the GEMM; an MXFP8 GEMM's operands are its dequantized
+        rowwise copies (see :func:`_compute.fprop_dequant_dtype`), made here one at a time so
+        that each rowwise MXFP8 copy is freed right after it is dequantized. Every unit running
+        this Linear's forward (fused or not) gets its operands here."""
+        xq, wq = self.quantize_operands(ctx, x, w)
+        self.save_operands(ctx, xq, wq, out_dtype, w.dtype)
+        hp = isinstance(xq, torch.Tensor) and isinstance(wq, torch.Tensor)
+        dt = None if hp else C.fprop_dequant_dtype(xq, wq, out_dtype)
+        if dt is not None:
+            xq = C.rowwise_dequantized(xq, dt)
+            wq = C.rowwise_dequantized(wq, dt)
+        return xq, wq, hp
 
     def save_operands(
         self, ctx: OpContext, xq: Any, wq: Any, dtype: torch.dtype, w_dtype: torch.dtype
@@ -295,8 +324,8 @@ class BasicLinear(BasicOperation):
         input's columnwise copy (per-tensor ``data_t``, MXFP8 ``col_data``; a high-precision
         input as it is), for dgrad the weight's (a reference to the cached workspace's copy
         when there is one; a stored FP8 weight as it is). The rowwise copies, which only the
-        forward GEMM reads, are not referenced, so they are freed after forward. Every unit
-        running this Linear's forward (fused or not) saves through here."""
+        forward GEMM reads, are not referenced, so they are freed once the forward GEMM has
+        run, or has its operands (see :meth:`fprop_operands`, which calls this)."""
         ctx.saved = [C.keep_columnwise(xq) if ctx.attrs["need_wgrad"] else None,
                      C.keep_columnwise(wq) if ctx.attrs["need_dgrad"] else None]  # fmt: skip
         ctx.attrs["dtype"], ctx.attrs["w_dtype"] = dtype, w_dtype
@@ -304,41 +333,65 @@ class BasicLinear(BasicOperation):
     def linear_backward(
         self, ctx: OpContext, dy: Any, *, c: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(dx, dw); ``c`` is added to dx inside the dgrad GEMM (residual-gradient fusion)."""
+        """(dx, dw); ``c`` is added to dx inside the dgrad GEMM (residual-gradient fusion).
+
+        Memory: the saved operands are taken out of ``ctx`` (this call then holds the only
+        references) and each is dropped right after the GEMM that reads it, as is the copy of
+        a gradient quantized here that only the first GEMM reads. The GEMM whose own operand
+        is the larger runs first -- wgrad's input copy ``[tokens, in]`` against dgrad's weight
+        copy ``[out, in]``, when that is backward's own (not a parameter or a cached
+        workspace) -- so it is gone while the other runs. The two GEMMs are independent: their
+        order changes no result."""
         xq, wq = ctx.saved
-        dtype = ctx.attrs["dtype"]
+        ctx.saved = []
+        attrs = ctx.attrs
+        need_dgrad, need_wgrad = attrs["need_dgrad"], attrs["need_wgrad"]
+        dtype = attrs["dtype"]
         qg = self.get_quantizer(False, "grad_output")
         lead = dy.shape[:-1]
-        if qg is not None:
-            dy = C.quantize(
-                qg, dy, rowwise=ctx.attrs["need_dgrad"], columnwise=ctx.attrs["need_wgrad"]
-            )
-            if ctx.attrs["need_wgrad"]:
-                dy = _with_columnwise(dy, type(self).__name__)
-        dx = dw = None
-        if (
+        own_dy = qg is not None  # the quantized gradient is this call's alone
+        if isinstance(dy, C.HandOff):
+            dy = dy.take()  # quantized for this op by the next one's backward
+        elif qg is not None:
+            dy = C.quantize(qg, dy, rowwise=need_dgrad, columnwise=need_wgrad)
+        if qg is not None and need_wgrad:
+            dy = _with_columnwise(dy, type(self).__name__)
+        wgrad_first = need_wgrad and (
+            not need_dgrad or not attrs.get("w_own", False) or math.prod(lead) >= self.out_features
+        )
+        hp = (
             isinstance(dy, torch.Tensor)
             and (xq is None or isinstance(xq, torch.Tensor))
             and (wq is None or isinstance(wq, torch.Tensor))
-        ):
-            dy2 = C.as_2d(dy)
-            if ctx.attrs["need_dgrad"]:
-                assert wq is not None
-                dx = (dy2 @ wq.to(dy2.dtype)).view(*lead, self.in_features)
-                if c is not None:
-                    dx = dx + c
-            if ctx.attrs["need_wgrad"]:
+        )
+        dx = dw = None
+        for step in ("wgrad", "dgrad") if wgrad_first else ("dgrad", "wgrad"):
+            if step == "wgrad" and need_wgrad:
                 assert xq is not None
-                dw = dy2.t() @ C.as_2d(xq).to(dy2.dtype)
-        else:
-            if ctx.attrs["need_dgrad"]:
-                wq = C.ensure_fp8_copy(wq, "c")  # a stored FP8 weight: transposed on demand
-                dx, _ = C.gemm_dgrad(dy, wq, dtype, c=None if c is None else C.as_2d(c))
-                dx = dx.view(*lead, self.in_features)
-            if ctx.attrs["need_wgrad"]:
-                dw, _ = C.gemm_wgrad(dy, xq, ctx.attrs["w_dtype"])
+                if hp:
+                    dw = C.as_2d(dy).t() @ C.as_2d(xq).to(dy.dtype)
+                else:
+                    dw, _ = C.gemm_wgrad(dy, xq, attrs["w_dtype"])
+                    if own_dy and need_dgrad:
+                        dy = C.without_copy(dy, "c")
+                xq = None
+            elif step == "dgrad" and need_dgrad:
+                assert wq is not None
+                if hp:
+                    dx = (C.as_2d(dy) @ wq.to(dy.dtype)).view(*lead, self.in_features)
+                    if c is not None and c.dtype == dx.dtype:
+                        dx += c  # dx is this GEMM's own: the same sum, without a second tensor
+                    elif c is not None:
+                        dx = dx + c
+                else:
+                    wq = C.ensure_fp8_copy(wq, "c")  # a stored FP8 weight: transposed on demand
+                    dx, _ = C.gemm_dgrad(dy, wq, dtype, c=None if c is None else C.as_2d(c))
+                    dx = dx.view(*lead, self.in_features)
+                    if own_dy and need_wgrad:
+                        dy = C.without_copy(dy, "r")
+                wq = None
         if dw is not None:
-            dw = dw.to(ctx.attrs["w_dtype"])
+            dw = dw.to(attrs["w_dtype"])
         return dx, dw
 
     def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
