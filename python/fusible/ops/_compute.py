@@ -22,9 +22,11 @@ from fusible.quantization.quantizers import (
 __all__ = [
     "HandOff",
     "as_2d",
+    "can_requantize_columnwise",
+    "dequant_dtype",
     "dequantize",
+    "dequantized",
     "ensure_fp8_copy",
-    "fprop_dequant_dtype",
     "fused_quant_args",
     "gemm_dgrad",
     "gemm_fprop",
@@ -34,7 +36,7 @@ __all__ = [
     "hp_dtype",
     "keep_columnwise",
     "quantize",
-    "rowwise_dequantized",
+    "requantize_columnwise",
     "without_copy",
     "wrap_quantized",
 ]
@@ -63,11 +65,11 @@ class HandOff:
         return self._qdata
 
     def take(self) -> Float8Data | MXFP8Data:
-        """The quantized data, which the hand-off no longer holds (under ``torch.compile`` it
-        does: the compiled graph decides lifetimes there)."""
-        q = self.qdata
-        if not torch.compiler.is_compiling():
-            self._qdata = None
+        """The quantized data, which the hand-off no longer holds."""
+        q = self._qdata
+        if q is None:
+            raise RuntimeError("fusible: this hand-off's data was taken by the op it was made for")
+        self._qdata = None
         return q
 
     def dequantize(self) -> torch.Tensor:
@@ -177,7 +179,8 @@ def _gemm(
             transa, transb = ta, not tb
             scales = (None, None)
     else:
-        dt = _common_dtype(a, b, out_dtype)
+        pre = type(a) is tuple and type(b) is tuple  # dequantized by the caller
+        dt = out_dtype if pre else _common_dtype(a, b, out_dtype)
         (am, ta), (bm, tb) = _dequant_copy(a, which[0], dt), _dequant_copy(b, which[1], dt)
         # A = [M, K] or, transposed, [K, M]; B^T's operand is [N, K] or, transposed, [K, N]
         transa, transb = ta, not tb
@@ -230,6 +233,27 @@ def ensure_fp8_copy(x: Any, which: str) -> Any:
     return replace(x, data=_byte_transpose(x.data_t).reshape(x.shape))
 
 
+def can_requantize_columnwise(q: Quantizer) -> bool:
+    """Whether :func:`requantize_columnwise` makes, from the high-precision tensor, the very
+    columnwise copy ``q`` makes with both: the built-in quantizers, whose copies are casts of the
+    same values with the same scale (per tensor, or per block independently of the other
+    copy)."""
+    return type(q) in (Float8Quantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer)
+
+
+def requantize_columnwise(
+    q: Quantizer, w: torch.Tensor, scale: torch.Tensor | None
+) -> Float8Data | MXFP8Data:
+    """``w``'s columnwise copy (per-tensor ``data_t``, MXFP8 ``col_data``) as ``q`` made it in
+    forward, made again: delayed scaling casts with ``scale``, the scale the forward cast with,
+    and records no amax (the forward did); current scaling takes the same amax of the same
+    values; MXFP8 blocks do not depend on the rowwise copy."""
+    if isinstance(q, Float8Quantizer):
+        assert scale is not None
+        return q.quantize_with_scale(w, scale, rowwise=False, columnwise=True)
+    return q.quantize(w, rowwise=False, columnwise=True)
+
+
 def keep_columnwise(x: Any) -> Any:
     """``x`` as a backward GEMM reads it: only the copy laid out along the tokens (wgrad's
     input) or along the output features (dgrad's weight) -- the per-tensor transposed copy
@@ -273,13 +297,44 @@ def _fp8_gemm_aligned(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype
     )
 
 
+def _common_dtype(a: Any, b: Any, out_dtype: torch.dtype) -> torch.dtype:
+    """Operand dtype of a GEMM on dequantized operands. Per-tensor FP8 times an arbitrary fp32
+    scale_inv is exact only in fp32; MXFP8 (power-of-two scales) is exact in bf16; high-precision
+    operands use the output dtype."""
+    if out_dtype == torch.float32 or isinstance(a, Float8Data) or isinstance(b, Float8Data):
+        return torch.float32
+    if isinstance(a, MXFP8Data) or isinstance(b, MXFP8Data):
+        return torch.bfloat16
+    return out_dtype
+
+
+def dequant_dtype(a: Any, b: Any, out_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype in which :func:`_gemm` dequantizes a GEMM's operands, when it would: an MXFP8
+    GEMM runs on exactly dequantized operands, so a caller can make them first with
+    :func:`dequantized` -- one at a time, dropping each MXFP8 copy once it is read, before the
+    GEMM allocates its output -- and pass those in their place. None where ``_gemm`` takes
+    another path with the dequantized operands (an operand dtype other than ``out_dtype``, see
+    :func:`_common_dtype`) and for any other operands: pass those as they are. The GEMM
+    computes the same either way."""
+    ta, tb = type(a), type(b)
+    if (ta is not MXFP8Data and tb is not MXFP8Data) or ta is Float8Data or tb is Float8Data:
+        return None
+    return out_dtype if out_dtype in _MX_OPERAND_DTYPES else None
+
+
+_MX_OPERAND_DTYPES = (torch.float32, torch.bfloat16)  # _common_dtype of MXFP8 operands
+
+
 def _dequant_copy(x: Any, which: str, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     """``(m, transposed)``: the rowwise matrix (``which == "r"``) or the transposed matrix, in
     ``dtype`` -- a high-precision tensor converted, quantized data dequantized (exact in
     ``dtype``, see :func:`_common_dtype`). Where that layout would cost a transpose copy (a
     high-precision tensor or MXFP8's columnwise copy, both stored untransposed) ``m`` is the
     untransposed matrix and ``transposed`` is True: the GEMM reads it through its transpose
-    flag, which is free."""
+    flag, which is free. ``x`` already such a pair (made by :func:`dequantized` for this
+    ``which``): ``x`` itself."""
+    if type(x) is tuple:
+        return x
     if isinstance(x, torch.Tensor):
         return as_2d(x).to(dtype).contiguous(), which != "r"
     if isinstance(x, Float8Data):  # whichever copy exists, the asked one first
@@ -292,38 +347,10 @@ def _dequant_copy(x: Any, which: str, dtype: torch.dtype) -> tuple[torch.Tensor,
     return as_2d(K.dequantize_mxfp8(x.col_data, x.col_scale, True, dtype)), True
 
 
-def _common_dtype(a: Any, b: Any, out_dtype: torch.dtype) -> torch.dtype:
-    """Operand dtype of a GEMM on dequantized operands. Per-tensor FP8 times an arbitrary fp32
-    scale_inv is exact only in fp32; MXFP8 (power-of-two scales) is exact in bf16; high-precision
-    operands use the output dtype."""
-    if out_dtype == torch.float32 or isinstance(a, Float8Data) or isinstance(b, Float8Data):
-        return torch.float32
-    if isinstance(a, MXFP8Data) or isinstance(b, MXFP8Data):
-        return torch.bfloat16
-    return out_dtype
-
-
-def fprop_dequant_dtype(x: Any, w: Any, out_dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype in which :func:`_gemm` dequantizes the forward GEMM's rowwise operands, when it
-    would: an MXFP8 GEMM runs on exactly dequantized operands, so a caller can make them first
-    (:func:`rowwise_dequantized`) and drop the rowwise MXFP8 copies, which nothing else reads,
-    before the GEMM allocates its output. None where ``_gemm`` takes another path with the
-    dequantized operands (an operand dtype other than ``out_dtype``) and for any other operands:
-    pass those as they are. The GEMM computes the same either way."""
-    if (
-        not (isinstance(x, MXFP8Data) or isinstance(w, MXFP8Data))
-        or isinstance(x, Float8Data)
-        or isinstance(w, Float8Data)
-    ):
-        return None
-    dt = _common_dtype(x, w, out_dtype)
-    return dt if dt == out_dtype else None
-
-
-def rowwise_dequantized(x: Any, dtype: torch.dtype) -> torch.Tensor:
-    """``x``'s rowwise matrix in ``dtype``, as :func:`_gemm` reads a forward operand (see
-    :func:`fprop_dequant_dtype`)."""
-    return _dequant_copy(x, "r", dtype)[0]
+#: A GEMM operand dequantized ahead of the GEMM (see :func:`dequant_dtype`): ``dequantized(x,
+#: which, dtype)`` is the ``(matrix, transposed)`` pair the GEMM reads for ``x``'s copy
+#: ``which``; the GEMM functions take it in ``x``'s place.
+dequantized = _dequant_copy
 
 
 def gemm_fprop(x: Any, w: Any, out_dtype: torch.dtype, **kw: Any) -> tuple[torch.Tensor, Any]:

@@ -17,7 +17,7 @@ def _act(x: torch.Tensor, kind: str, glu: bool, q: Quantizer | None) -> torch.Te
     fused = C.fused_quant_args(q)
     if fused is None:
         y, *_ = K.act_fwd(x, kind, x.dtype, "none", torch.float8_e4m3fn, None, True, False)
-        return C.handoff_after(q, y)
+        return y if q is None else C.handoff_after(q, y)
     assert q is not None
     quant, fp8_dtype, scale = fused
     colwise = q.columnwise
@@ -39,7 +39,7 @@ def activation_backward(
         dx, *_, dbias = K.act_bwd(dy, x, kind, x.dtype, "none", torch.float8_e4m3fn, None, True,
                                   False, with_dbias)  # fmt: skip
         del x
-        return C.handoff_after(q, dx), (dbias if with_dbias else None)
+        return (dx if q is None else C.handoff_after(q, dx)), (dbias if with_dbias else None)
     assert q is not None
     quant, fp8_dtype, scale = fused
     colwise = q.columnwise
