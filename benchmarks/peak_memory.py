@@ -17,6 +17,7 @@ and allocates the same tensors (same shapes, same lifetimes), so the peak here i
 ``step_peak`` of benchmarks/step.py up to those.
 
     python benchmarks/peak_memory.py [--tokens 512] [--hidden 256] [--ffn 1024] [--top 12]
+        [--models block,gpt] [--gpt layers=2,hidden=64,...] [--phase backward] [--out DIR]
 
 Shared with tests/python/ops/test_peak_memory.py (``trace_step``, ``LiveBytes``).
 """
@@ -332,12 +333,26 @@ def print_peaks(
     print()
 
 
+def rows_of(peaks: dict[str, LiveBytes], top: int) -> list[dict[str, Any]]:
+    """JSON rows: per variant the peak, its ratio to ``none``, the phase peaks and the ``top``
+    largest live groups at the peak."""
+    base = peaks["none"].peak
+    out = []
+    for name, m in peaks.items():
+        alive = m.report(top).splitlines()[1:]
+        out.append({"variant": name, "peak_bytes": m.peak, "vs_none": m.peak / base,
+                    "phase_peaks": dict(m.phase_peaks), "peak_phase": m.peak_phase,
+                    "alive_at_peak": [line.strip() for line in alive]})  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--ffn", type=int, default=1024)
     ap.add_argument("--models", default="block,gpt")
+    ap.add_argument("--gpt", default=None, help="GPT config as k=v,... over GPT_CFG")
     ap.add_argument("--top", type=int, default=12, help="live allocations listed per variant")
     ap.add_argument(
         "--phase",
@@ -345,16 +360,30 @@ def main() -> None:
         choices=["forward", "backward", "step"],
         help="list what is alive at this phase's peak (default: the step's)",
     )
+    ap.add_argument("--out", default=None, help="write peak_memory_cpu.json there")
     args = ap.parse_args()
     models = args.models.split(",")
+    cfg = dict(GPT_CFG)
+    if args.gpt:
+        cfg.update({k: int(v) for k, v in (kv.split("=") for kv in args.gpt.split(","))})
+    payload: dict[str, Any] = {"shape": {"tokens": args.tokens, "hidden": args.hidden,
+                                         "ffn": args.ffn, "gpt": cfg}}  # fmt: skip
     if "block" in models:
+        peaks = block_peaks(args.tokens, args.hidden, args.ffn)
         print_peaks(
             f"block step peak (bytes above the between-steps level), {args.tokens} tokens, "
-            f"hidden {args.hidden}, ffn {args.ffn}, bf16, CPU trace",
-            block_peaks(args.tokens, args.hidden, args.ffn), args.top, args.phase,
+            f"hidden {args.hidden}, ffn {args.ffn}, bf16, CPU trace", peaks, args.top, args.phase,
         )  # fmt: skip
+        payload["block"] = rows_of(peaks, args.top)
     if "gpt" in models:
-        print_peaks(f"GPT step peak, {GPT_CFG}, bf16, CPU trace", gpt_peaks(), args.top, args.phase)
+        peaks = gpt_peaks(cfg)
+        print_peaks(f"GPT step peak, {cfg}, bf16, CPU trace", peaks, args.top, args.phase)
+        payload["gpt"] = rows_of(peaks, args.top)
+    if args.out:
+        from _common import environment, write_json
+
+        payload["env"] = environment()
+        print(f"wrote {write_json('peak_memory', payload, args.out)}")
 
 
 if __name__ == "__main__":

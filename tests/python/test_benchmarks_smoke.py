@@ -1,5 +1,6 @@
 """The benchmarks run end to end at tiny sizes: benchmarks/gpt.py (every variant, eager, and its
-profiler path) and benchmarks/overhead.py --calls-only, as subprocesses (PYTHONPATH kept)."""
+profiler path), benchmarks/overhead.py --calls-only and benchmarks/peak_memory.py, as
+subprocesses (PYTHONPATH kept)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,13 @@ def test_overhead_calls_only(tmp_path):
     assert "most called functions" in out and "Self CPU" in out, out
     assert list(tmp_path.glob("overhead_*.json"))
     assert len(list((tmp_path / "prof").glob("overhead_*.json"))) == 5  # torch + 4 recipes
+
+
+def test_peak_memory_tiny(tmp_path):
+    out = _run("peak_memory.py", "--tokens", "64", "--hidden", "32", "--ffn", "64", "--top", "3",
+               "--gpt", "layers=1,hidden=32,heads=2,seq=32,batch=2,vocab=64",
+               "--out", str(tmp_path))  # fmt: skip
+    for variant in ("torch", "none", "delayed", "current", "mxfp8"):
+        assert f"\n{variant} " in out, out
+    assert "alive then:" in out, out
+    assert list(tmp_path.glob("peak_memory_*.json"))
