@@ -11,6 +11,8 @@ moment. The tests check
   freed after the last backward that reads it, a Linear's backward operands after their GEMM,
   a forward's rowwise copies before the next allocation, a current-scaling op's high-precision
   output with the op, and no quantized weight copy lives from forward to backward;
+* that autograd's contracts hold: a retained graph backs a second backward, and an in-place
+  change of a weight between forward and backward raises (backward reads the parameter);
 * that none of this changed a number: outputs, gradients and updated parameters of several
   models per recipe are bit for bit those recorded before (golden_numerics.py).
 """
@@ -25,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+import fusible
 from fusible import ops, recipe
 
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
@@ -223,6 +226,40 @@ def test_tiny_gpt_fp8_peaks_below_no_recipe():
     peaks = pm.gpt_peaks(cfg)
     for name in FP8_RECIPES:
         assert peaks[name].peak < peaks["none"].peak, name
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_retain_graph_keeps_what_a_second_backward_reads(name):
+    # Autograd keeps the saved tensors when it keeps the graph: a second backward runs, and
+    # gives the same gradients (accumulated: twice the first) -- except under delayed scaling,
+    # whose first backward updated the gradient scales the second one casts with.
+    torch.manual_seed(0)
+    m = pm.fusible_block(H, F)
+    x = torch.randn(T, H, dtype=DT, requires_grad=True)
+    with fusible.autocast(enabled=RECIPES[name]() is not None, recipe=RECIPES[name]()):
+        y = m(x)
+    dy = torch.randn_like(y)
+    y.backward(dy, retain_graph=True)
+    first = [p.grad.clone() for p in m.parameters()] + [x.grad.clone()]
+    y.backward(dy)
+    for g0, p in zip(first, [*m.parameters(), x], strict=True):
+        assert p.grad is not None and bool(p.grad.isfinite().all())
+        if name != "delayed":
+            assert torch.equal(p.grad, g0 + g0)
+
+
+@pytest.mark.parametrize("name", FP8_RECIPES)
+def test_weight_changed_between_forward_and_backward_raises(name):
+    # Backward quantizes the weight again, so it reads the parameter: an in-place change after
+    # forward is caught by autograd, as without a recipe.
+    m = ops.Sequential(ops.BasicLinear(H, F, dtype=DT))
+    x = torch.randn(T, H, dtype=DT, requires_grad=True)
+    with fusible.autocast(recipe=RECIPES[name]()):
+        y = m(x)
+    with torch.no_grad():
+        m[0].weight.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.float().sum().backward()
 
 
 # ---- no numerics changed ------------------------------------------------------------------------
