@@ -1,5 +1,6 @@
 """The benchmarks run end to end at tiny sizes: benchmarks/gpt.py (every variant, eager, and its
-profiler path), benchmarks/overhead.py --calls-only and benchmarks/grouped.py --tiny, as
+profiler path), benchmarks/overhead.py --calls-only, benchmarks/grouped.py --tiny and
+benchmarks/peak_memory.py, as
 subprocesses (PYTHONPATH kept)."""
 
 from __future__ import annotations
@@ -54,3 +55,13 @@ def test_grouped_tiny(tmp_path):
     for variant in ("torch eager", "fusible bf16", "fusible delayed", "fusible mxfp8"):
         assert variant in out, out
     assert list(tmp_path.glob("grouped_*.json"))
+
+
+def test_peak_memory_tiny(tmp_path):
+    out = _run("peak_memory.py", "--tokens", "64", "--hidden", "32", "--ffn", "64", "--top", "3",
+               "--gpt", "layers=1,hidden=32,heads=2,seq=32,batch=2,vocab=64",
+               "--out", str(tmp_path))  # fmt: skip
+    for variant in ("torch", "none", "delayed", "current", "mxfp8"):
+        assert f"\n{variant} " in out, out
+    assert "alive then:" in out, out
+    assert list(tmp_path.glob("peak_memory_*.json"))

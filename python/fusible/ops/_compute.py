@@ -4,13 +4,14 @@ so each piece of math has one implementation."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from fusible import _kernels as K
 from fusible.quantization.quantizers import (
+    Float8CurrentScalingQuantizer,
     Float8Data,
     Float8Quantizer,
     MXFP8Data,
@@ -21,31 +22,55 @@ from fusible.quantization.quantizers import (
 __all__ = [
     "HandOff",
     "as_2d",
+    "can_requantize_columnwise",
+    "dequant_dtype",
     "dequantize",
+    "dequantized",
     "ensure_fp8_copy",
     "fused_quant_args",
     "gemm_dgrad",
     "gemm_fprop",
     "gemm_wgrad",
     "handoff",
+    "handoff_after",
     "hp_dtype",
     "keep_columnwise",
     "quantize",
+    "requantize_columnwise",
+    "without_copy",
     "wrap_quantized",
 ]
 
 
-@dataclass(frozen=True)
 class HandOff:
     """A unit's output already quantized with the next op's input quantizer (quantizer hand-off),
-    with the high-precision dtype the unquantized value would have had."""
+    with the high-precision dtype the unquantized value would have had.
 
-    qdata: Float8Data | MXFP8Data
-    dtype: torch.dtype
+    The op it is made for may :meth:`take` the quantized data: the hand-off then holds none, so
+    the copies that op drops (a Linear's rowwise copy after its forward GEMM, a gradient's
+    copies after the backward GEMM that reads them) are freed at once, not when the executor
+    moves on to the next unit."""
+
+    __slots__ = ("_qdata", "dtype", "shape")
+
+    def __init__(self, qdata: Float8Data | MXFP8Data, dtype: torch.dtype) -> None:
+        self._qdata: Float8Data | MXFP8Data | None = qdata
+        self.dtype = dtype
+        self.shape: torch.Size = qdata.shape
 
     @property
-    def shape(self) -> torch.Size:
-        return self.qdata.shape
+    def qdata(self) -> Float8Data | MXFP8Data:
+        if self._qdata is None:
+            raise RuntimeError("fusible: this hand-off's data was taken by the op it was made for")
+        return self._qdata
+
+    def take(self) -> Float8Data | MXFP8Data:
+        """The quantized data, which the hand-off no longer holds."""
+        q = self._qdata
+        if q is None:
+            raise RuntimeError("fusible: this hand-off's data was taken by the op it was made for")
+        self._qdata = None
+        return q
 
     def dequantize(self) -> torch.Tensor:
         return self.qdata.dequantize(self.dtype)
@@ -75,6 +100,18 @@ def quantize(
 def handoff(q: Quantizer, y: torch.Tensor) -> HandOff:
     """``y`` quantized for the next op with its input quantizer (the copies it asks for)."""
     return HandOff(q.quantize(y), y.dtype)
+
+
+def handoff_after(q: Quantizer | None, y: torch.Tensor) -> torch.Tensor | HandOff:
+    """``y`` as an op whose kernel cannot write its output quantized by ``q`` returns it (see
+    :func:`fused_quant_args`): quantized for the next op here, by a separate cast, when ``q`` is
+    a current-scaling quantizer, so that the high-precision ``y`` is freed when this op returns
+    instead of living on while the next op quantizes it and runs its GEMM. (Current scaling
+    casts every copy with the scale of the whole tensor, so these are the bits the next op's
+    own cast would make.) ``y`` itself otherwise."""
+    if isinstance(q, Float8CurrentScalingQuantizer):
+        return handoff(q, y)
+    return y
 
 
 def record_amax(q: Quantizer, amax: torch.Tensor) -> None:
@@ -142,7 +179,8 @@ def _gemm(
             transa, transb = ta, not tb
             scales = (None, None)
     else:
-        dt = _common_dtype(a, b, out_dtype)
+        pre = type(a) is tuple and type(b) is tuple  # dequantized by the caller
+        dt = out_dtype if pre else _common_dtype(a, b, out_dtype)
         (am, ta), (bm, tb) = _dequant_copy(a, which[0], dt), _dequant_copy(b, which[1], dt)
         # A = [M, K] or, transposed, [K, M]; B^T's operand is [N, K] or, transposed, [K, N]
         transa, transb = ta, not tb
@@ -195,6 +233,27 @@ def ensure_fp8_copy(x: Any, which: str) -> Any:
     return replace(x, data=_byte_transpose(x.data_t).reshape(x.shape))
 
 
+def can_requantize_columnwise(q: Quantizer) -> bool:
+    """Whether :func:`requantize_columnwise` makes, from the high-precision tensor, the very
+    columnwise copy ``q`` makes with both: the built-in quantizers, whose copies are casts of the
+    same values with the same scale (per tensor, or per block independently of the other
+    copy)."""
+    return type(q) in (Float8Quantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer)
+
+
+def requantize_columnwise(
+    q: Quantizer, w: torch.Tensor, scale: torch.Tensor | None
+) -> Float8Data | MXFP8Data:
+    """``w``'s columnwise copy (per-tensor ``data_t``, MXFP8 ``col_data``) as ``q`` made it in
+    forward, made again: delayed scaling casts with ``scale``, the scale the forward cast with,
+    and records no amax (the forward did); current scaling takes the same amax of the same
+    values; MXFP8 blocks do not depend on the rowwise copy."""
+    if isinstance(q, Float8Quantizer):
+        assert scale is not None
+        return q.quantize_with_scale(w, scale, rowwise=False, columnwise=True)
+    return q.quantize(w, rowwise=False, columnwise=True)
+
+
 def keep_columnwise(x: Any) -> Any:
     """``x`` as a backward GEMM reads it: only the copy laid out along the tokens (wgrad's
     input) or along the output features (dgrad's weight) -- the per-tensor transposed copy
@@ -206,6 +265,20 @@ def keep_columnwise(x: Any) -> Any:
     if isinstance(x, Float8Data) and x.data is not None and x.data_t is not None:
         return replace(x, data=None)
     if isinstance(x, MXFP8Data) and x.data is not None and x.col_data is not None:
+        return replace(x, data=None, scale=None)
+    return x
+
+
+def without_copy(x: Any, which: str) -> Any:
+    """``x`` without its rowwise (``which == "r"``) or columnwise (``"c"``) copy -- per-tensor
+    ``data`` / ``data_t``, MXFP8 ``data`` + ``scale`` / ``col_data`` + ``col_scale`` -- so that
+    copy is freed once nothing else holds it. ``x`` as it is when it has no other copy (a
+    container keeps at least one) or is not quantized."""
+    if isinstance(x, Float8Data) and x.data is not None and x.data_t is not None:
+        return replace(x, data_t=None) if which == "c" else replace(x, data=None)
+    if isinstance(x, MXFP8Data) and x.data is not None and x.col_data is not None:
+        if which == "c":
+            return replace(x, col_data=None, col_scale=None)
         return replace(x, data=None, scale=None)
     return x
 
@@ -224,13 +297,44 @@ def _fp8_gemm_aligned(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype
     )
 
 
+def _common_dtype(a: Any, b: Any, out_dtype: torch.dtype) -> torch.dtype:
+    """Operand dtype of a GEMM on dequantized operands. Per-tensor FP8 times an arbitrary fp32
+    scale_inv is exact only in fp32; MXFP8 (power-of-two scales) is exact in bf16; high-precision
+    operands use the output dtype."""
+    if out_dtype == torch.float32 or isinstance(a, Float8Data) or isinstance(b, Float8Data):
+        return torch.float32
+    if isinstance(a, MXFP8Data) or isinstance(b, MXFP8Data):
+        return torch.bfloat16
+    return out_dtype
+
+
+def dequant_dtype(a: Any, b: Any, out_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype in which :func:`_gemm` dequantizes a GEMM's operands, when it would: an MXFP8
+    GEMM runs on exactly dequantized operands, so a caller can make them first with
+    :func:`dequantized` -- one at a time, dropping each MXFP8 copy once it is read, before the
+    GEMM allocates its output -- and pass those in their place. None where ``_gemm`` takes
+    another path with the dequantized operands (an operand dtype other than ``out_dtype``, see
+    :func:`_common_dtype`) and for any other operands: pass those as they are. The GEMM
+    computes the same either way."""
+    ta, tb = type(a), type(b)
+    if (ta is not MXFP8Data and tb is not MXFP8Data) or ta is Float8Data or tb is Float8Data:
+        return None
+    return out_dtype if out_dtype in _MX_OPERAND_DTYPES else None
+
+
+_MX_OPERAND_DTYPES = (torch.float32, torch.bfloat16)  # _common_dtype of MXFP8 operands
+
+
 def _dequant_copy(x: Any, which: str, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     """``(m, transposed)``: the rowwise matrix (``which == "r"``) or the transposed matrix, in
     ``dtype`` -- a high-precision tensor converted, quantized data dequantized (exact in
     ``dtype``, see :func:`_common_dtype`). Where that layout would cost a transpose copy (a
     high-precision tensor or MXFP8's columnwise copy, both stored untransposed) ``m`` is the
     untransposed matrix and ``transposed`` is True: the GEMM reads it through its transpose
-    flag, which is free."""
+    flag, which is free. ``x`` already such a pair (made by :func:`dequantized` for this
+    ``which``): ``x`` itself."""
+    if type(x) is tuple:
+        return x
     if isinstance(x, torch.Tensor):
         return as_2d(x).to(dtype).contiguous(), which != "r"
     if isinstance(x, Float8Data):  # whichever copy exists, the asked one first
@@ -243,15 +347,10 @@ def _dequant_copy(x: Any, which: str, dtype: torch.dtype) -> tuple[torch.Tensor,
     return as_2d(K.dequantize_mxfp8(x.col_data, x.col_scale, True, dtype)), True
 
 
-def _common_dtype(a: Any, b: Any, out_dtype: torch.dtype) -> torch.dtype:
-    """Operand dtype of a GEMM on dequantized operands. Per-tensor FP8 times an arbitrary fp32
-    scale_inv is exact only in fp32; MXFP8 (power-of-two scales) is exact in bf16; high-precision
-    operands use the output dtype."""
-    if out_dtype == torch.float32 or isinstance(a, Float8Data) or isinstance(b, Float8Data):
-        return torch.float32
-    if isinstance(a, MXFP8Data) or isinstance(b, MXFP8Data):
-        return torch.bfloat16
-    return out_dtype
+#: A GEMM operand dequantized ahead of the GEMM (see :func:`dequant_dtype`): ``dequantized(x,
+#: which, dtype)`` is the ``(matrix, transposed)`` pair the GEMM reads for ``x``'s copy
+#: ``which``; the GEMM functions take it in ``x``'s place.
+dequantized = _dequant_copy
 
 
 def gemm_fprop(x: Any, w: Any, out_dtype: torch.dtype, **kw: Any) -> tuple[torch.Tensor, Any]:

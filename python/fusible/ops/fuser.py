@@ -311,6 +311,8 @@ def _backward_units(
                 extra_output_grads=extra_out_grads[start:stop],
             )  # fmt: skip
             param_grads[start:stop], extra_in_grads[start:stop] = pgs, egs
+        for c in ctxs[start:stop]:
+            c.saved = []  # done with: freed now, unless autograd keeps the graph (see backward)
     return dy, param_grads, extra_in_grads
 
 
@@ -478,14 +480,23 @@ class _PlanFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor | None, *out_grads: torch.Tensor | None) -> Any:  # type: ignore[override]
         plan, layout, attrs, same = ctx.fusible
-        saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor once
+        compiling = torch.compiler.is_compiling()
         # Containers are rebuilt without validation only when nothing could have changed the
-        # saved tensors (no saved-tensor hooks at forward time).
-        saved_lists = _unpack(layout, saved, same and not torch.compiler.is_compiling())
+        # saved tensors (no saved-tensor hooks at forward time). ``saved_tensors`` once:
+        # checkpointing unpacks each saved tensor once.
+        saved_lists = _unpack(layout, ctx.saved_tensors, same and not compiling)
+        if not compiling:
+            # Autograd's references to the saved tensors go now (unless it keeps the graph:
+            # retain_graph / create_graph), as torch's compiled backward does: the units' ctxs
+            # then hold the only ones, and each unit's are dropped once it is done
+            # (_backward_units), so an activation is freed after the last backward that reads
+            # it instead of after the whole plan's backward.
+            ctx.maybe_clear_saved_tensors()
         ctxs = [
             OpContext(f[0], f[1], s, a)
             for f, s, a in zip(plan.flags, saved_lists, attrs, strict=True)
         ]
+        del saved_lists
         eog: list[Any] = []
         pos = 0
         for n in plan.n_extra_out:

@@ -483,6 +483,20 @@ class Float8Quantizer(Quantizer):
             data if r else None, data_t if c else None, scale_inv, self.dtype, x.shape
         )
 
+    def quantize_with_scale(
+        self, x: torch.Tensor, scale: torch.Tensor, *, rowwise: bool, columnwise: bool
+    ) -> Float8Data:
+        """``x`` cast with ``scale`` -- a float32 ``(1,)`` copy of a scale this quantizer cast
+        with before (:attr:`scale` then) -- recording no amax: the bits that cast made, made
+        again (how backward remakes the weight copy its forward made, after the step's update
+        has changed the state)."""
+        x = self._check_input(x)
+        data, data_t, scale_inv, _ = _ops.quantize_fp8(x, scale, self.dtype, rowwise, columnwise)
+        return Float8Data(
+            data if rowwise else None, data_t if columnwise else None, scale_inv, self.dtype,
+            x.shape,
+        )  # fmt: skip
+
     def record_amax(self, amax: torch.Tensor) -> None:
         """Fold ``amax`` (float32, one element) into this step's running max,
         ``amax_history[0, slot]`` -- for casts done by fused kernels with :attr:`scale`. A

@@ -7,8 +7,9 @@ with the bytes the op's backward reads, computed here from the shapes:
 * a Linear's wgrad reads its input's columnwise copy -- per-tensor FP8 ``data_t`` (1 byte per
   element + a 4-byte ``scale_inv``), MXFP8 ``col_data`` + ``col_scale`` (1 byte per element +
   one E8M0 byte per 32 rows per column), the high-precision input without a recipe -- and its
-  dgrad the weight's (the same forms of the ``[out, in]`` weight; nothing without a recipe: the
-  weight is a parameter);
+  dgrad the weight, which is a parameter (not counted): under an FP8 recipe backward quantizes
+  it again, delayed scaling with the 4-byte scale the forward cast with (saved); only with the
+  weight workspace cache is the cached copy saved (the same forms of the ``[out, in]`` weight);
 * LayerNorm / RMSNorm backward read the high-precision input, ``rstd`` and (LayerNorm) ``mean``
   (float32 per row); activations read their high-precision input (the fused Linear + Bias +
   GELU saves the GEMM's pre-activation output instead).
@@ -62,11 +63,18 @@ def columnwise_bytes(recipe_name: str, rows: int, cols: int) -> int:
 
 
 def linear_bytes(r: str, tokens: int, k: int, n: int, *, wgrad=True, dgrad=True) -> int:
-    """Input ``[tokens, k]`` for wgrad, weight ``[n, k]`` for dgrad (a parameter: none)."""
+    """Input ``[tokens, k]`` for wgrad; for dgrad the weight ``[n, k]``, a parameter (delayed
+    scaling: + the scale the forward cast it with)."""
     total = columnwise_bytes(r, tokens, k) if wgrad else 0
-    if dgrad and r != "none":
-        total += columnwise_bytes(r, n, k)
+    if dgrad and r == "delayed":
+        total += 4
     return total
+
+
+def cached_linear_bytes(r: str, tokens: int, k: int, n: int) -> int:
+    """With the weight workspace cache: the input's copy and the cached weight's (by
+    reference)."""
+    return columnwise_bytes(r, tokens, k) + columnwise_bytes(r, n, k)
 
 
 def norm_bytes(tokens: int, h: int, layernorm: bool) -> int:
@@ -147,9 +155,9 @@ def test_saves_exactly_what_backward_reads(case, recipe_name):
 @pytest.mark.parametrize("case", ["frozen weight", "no input grad", "frozen prefix", "frozen"])
 def test_saves_nothing_for_a_gradient_not_needed(recipe_name, case):
     """LayerNorm -> Linear -> GELU. A frozen Linear weight: no input copy for wgrad. An input
-    without gradient: no weight copy for dgrad. A frozen norm on such an input ("frozen
-    prefix"): the norm saves nothing either (its backward does not run). Everything frozen:
-    nothing is saved."""
+    without gradient: nothing for dgrad (no delayed-scaling scale either). A frozen norm on
+    such an input ("frozen prefix"): the norm saves nothing either (its backward does not
+    run). Everything frozen: nothing is saved."""
     rec = RECIPES[recipe_name]
     torch.manual_seed(0)
     model = ops.Sequential(
@@ -254,7 +262,7 @@ def test_cached_weight_is_saved_by_reference(recipe_name):
     torch.manual_seed(0)
     model = ops.Sequential(ops.BasicLinear(H, F, dtype=DT))
     x = _input(H)
-    expected = linear_bytes(recipe_name, T, H, F)
+    expected = cached_linear_bytes(recipe_name, T, H, F)
     for first in (True, False, False):
         assert saved_bytes(model, x, rec, is_first_microbatch=first) == expected
     ws = model[0].workspace_cache.workspace

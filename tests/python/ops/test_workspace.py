@@ -277,7 +277,7 @@ def test_none_never_caches(recipe_name, counter):
     ((x, g),) = _data()
     for _ in range(2):
         _step(model, x, g, rec, None)
-        assert count.take() == [0, 1]
+        assert count.take() == [0, 1, 1, 0]  # forward, then dgrad's copy again in backward
         assert _cached(model) == [None, None]
         assert all(op.workspace_cache.key is None for op in _linears(model))
     # After a True step, None still quantizes every call and leaves the cache alone.
@@ -285,7 +285,7 @@ def test_none_never_caches(recipe_name, counter):
     assert count.take() == [0, 1]
     cached = _cached(model)
     _step(model, x, g, rec, None)
-    assert count.take() == [0, 1]
+    assert count.take() == [0, 1, 1, 0]
     assert all(a is b for a, b in zip(_cached(model), cached, strict=True))
     _step(model, x, g, rec, False)
     assert count.take() == []
@@ -424,7 +424,8 @@ def test_grad_accumulation_cache_equals_no_cache(recipe_name, counter):
     want = _accumulate(twin, data, rec, [None] * 4)
     if rec is not None:
         assert quantized == [0, 1]  # once per step with the cache
-        assert count.take() == [2, 3] * 4  # every micro-batch without (twin's weights)
+        # Every micro-batch without (twin's weights), in forward and again for dgrad.
+        assert count.take() == [2, 3, 3, 2] * 4
     _assert_bits(got, want, "cache vs no cache")
 
 
@@ -609,5 +610,7 @@ def test_quantized_operands_are_saved_tensors(recipe_name):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with fusible.autocast(recipe=RECIPES[recipe_name]):
             y = m(x)
-    assert sum(d in fp8 for d in packed) >= 4, packed  # x and W copies of both Linears
+    # The input copies of both Linears (their weights are saved as the parameters: dgrad
+    # quantizes them again).
+    assert sum(d in fp8 for d in packed) >= 2, packed
     y.sum().backward()

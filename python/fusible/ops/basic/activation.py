@@ -17,7 +17,7 @@ def _act(x: torch.Tensor, kind: str, glu: bool, q: Quantizer | None) -> torch.Te
     fused = C.fused_quant_args(q)
     if fused is None:
         y, *_ = K.act_fwd(x, kind, x.dtype, "none", torch.float8_e4m3fn, None, True, False)
-        return y
+        return y if q is None else C.handoff_after(q, y)
     assert q is not None
     quant, fp8_dtype, scale = fused
     colwise = q.columnwise
@@ -32,12 +32,14 @@ def activation_backward(
     """(dx, dbias): dact, optionally the bias gradient (column sums of dx) and dx quantized by
     ``q`` (the preceding op's grad-output quantizer), in one kernel where the quantizer allows."""
     (x,) = ctx.saved
+    ctx.saved = []  # the saved input is freed as soon as the kernel has read it
     dy = C.dequantize(dy).contiguous()
     fused = C.fused_quant_args(q)
     if fused is None:
         dx, *_, dbias = K.act_bwd(dy, x, kind, x.dtype, "none", torch.float8_e4m3fn, None, True,
                                   False, with_dbias)  # fmt: skip
-        return dx, (dbias if with_dbias else None)
+        del x
+        return (dx if q is None else C.handoff_after(q, dx)), (dbias if with_dbias else None)
     assert q is not None
     quant, fp8_dtype, scale = fused
     colwise = q.columnwise

@@ -41,6 +41,17 @@ class BasicLinear(BasicOperation):
     three GEMMs run in FP8 on cuBLASLt (CPU: the core library's reference GEMM) using the
     transposed copies the quantizers produce; MXFP8 GEMMs run on exactly dequantized operands.
 
+    A high-precision weight under an FP8 recipe (the built-in quantizers) is not kept quantized
+    from forward to backward: the forward quantizes its rowwise copy only, and dgrad quantizes
+    the parameter again for its columnwise copy -- the same bits (delayed scaling casts with the
+    scale the forward cast with, saved; current scaling takes the same amax; MXFP8 blocks do
+    not depend on the other copy), freed after dgrad. Backward then needs the parameter as the
+    forward saw it: an in-place change in between raises, as it does without a recipe. With the
+    weight workspace cache (``is_first_microbatch``), under ``torch.autocast`` (the weight is a
+    cast) and for delayed scaling under ``torch.compile`` (its partitioner may recompute the
+    scale's copy in backward, from the updated state) the forward's columnwise copy is saved
+    instead.
+
     ``scope`` / ``name``: the roles' scope (default ``linear``) and name, as
     :meth:`set_role_scope` sets them; modules pass theirs here so that a weight built inside
     ``fusible.quantized_model_init`` is quantized with its final role.
@@ -219,7 +230,12 @@ class BasicLinear(BasicOperation):
         Linear list it too)."""
         w = self.weight
         if not isinstance(w, QuantizedTensor):
-            return []
+            qw = self.get_quantizer(True, "weight")
+            if fwd or qw is None or not C.can_requantize_columnwise(qw):
+                return []
+            # Without the workspace cache (is_first_microbatch): see the class docstring.
+            return ["quantize the weight again, columnwise copy only (for dgrad: not kept from "
+                    "forward)"]  # fmt: skip
         name = type(w).__name__
         if not _stored_matches(w.qdata, self.get_quantizer(True, "weight"), need_columnwise=True):
             return [f"dequantize(stored {name} weight: another format is active)"] if fwd else []
@@ -237,12 +253,38 @@ class BasicLinear(BasicOperation):
                 f"{self.in_features} (input shape {tuple(x.shape)})"
             )
 
-    def quantize_operands(self, ctx: OpContext, x: Any, w: torch.Tensor) -> tuple[Any, Any]:
-        """The input and weight as the GEMMs need them (quantized when a recipe is active), with
-        the copies backward will read (x^T for wgrad, W^T for dgrad) only when it will: no
-        columnwise copy of the input without a weight gradient, no transposed weight without
-        an input gradient (``torch.inference_mode``: neither). :meth:`save_operands` then keeps
-        those copies alone."""
+    def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
+        self.check_input(x)
+        (w,) = params
+        out_dtype = C.hp_dtype(x)
+        xq, wq, hp = self.fprop_operands(ctx, x, w, out_dtype)
+        if hp:
+            y = torch.nn.functional.linear(xq, wq.to(xq.dtype))
+        else:
+            y, _ = C.gemm_fprop(xq, wq, out_dtype)
+            y = y.view(*x.shape[:-1], self.out_features)
+        return y, []
+
+    def fprop_operands(
+        self, ctx: OpContext, x: Any, w: torch.Tensor, out_dtype: torch.dtype
+    ) -> tuple[Any, Any, bool]:
+        """``(x, w, high_precision)``: the forward GEMM's operands (quantized when a recipe is
+        active), with ``ctx`` holding what :meth:`linear_backward` reads; ``high_precision``:
+        neither is quantized (the op then runs torch's linear). Every unit running this
+        Linear's forward (fused or not) gets its operands here.
+
+        Copies are made only where backward reads them: no columnwise copy of the input without
+        a weight gradient, no weight copy without an input gradient (``torch.inference_mode``:
+        neither). ``ctx`` keeps nothing else: for wgrad the input's columnwise copy (per-tensor
+        ``data_t``, MXFP8 ``col_data``; a high-precision input as it is), for dgrad the
+        parameter itself when backward quantizes it again (see the class docstring; with the
+        delayed-scaling scale the forward cast with), else the weight's columnwise copy (a
+        reference to the cached workspace's when there is one; a stored FP8 weight as it is).
+        What only the forward GEMM reads (the rowwise copies) is referenced by the returned
+        operands alone, so the caller frees it by dropping them after the GEMM; an MXFP8 GEMM's
+        operands are its dequantized rowwise copies (see :func:`_compute.dequant_dtype`), made
+        here one at a time so that each rowwise MXFP8 copy is freed once dequantized."""
+        attrs = ctx.attrs
         grad = not _inference()
         need_wgrad = grad and bool(ctx.params_requires_grad and ctx.params_requires_grad[0])
         need_dgrad = grad and ctx.input_requires_grad
@@ -257,88 +299,141 @@ class BasicLinear(BasicOperation):
                     f"count divisible by 32, got {self.in_features}, {self.out_features} and "
                     f"{tokens}"
                 )
-        ctx.attrs["need_wgrad"], ctx.attrs["need_dgrad"] = need_wgrad, need_dgrad
-        xq: Any = x if qx is None else C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
+        attrs["need_wgrad"], attrs["need_dgrad"] = need_wgrad, need_dgrad
+        xq: Any
+        if type(x) is C.HandOff:
+            xq = x.take()  # this op's alone: its rowwise copy is freed after the forward GEMM
+        else:
+            xq = x if qx is None else C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
         if need_wgrad:
             xq = _with_columnwise(xq, type(self).__name__)
+        # w_own: whether what backward reads for dgrad is its own (freed after dgrad), not a
+        # parameter's or a cached workspace's (see linear_backward); w_requant: the quantizer
+        # with which backward quantizes the parameter again.
+        # w_hp: wq is a high-precision tensor.
+        w_own, requant, w_scale, w_hp = False, None, None, True
+        wq: Any = w
         if isinstance(w, QuantizedTensor):
             if torch.compiler.is_compiling():
                 raise RuntimeError(_COMPILE_UNSUPPORTED.format(op=type(self).__name__))
             if _stored_matches(w.qdata, qw, need_columnwise=need_dgrad):
-                # Used as it is (saved for dgrad without a copy); see the class docstring.
-                return xq, C.ensure_fp8_copy(w.qdata, "r")
-            w = w.dequantize()
-        if qw is None:
-            return xq, w
-        wq, ctx.new_workspace = quantize_weight(
-            w, qw, ctx.workspace, ctx.cache_weight, columnwise=need_dgrad
-        )
-        return xq, wq
-
-    def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
-        self.check_input(x)
-        (w,) = params
-        out_dtype = C.hp_dtype(x)
-        xq, wq = self.quantize_operands(ctx, x, w)
-        if isinstance(xq, torch.Tensor) and isinstance(wq, torch.Tensor):
-            y = torch.nn.functional.linear(xq, wq.to(xq.dtype))
-        else:
-            y, _ = C.gemm_fprop(xq, wq, out_dtype)
-            y = y.view(*x.shape[:-1], self.out_features)
-        self.save_operands(ctx, xq, wq, out_dtype, w.dtype)
-        return y, []
-
-    def save_operands(
-        self, ctx: OpContext, xq: Any, wq: Any, dtype: torch.dtype, w_dtype: torch.dtype
-    ) -> None:
-        """Put in ``ctx`` what :meth:`linear_backward` reads, and nothing else: for wgrad the
-        input's columnwise copy (per-tensor ``data_t``, MXFP8 ``col_data``; a high-precision
-        input as it is), for dgrad the weight's (a reference to the cached workspace's copy
-        when there is one; a stored FP8 weight as it is). The rowwise copies, which only the
-        forward GEMM reads, are not referenced, so they are freed after forward. Every unit
-        running this Linear's forward (fused or not) saves through here."""
-        ctx.saved = [C.keep_columnwise(xq) if ctx.attrs["need_wgrad"] else None,
-                     C.keep_columnwise(wq) if ctx.attrs["need_dgrad"] else None]  # fmt: skip
-        ctx.attrs["dtype"], ctx.attrs["w_dtype"] = dtype, w_dtype
+                # Used as it is (saved for dgrad without a copy); see the class docstring. A
+                # per-tensor one gets its transposed copy in backward.
+                w_own, qw, w_hp = isinstance(w.qdata, Float8Data), None, False
+                wq = C.ensure_fp8_copy(w.qdata, "r")
+            else:
+                wq = w.dequantize()
+                w_own = True
+        if qw is not None:
+            w_hp = False
+            w_own = ctx.workspace is None and not ctx.cache_weight
+            delayed = isinstance(qw, Float8Quantizer)
+            if (
+                need_dgrad
+                and w_own
+                and wq is self.weight  # not a torch.autocast cast or a dequantized stored weight
+                and C.can_requantize_columnwise(qw)
+                # A traced graph may re-read the scale in backward, after the update.
+                and not (delayed and torch.compiler.is_compiling())
+            ):
+                # Backward quantizes the parameter again for dgrad: the forward makes the
+                # rowwise copy only, and saves the parameter (no copy) and, for delayed
+                # scaling, the scale it cast with.
+                requant = qw
+                w_scale = qw.scale.clone() if isinstance(qw, Float8Quantizer) else None
+                wq, ctx.new_workspace = quantize_weight(wq, qw, None, False, columnwise=False)
+            else:
+                wq, ctx.new_workspace = quantize_weight(
+                    wq, qw, ctx.workspace, ctx.cache_weight, columnwise=need_dgrad
+                )
+        wsave = None
+        if need_dgrad:
+            wsave = w if requant is not None else C.keep_columnwise(wq)
+        ctx.saved = [C.keep_columnwise(xq) if need_wgrad else None, wsave, w_scale]
+        attrs["dtype"], attrs["w_dtype"] = out_dtype, w.dtype
+        attrs["w_own"], attrs["w_requant"] = w_own, requant
+        hp = qx is None and w_hp
+        dt = None if hp else C.dequant_dtype(xq, wq, out_dtype)
+        if dt is not None:
+            xq = C.dequantized(xq, "r", dt)
+            wq = C.dequantized(wq, "r", dt)
+        return xq, wq, hp
 
     def linear_backward(
         self, ctx: OpContext, dy: Any, *, c: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(dx, dw); ``c`` is added to dx inside the dgrad GEMM (residual-gradient fusion)."""
-        xq, wq = ctx.saved
-        dtype = ctx.attrs["dtype"]
+        """(dx, dw); ``c`` is added to dx inside the dgrad GEMM (residual-gradient fusion).
+
+        Memory: the saved operands are taken out of ``ctx`` (this call then holds the only
+        references) and each is dropped once the GEMM that reads it has it, as is each copy of
+        the quantized gradient (an MXFP8 GEMM's operands are their dequantized copies, made one
+        at a time, see :func:`_compute.dequant_dtype`). The GEMM whose own operand is the larger
+        runs first -- wgrad's input copy ``[tokens, in]`` against dgrad's weight copy ``[out,
+        in]``, when that is backward's own (not a parameter or a cached workspace) -- so it is
+        gone while the other runs. The two GEMMs are independent: their order changes no
+        result."""
+        xq, wq, w_scale = ctx.saved
+        ctx.saved = []
+        attrs = ctx.attrs
+        need_dgrad, need_wgrad = attrs["need_dgrad"], attrs["need_wgrad"]
+        dtype, w_dtype = attrs["dtype"], attrs["w_dtype"]
         qg = self.get_quantizer(False, "grad_output")
         lead = dy.shape[:-1]
-        if qg is not None:
-            dy = C.quantize(
-                qg, dy, rowwise=ctx.attrs["need_dgrad"], columnwise=ctx.attrs["need_wgrad"]
-            )
-            if ctx.attrs["need_wgrad"]:
-                dy = _with_columnwise(dy, type(self).__name__)
-        dx = dw = None
-        if (
+        if type(dy) is C.HandOff:
+            dy = dy.take()  # quantized for this op by the next one's backward: this call's now
+        elif qg is not None:
+            dy = C.quantize(qg, dy, rowwise=need_dgrad, columnwise=need_wgrad)
+        if qg is not None and need_wgrad:
+            dy = _with_columnwise(dy, type(self).__name__)
+        hp = (
             isinstance(dy, torch.Tensor)
             and (xq is None or isinstance(xq, torch.Tensor))
             and (wq is None or isinstance(wq, torch.Tensor))
-        ):
-            dy2 = C.as_2d(dy)
-            if ctx.attrs["need_dgrad"]:
-                assert wq is not None
-                dx = (dy2 @ wq.to(dy2.dtype)).view(*lead, self.in_features)
-                if c is not None:
+        )
+        if hp:
+            dy = C.as_2d(dy)
+        left = need_wgrad + need_dgrad  # GEMMs still to run
+        wgrad_first = need_wgrad and (
+            not need_dgrad or not attrs["w_own"] or math.prod(lead) >= self.out_features
+        )
+        dx = dw = None
+        for wgrad in _WGRAD_FIRST if wgrad_first else _DGRAD_FIRST:
+            if not (need_wgrad if wgrad else need_dgrad):
+                continue
+            left -= 1
+            which = "c" if wgrad else "r"  # the copy of dy this GEMM reads
+            if wgrad:
+                b, xq = xq, None
+            else:
+                b, wq = wq, None
+                if not hp:
+                    requant = attrs["w_requant"]
+                    if requant is not None:  # the parameter: quantized again, as forward did
+                        b = C.requantize_columnwise(requant, b, w_scale)
+                    b = C.ensure_fp8_copy(b, "c")  # a stored FP8 weight: transposed on demand
+            dt = None if hp else C.dequant_dtype(dy, b, w_dtype if wgrad else dtype)
+            a = dy
+            if dt is not None:
+                b = C.dequantized(b, "c", dt)
+                a = C.dequantized(dy, which, dt)
+            # The copy of dy this GEMM reads is no longer referenced once ``a`` is dropped.
+            dy = None if not left else dy if hp else C.without_copy(dy, which)
+            if wgrad and hp:
+                dw = a.t() @ C.as_2d(b).to(a.dtype)
+            elif wgrad:
+                dw, _ = C.gemm_wgrad(a, b, w_dtype)
+            elif hp:
+                dx = (a @ b.to(a.dtype)).view(*lead, self.in_features)
+                if c is not None and c.dtype == dx.dtype:
+                    dx += c  # dx is this GEMM's own: the same sum, without a second tensor
+                elif c is not None:
                     dx = dx + c
-            if ctx.attrs["need_wgrad"]:
-                assert xq is not None
-                dw = dy2.t() @ C.as_2d(xq).to(dy2.dtype)
-        else:
-            if ctx.attrs["need_dgrad"]:
-                wq = C.ensure_fp8_copy(wq, "c")  # a stored FP8 weight: transposed on demand
-                dx, _ = C.gemm_dgrad(dy, wq, dtype, c=None if c is None else C.as_2d(c))
+            else:
+                dx, _ = C.gemm_dgrad(a, b, dtype, c=None if c is None else C.as_2d(c))
                 dx = dx.view(*lead, self.in_features)
-            if ctx.attrs["need_wgrad"]:
-                dw, _ = C.gemm_wgrad(dy, xq, ctx.attrs["w_dtype"])
+            del a, b
         if dw is not None:
-            dw = dw.to(ctx.attrs["w_dtype"])
+            dw = dw.to(w_dtype)
         return dx, dw
 
     def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
@@ -414,6 +509,7 @@ class BasicLinear(BasicOperation):
             _restore_exact(new, value, extra)
 
 
+_WGRAD_FIRST, _DGRAD_FIRST = (True, False), (False, True)  # linear_backward's GEMM orders
 _COMPILE_UNSUPPORTED = (
     "{op}: torch.compile does not support quantized weights (fusible.quantized_model_init) yet: "
     "QuantizedTensor is not a traceable tensor subclass, and a traced graph would not route the "

@@ -72,7 +72,8 @@ class _Norm(BasicOperation):
             y, *_, mean, rstd = K.norm_fwd(x, gamma, beta, self.eps, self.kind,
                                            self.zero_centered_gamma, x.dtype, "none",
                                            torch.float8_e4m3fn, None, True, False)  # fmt: skip
-            out = y
+            q = next_input_quantizer
+            out = y if q is None else C.handoff_after(q, y)
         else:
             # Norm + quantize: the kernel writes the next op's FP8 input directly.
             quant, fp8_dtype, scale = fused

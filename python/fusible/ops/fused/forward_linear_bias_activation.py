@@ -40,13 +40,13 @@ class ForwardLinearBiasActivation(FusedOperation):
         (w,), (b,) = params[0], params[1]
         out_dtype = C.hp_dtype(x)
         lead = x.shape[:-1]
-        xq, wq = linear.quantize_operands(ctxs[0], x, w)
+        xq, wq, _ = linear.fprop_operands(ctxs[0], x, w, out_dtype)
         gelu = len(self.ops) == 3
         y, aux = C.gemm_fprop(
             xq, wq, out_dtype, bias=b.to(out_dtype), epilogue="bias_gelu_aux" if gelu else "bias"
         )
+        del xq, wq  # freed before a hand-off cast allocates
         n = linear.out_features
-        linear.save_operands(ctxs[0], xq, wq, out_dtype, w.dtype)
         ctxs[1].attrs["dtype"] = b.dtype
         y = y.view(*lead, n)
         if gelu:  # GELU backward reads the pre-activation (when a gradient reaches it)

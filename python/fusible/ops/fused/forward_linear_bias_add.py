@@ -46,12 +46,11 @@ class ForwardLinearBiasAdd(FusedOperation):
                 f"AddExtraInput: extra input shape {tuple(residual.shape)} does not match the main "
                 f"input shape {(*lead, n)}"
             )
-        xq, wq = linear.quantize_operands(ctxs[0], x, w)
+        xq, wq, _ = linear.fprop_operands(ctxs[0], x, w, out_dtype)
         bias = params[1][0].to(out_dtype) if has_bias else None
         y, _ = C.gemm_fprop(xq, wq, out_dtype, bias=bias,
                                epilogue="bias" if has_bias else "none",
                                c=C.as_2d(residual.to(out_dtype)).contiguous())  # fmt: skip
-        linear.save_operands(ctxs[0], xq, wq, out_dtype, w.dtype)
         if has_bias:
             ctxs[1].attrs["dtype"] = params[1][0].dtype
         ctxs[-1].attrs["extra_dtype"] = residual.dtype

@@ -1,0 +1,184 @@
+"""Digests of outputs, gradients and updated parameters of a few training steps per recipe, on
+CPU with fixed seeds: the numerics that memory-only changes (when tensors are freed, the order of
+independent GEMMs, where a cast runs) must leave bit for bit as they were.
+
+``golden_numerics.json`` holds the digests recorded with the code before the peak-memory work
+(commit df87392); test_peak_memory.py compares the current code's with them. Regenerate only
+when numerics are meant to change:
+
+    cd tests && PYTHONPATH=../python python3 python/ops/golden_numerics.py --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import fusible
+from fusible import ops, recipe
+from fusible.quantization import QuantizedTensor
+
+GOLDEN = Path(__file__).with_name("golden_numerics.json")
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+DT = torch.bfloat16
+T, H, F = 64, 64, 128  # divisible by 32 (MXFP8)
+
+RECIPES: dict[str, Callable[[], Any]] = {
+    "none": lambda: None,
+    "delayed": recipe.DelayedScaling,
+    "current": recipe.Float8CurrentScaling,
+    "mxfp8": recipe.MXFP8BlockScaling,
+}
+
+
+def digest(t: torch.Tensor | None) -> str:
+    if t is None:
+        return "none"
+    if isinstance(t, QuantizedTensor):
+        t = t.dequantize()
+    shape = tuple(t.shape)
+    t = t.detach().contiguous().cpu().reshape(-1)
+    h = hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return f"{str(t.dtype)[6:]}{list(shape)}:{h.hexdigest()[:16]}"
+
+
+def _block(norm: str = "LayerNorm", act: str = "gelu", weights_recipe: Any = None) -> Any:
+    kw: dict[str, Any] = {"dtype": DT}
+    norm_op = ops.LayerNorm(H, **kw) if norm == "LayerNorm" else ops.RMSNorm(H, **kw)
+    glu = act == "swiglu"
+    act_op = ops.SwiGLU() if glu else ops.GELU()
+    with fusible.quantized_model_init(weights_recipe, enabled=weights_recipe is not None):
+        return ops.Sequential(norm_op, ops.Linear(H, 2 * F if glu else F, **kw), act_op,
+                              ops.Linear(F, H, **kw))  # fmt: skip
+
+
+def _gpt() -> Any:
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    import gpt
+
+    cfg = {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "batch": 2, "vocab": 256}
+    return gpt.GPT(cfg, True, "cpu", DT), cfg
+
+
+def _train(
+    model: torch.nn.Module,
+    rec_factory: Callable[[], Any],
+    *,
+    steps: int = 2,
+    x_grad: bool = True,
+    microbatches: int = 1,
+    checkpoint: bool = False,
+    master: bool = False,
+) -> dict[str, str]:
+    """``steps`` SGD steps of ``model`` on seeded data; digests of each step's outputs, input
+    gradient, parameter gradients, and of the parameters at the end."""
+    rec = rec_factory()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt: torch.optim.Optimizer = (
+        fusible.optim.MasterWeightOptimizer(torch.optim.SGD, params, lr=0.05)
+        if master
+        else torch.optim.SGD(params, lr=0.05)
+    )
+    out: dict[str, str] = {}
+    g = torch.Generator().manual_seed(1234)
+    for s in range(steps):
+        opt.zero_grad(set_to_none=True)
+        for m in range(microbatches):
+            x = torch.randn(T, H, generator=g).to(DT).requires_grad_(x_grad)
+            dy = torch.randn(T, H, generator=g).to(DT)
+            kw = {} if microbatches == 1 else {"is_first_microbatch": m == 0}
+            with fusible.autocast(enabled=rec is not None, recipe=rec):
+                if checkpoint:
+                    y = fusible.checkpoint(model, x, **kw)
+                else:
+                    y = model(x, **kw)
+            y.backward(dy)
+            out[f"{s}.{m}.y"] = digest(y)
+            out[f"{s}.{m}.dx"] = digest(x.grad)
+        for name, p in model.named_parameters():
+            out[f"{s}.grad.{name}"] = digest(p.grad)
+        opt.step()
+    for name, p in model.named_parameters():
+        out[f"param.{name}"] = digest(p)
+    return out
+
+
+def _train_gpt(rec_factory: Callable[[], Any]) -> dict[str, str]:
+    model, cfg = _gpt()
+    rec = rec_factory()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(99)
+    out: dict[str, str] = {}
+    for s in range(2):
+        idx = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+        tgt = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+        opt.zero_grad(set_to_none=True)
+        with fusible.autocast(enabled=rec is not None, recipe=rec):
+            loss = model(idx, tgt)
+        loss.backward()
+        out[f"{s}.loss"] = digest(loss)
+        for name, p in model.named_parameters():
+            out[f"{s}.grad.{name}"] = digest(p.grad)
+        opt.step()
+    return out
+
+
+def cases() -> dict[str, Callable[[], dict[str, str]]]:
+    """name -> a function computing that case's digests (each builds its model from seed 0)."""
+    out: dict[str, Callable[[], dict[str, str]]] = {}
+    for r, f in RECIPES.items():
+        out[f"block/{r}"] = lambda f=f: _train(_block(), f)
+        out[f"block_rms_swiglu/{r}"] = lambda f=f: _train(_block("RMSNorm", "swiglu"), f)
+
+        def frozen(f: Any = f) -> dict[str, str]:
+            m = _block()
+            m[1].weight.requires_grad_(False)  # fc1's weight frozen, no input gradient
+            return _train(m, f, x_grad=False)
+
+        out[f"block_frozen/{r}"] = frozen
+        out[f"block_microbatch/{r}"] = lambda f=f: _train(_block(), f, microbatches=2)
+        out[f"block_checkpoint/{r}"] = lambda f=f: _train(_block(), f, checkpoint=True)
+        out[f"gpt/{r}"] = lambda f=f: _train_gpt(f)
+        if r != "none":  # weights stored quantized (delayed: by current scaling)
+            wf = RECIPES["current"] if r == "delayed" else f
+            out[f"block_fp8w/{r}"] = lambda f=f, wf=wf: _train(_block(weights_recipe=wf()), f,
+                                                               master=True)  # fmt: skip
+    return out
+
+
+def compute(name: str) -> dict[str, str]:
+    """One case's digests, on one thread (torch's CPU reductions, e.g. the embedding backward,
+    split work by thread count)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        return cases()[name]()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--write", action="store_true", help=f"write {GOLDEN.name}")
+    args = ap.parse_args()
+    result = {name: compute(name) for name in cases()}
+    if args.write:
+        GOLDEN.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {GOLDEN} ({len(result)} cases)")
+        return
+    golden = json.loads(GOLDEN.read_text())
+    bad = [n for n in result if golden.get(n) != result[n]]
+    print("all equal" if not bad else f"differ: {bad}")
+
+
+if __name__ == "__main__":
+    main()
