@@ -3,5 +3,17 @@
 from fusible.modules.layernorm_linear import LayerNormLinear
 from fusible.modules.layernorm_mlp import LayerNormMLP
 from fusible.modules.linear import Linear
+from fusible.modules.transformer_layer import (
+    MultiheadAttention,
+    RotaryPositionEmbedding,
+    TransformerLayer,
+)
 
-__all__ = ["LayerNormLinear", "LayerNormMLP", "Linear"]
+__all__ = [
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "Linear",
+    "MultiheadAttention",
+    "RotaryPositionEmbedding",
+    "TransformerLayer",
+]
