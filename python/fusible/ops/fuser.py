@@ -513,6 +513,8 @@ def run_plan(
                 mode = 1
                 ws_flat.extend(flatten_workspace(ws)[0])
         modes.append(mode)
+    if torch.compiler.is_compiling():
+        extra_inputs = _distinct(x, extra_inputs)
     outs = _PlanFunction.apply(plan.id, tuple(modes), x, *extra_inputs, *params, *ws_flat)
     n_out = 1 + sum(plan.n_extra_out)
     if 2 in modes:
@@ -528,6 +530,19 @@ def run_plan(
     if n_out == 1:
         return outs[0], []
     return outs[0], list(outs[1:n_out])
+
+
+def _distinct(x: torch.Tensor, extra_inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """``extra_inputs`` with each tensor that is also ``x`` or an earlier extra input replaced by
+    a view of it: dynamo cannot trace ``autograd.Function.apply`` given one tensor as two inputs
+    (``block(x, x)``, a residual add of the block's own input). Gradients are the same: autograd
+    sums them into the tensor either way."""
+    seen = {id(x)}
+    out = []
+    for t in extra_inputs:
+        out.append(t.view_as(t) if id(t) in seen else t)
+        seen.add(id(t))
+    return out
 
 
 def params_of(ops: Sequence[BasicOperation]) -> list[torch.Tensor]:
