@@ -17,7 +17,8 @@ if [ "${FUSIBLE_OFFLINE:-0}" != 1 ]; then
 import importlib.util as u
 need = {"scikit_build_core": "scikit-build-core>=0.10", "pybind11": "pybind11>=2.12",
         "pytest": "pytest>=8", "hypothesis": "hypothesis>=6", "numpy": "numpy",
-        "ruff": "ruff>=0.6", "mypy": "mypy>=1.10", "tqdm": "tqdm"}
+        "ruff": "ruff>=0.6", "mypy": "mypy>=1.10", "tqdm": "tqdm",
+        "matplotlib": "matplotlib", "safetensors": "safetensors"}  # the last three: examples
 print(" ".join(v for k, v in need.items() if u.find_spec(k) is None))
 PYEOF
 )
