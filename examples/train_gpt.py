@@ -356,19 +356,34 @@ def sample(model: GPT, prompt: torch.Tensor, n: int, rec: Any, device: str, k: i
 
 
 def plot(runs: list[Run], path: Path, title: str) -> None:
+    """Both runs' train loss (raw, faint; trailing mean of 10 steps) and held-out loss, and
+    below them the FP8 run's relative difference to the baseline."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    for run, color in zip(runs, ("tab:blue", "tab:orange"), strict=False):
+    fig, (ax, diff) = plt.subplots(2, 1, figsize=(8, 6), dpi=110, sharex=True,
+                                   gridspec_kw={"height_ratios": [3, 1]})  # fmt: skip
+    colors = ("tab:blue", "tab:orange")
+    for run, color in zip(runs, colors, strict=False):
         steps = range(1, len(run.train) + 1)
-        ax.plot(steps, run.train, color=color, alpha=0.25, linewidth=0.8)
-        ax.plot(steps, smooth(run.train), color=color, label=f"{run.name} train (smoothed)")
+        ax.plot(steps, run.train, color=color, alpha=0.2, linewidth=0.8)
+        ax.plot(steps, trailing_mean(run.train), color=color, label=f"{run.name} train")
         hs, hl = zip(*run.held, strict=True)
         ax.plot(hs, hl, "o--", color=color, label=f"{run.name} held-out")
-    ax.set_xlabel("step")
+    ref, run = runs
+    steps = range(1, len(run.train) + 1)
+    rel = [100 * (a / b - 1) for a, b in zip(trailing_mean(run.train), trailing_mean(ref.train),
+                                             strict=True)]  # fmt: skip
+    diff.plot(steps, rel, color=colors[1], label="train")
+    held = [(s, 100 * (a / b - 1)) for (s, a), (_, b) in zip(run.held, ref.held, strict=True)]
+    diff.plot(*zip(*held, strict=True), "o--", color=colors[1], label="held-out")
+    diff.axhline(0, color=colors[0], linewidth=0.8)
+    diff.set_ylabel(f"{run.name} vs\n{ref.name} (%)")
+    diff.set_xlabel("step")
+    diff.grid(alpha=0.3)
+    diff.legend(fontsize="small")
     ax.set_ylabel("cross-entropy (nats / byte)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -378,11 +393,12 @@ def plot(runs: list[Run], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def smooth(xs: list[float], beta: float = 0.9) -> list[float]:
-    """Exponential moving average (starting at the first value)."""
-    out: list[float] = []
-    for x in xs:
-        out.append(x if not out else beta * out[-1] + (1 - beta) * x)
+def trailing_mean(xs: list[float], k: int = 10) -> list[float]:
+    """Mean of the last ``k`` values at each position (fewer at the start)."""
+    out, total = [], 0.0
+    for i, x in enumerate(xs):
+        total += x - (xs[i - k] if i >= k else 0.0)
+        out.append(total / min(i + 1, k))
     return out
 
 
