@@ -537,11 +537,12 @@ def _distinct(x: torch.Tensor, extra_inputs: Sequence[torch.Tensor]) -> Sequence
     a view of it: dynamo cannot trace ``autograd.Function.apply`` given one tensor as two inputs
     (``block(x, x)``, a residual add of the block's own input). Gradients are the same: autograd
     sums them into the tensor either way."""
-    seen = {id(x)}
-    out = []
-    for t in extra_inputs:
-        out.append(t.view_as(t) if id(t) in seen else t)
-        seen.add(id(t))
+    # Identity tests, not id(): dynamo guards on the ids of the tensors it is given (a
+    # recompilation at every step).
+    out: list[torch.Tensor] = []
+    for i, t in enumerate(extra_inputs):
+        dup = t is x or any(t is u for u in extra_inputs[:i])
+        out.append(t.view_as(t) if dup else t)
     return out
 
 

@@ -450,7 +450,8 @@ def test_state_dict_round_trip():
 @pytest.mark.parametrize("recipe_name", ["none", "current"])
 def test_compiled_matches_eager(recipe_name):
     """torch.compile(fullgraph=True) traces the whole layer (three fusible modules, SDPA, RoPE,
-    GQA) and matches eager bit for bit (aot_eager runs the very same kernels)."""
+    GQA) into one graph that the next step reuses, and matches eager bit for bit (aot_eager
+    runs the very same kernels)."""
     torch._dynamo.reset()
     rec = RECIPES[recipe_name]
     layer = _layer(hidden=64, ffn=128, heads=2, num_gqa_groups=1, rotary=True)
@@ -460,7 +461,14 @@ def test_compiled_matches_eager(recipe_name):
         with fusible.autocast(enabled=rec is not None, recipe=rec):
             return m(x)
 
-    compiled = torch.compile(fwd, backend="aot_eager", fullgraph=True)
+    graphs = []
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    compiled = torch.compile(fwd, backend=backend, fullgraph=True)
     x, dy = _data((B, S, 64))
     for _ in range(2):
         outs = []
@@ -472,6 +480,7 @@ def test_compiled_matches_eager(recipe_name):
             outs.append([y.detach(), xa.grad] + [p.grad for p in m.parameters()])
         for a, b in zip(*outs, strict=True):
             assert torch.equal(a, b)
+    assert len(graphs) == 1  # one graph, and the second step does not recompile
     torch._dynamo.reset()
 
 
