@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Short GPU rounds for a lent machine with a few minutes per command (the H200 device):
-#   bash scripts/gpu_quick.sh build OUT_DIR    build, and keep the compiled libraries (the _C module
-#                                              and the torch operators) as OUT_DIR/libs.tar.gz
+#   bash scripts/gpu_quick.sh build OUT_DIR    build, and keep the compiled operator library
+#                                              (libfusible_torch.so) as OUT_DIR/libs.tar.gz
 #   bash scripts/gpu_quick.sh use LIBS_TGZ     use libraries built earlier (no rebuild):
 #                                              python/ is then the package (PYTHONPATH)
 # Afterwards run the tests and benchmarks as usual. Python changes need no rebuild with `use`.
@@ -14,7 +14,7 @@ case ${1:?build or use} in
     CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" bash scripts/setup.sh > "$out/build.log" 2>&1 \
       || { tail -40 "$out/build.log"; exit 1; }
     pkg=$(python3 -c "import fusible, os; print(os.path.dirname(fusible.__file__))")
-    (cd "$pkg" && tar czf "$out/libs.tar.gz" _C*.so libfusible_torch*.so)
+    (cd "$pkg" && tar czf "$out/libs.tar.gz" libfusible_torch*.so)
     ;;
   use)
     tar xzf "${2:?LIBS_TGZ}" -C python/fusible

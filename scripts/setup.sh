@@ -15,10 +15,11 @@ fi
 if [ "${FUSIBLE_OFFLINE:-0}" != 1 ]; then
   missing=$("$PY" - <<'PYEOF'
 import importlib.util as u
-need = {"scikit_build_core": "scikit-build-core>=0.10", "pybind11": "pybind11>=2.12",
+need = {"scikit_build_core": "scikit-build-core>=0.10",
         "pytest": "pytest>=8", "hypothesis": "hypothesis>=6", "numpy": "numpy",
         "ruff": "ruff>=0.6", "mypy": "mypy>=1.10", "tqdm": "tqdm",
-        "matplotlib": "matplotlib", "safetensors": "safetensors"}  # the last three: examples
+        "clang_format": "clang-format==23.1.5",
+        "matplotlib": "matplotlib", "safetensors": "safetensors"}  # the last two: examples
 print(" ".join(v for k, v in need.items() if u.find_spec(k) is None))
 PYEOF
 )

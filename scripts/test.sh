@@ -12,6 +12,9 @@ echo "== lint"
 "$PY" -m ruff check python tests benchmarks examples
 "$PY" -m ruff format --check python tests benchmarks examples
 "$PY" -m mypy
+if command -v clang-format >/dev/null; then  # the GPU machine (offline) may not have it
+  git ls-files -z '*.cpp' '*.h' '*.cu' '*.cuh' | xargs -0 clang-format --dry-run --Werror
+fi
 
 echo "== ctest"
 BUILD=${FUSIBLE_TEST_BUILD_DIR:-build/ctest}
@@ -21,7 +24,7 @@ cmake --build "$BUILD" -j"$(nproc)"
 ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
 
 echo "== pytest"
-# Run from tests/ so the installed package (with its compiled _C) is imported, not python/.
+# The installed package (with its compiled operator library) is imported, not python/.
 "$PY" -m pytest -q -p no:cacheprovider tests/python "$@"
 
 echo "== Python calls per step (benchmarks/overhead.py --calls-only)"

@@ -2,16 +2,17 @@
 
 ``fusible.ops`` (ops, Sequential, fusion registry), ``fusible.recipe`` (recipes),
 ``fusible.autocast`` (the quantization context), ``fusible.quantization`` (roles, quantizers,
-RecipeState), the modules ``Linear``, ``LayerNormLinear``, ``LayerNormMLP``,
-``MultiheadAttention``, ``TransformerLayer`` (with ``RotaryPositionEmbedding``), and FP8 weights:
-``fusible.quantized_model_init`` (build Linear weights quantized) with ``fusible.optim``
-(``MasterWeightOptimizer``: fp32 master weights on the optimizer side).
+RecipeState), the modules ``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``
+(MoE experts), ``MultiheadAttention``, ``TransformerLayer`` (with ``RotaryPositionEmbedding``),
+and FP8 weights: ``fusible.quantized_model_init`` (build Linear weights quantized) with
+``fusible.optim`` (``MasterWeightOptimizer``: fp32 master weights on the optimizer side).
 """
 
 __version__ = "0.1.0"
 
 from fusible import ops, optim, quantization, recipe
 from fusible.modules import (
+    GroupedLinear,
     LayerNormLinear,
     LayerNormMLP,
     Linear,
@@ -24,6 +25,7 @@ from fusible.quantization.model_init import quantized_model_init
 from fusible.quantization.recompute import checkpoint
 
 __all__ = [
+    "GroupedLinear",
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",

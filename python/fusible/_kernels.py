@@ -1,5 +1,5 @@
-"""The kernels: torch operators ``torch.ops.fusible.*``, implemented in C++ (``cpp/torch/``) over
-the core library.
+"""The kernels: torch operators ``torch.ops.fusible.*``, implemented in C++ (``cpp/bindings/``,
+the library ``libfusible_torch.so``) over the core library.
 
 Every operator validates its arguments (device, dtype, contiguity, shape, choices) and raises
 ``ValueError`` / ``TypeError`` naming the operator, the argument and what was expected, allocates
@@ -97,8 +97,6 @@ from typing import Any
 
 import torch
 
-from fusible import _C  # type: ignore[attr-defined]
-
 
 def _load_operators() -> Any:
     here = os.path.dirname(os.path.abspath(__file__))
@@ -164,7 +162,7 @@ norm_bwd: Any = _ops.norm_bwd.default
 act_fwd: Any = _ops.act_fwd.default
 act_bwd: Any = _ops.act_bwd.default
 
-# Choices of the string arguments, in the C enums' order (cpp/torch/ops_<family>.cpp reads them
+# Choices of the string arguments, in the C enums' order (cpp/bindings/ops_<family>.cpp reads them
 # from the same lists there).
 GEMM_EPILOGUES = (
     "none",
@@ -182,7 +180,7 @@ QUANT_MODES = ("none", "fp8", "mxfp8")
 _GEMM_READS_AUX = frozenset({"dgelu", "dgelu_bgrad"})
 _GEMM_DTYPES = HIGH_PRECISION_DTYPES + FP8_DTYPES
 
-_HAS_CUDA = bool(_C.has_cuda())
+_HAS_CUDA = bool(_ops.has_cuda())
 
 
 def has_cuda() -> bool:
@@ -199,7 +197,7 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 def gemm_has_cublaslt() -> bool:
     """True if CUDA GEMMs are available (CUDA backend built with cuBLASLt)."""
-    return bool(_C.gemm_has_cublaslt())
+    return bool(_ops.gemm_has_cublaslt())
 
 
 def gemm_epilogue_supported(

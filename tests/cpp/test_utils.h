@@ -68,10 +68,10 @@ inline const char* fmt_name(fus_dtype d) {
 namespace ref {
 
 struct Fp8Spec {
-  int mant;     // fraction bits
+  int mant;  // fraction bits
   int bias;
-  int emax;     // exponent of the largest normal (OCP emax_elem)
-  double max;   // largest finite
+  int emax;    // exponent of the largest normal (OCP emax_elem)
+  double max;  // largest finite
   uint8_t max_code;
   bool has_inf;
 };
@@ -108,7 +108,7 @@ inline bool fp8_is_nan_code(uint8_t code, fus_dtype d) { return std::isnan(fp8_d
 inline double round_to_format(double x, int mant, int emin) {
   if (x == 0.0 || !std::isfinite(x)) return x;
   int e2;
-  std::frexp(x, &e2);            // |x| = f * 2^e2, f in [0.5, 1): floor(log2|x|) = e2 - 1
+  std::frexp(x, &e2);  // |x| = f * 2^e2, f in [0.5, 1): floor(log2|x|) = e2 - 1
   const int exp = std::max(e2 - 1, emin);
   const int shift = mant - exp;  // x * 2^shift is exact in double for the inputs used here
   const double q = std::nearbyint(std::ldexp(x, shift));  // default mode: nearest even
@@ -149,9 +149,12 @@ inline double half_decode(uint16_t h) {
   const bool neg = (h & 0x8000) != 0;
   const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
   double v;
-  if (e == 0x1f) v = m ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
-  else if (e == 0) v = std::ldexp(static_cast<double>(m), -24);
-  else v = std::ldexp(1024.0 + m, e - 25);
+  if (e == 0x1f)
+    v = m ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
+  else if (e == 0)
+    v = std::ldexp(static_cast<double>(m), -24);
+  else
+    v = std::ldexp(1024.0 + m, e - 25);
   return neg ? -v : v;
 }
 
@@ -162,7 +165,8 @@ inline uint16_t half_encode(float f) {
   if (std::isinf(v)) return sign | 0x7c00;
   v = round_to_format(v, 10, -14);
   if (v > 65504.0) return sign | 0x7c00;
-  if (v < std::ldexp(1.0, -14)) return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::ldexp(v, 24)));
+  if (v < std::ldexp(1.0, -14))
+    return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::ldexp(v, 24)));
   int e2;
   const double f2 = std::frexp(v, &e2);  // v = f2 * 2^e2, f2 in [0.5, 1)
   const int m = static_cast<int>(std::ldexp(f2, 11)) - 1024;
@@ -170,7 +174,9 @@ inline uint16_t half_encode(float f) {
 }
 
 // bfloat16 = the top half of a float.
-inline double bf16_decode(uint16_t b) { return static_cast<double>(u2f(static_cast<uint32_t>(b) << 16)); }
+inline double bf16_decode(uint16_t b) {
+  return static_cast<double>(u2f(static_cast<uint32_t>(b) << 16));
+}
 
 // RNE to bfloat16 for non-NaN f; overflow gives inf.
 inline uint16_t bf16_encode(float f) {
@@ -234,7 +240,8 @@ struct HostMatrix {
   std::vector<float> values;
 
   HostMatrix() = default;
-  HostMatrix(fus_dtype dt, int64_t r, int64_t c, const std::vector<float>& v) : dtype(dt), rows(r), cols(c) {
+  HostMatrix(fus_dtype dt, int64_t r, int64_t c, const std::vector<float>& v)
+      : dtype(dt), rows(r), cols(c) {
     const size_t n = static_cast<size_t>(r * c);
     values.resize(n);
     bytes.resize(n * fus_dtype_size(dt));
@@ -246,7 +253,8 @@ struct HostMatrix {
       } else {
         uint16_t h;
         if (dt == FUS_FLOAT16) {
-          h = std::isnan(f) ? static_cast<uint16_t>(std::signbit(f) ? 0xfe00 : 0x7e00) : ref::half_encode(f);
+          h = std::isnan(f) ? static_cast<uint16_t>(std::signbit(f) ? 0xfe00 : 0x7e00)
+                            : ref::half_encode(f);
           values[i] = static_cast<float>(ref::half_decode(h));
         } else {
           h = std::isnan(f) ? static_cast<uint16_t>((f2u(f) >> 16) | 0x40) : ref::bf16_encode(f);
@@ -257,7 +265,9 @@ struct HostMatrix {
       }
     }
   }
-  fus_tensor tensor() { return fus_tensor{bytes.empty() ? nullptr : bytes.data(), dtype, rows, cols}; }
+  fus_tensor tensor() {
+    return fus_tensor{bytes.empty() ? nullptr : bytes.data(), dtype, rows, cols};
+  }
 };
 
 // Value of an output element stored in dtype (for dequantize outputs).
@@ -293,7 +303,8 @@ inline uint32_t stored_bits(const std::vector<uint8_t>& bytes, fus_dtype dt, siz
 
 // Values spread over many binades (normal * 2^k, k in [lo_exp, hi_exp]) with some exact zeros and
 // negative zeros, so fp8 subnormal, normal and saturating ranges all occur.
-inline std::vector<float> random_values(size_t n, uint32_t seed, int lo_exp = -12, int hi_exp = 12) {
+inline std::vector<float> random_values(size_t n, uint32_t seed, int lo_exp = -12,
+                                        int hi_exp = 12) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::uniform_int_distribution<int> ed(lo_exp, hi_exp);
@@ -301,9 +312,12 @@ inline std::vector<float> random_values(size_t n, uint32_t seed, int lo_exp = -1
   std::vector<float> v(n);
   for (auto& x : v) {
     const int p = pick(rng);
-    if (p == 0) x = 0.0f;
-    else if (p == 1) x = -0.0f;
-    else x = std::ldexp(nd(rng), ed(rng));
+    if (p == 0)
+      x = 0.0f;
+    else if (p == 1)
+      x = -0.0f;
+    else
+      x = std::ldexp(nd(rng), ed(rng));
   }
   return v;
 }
@@ -361,11 +375,11 @@ inline bool cuda_device_present() {
 #endif
 }
 
-#define FUSTEST_REQUIRE_CUDA()                                                       \
-  do {                                                                               \
-    if (!::fustest::cuda_device_present())                                           \
-      GTEST_SKIP() << (fus_has_cuda() ? "no CUDA device present"                     \
-                                      : "this build has no CUDA backend");           \
+#define FUSTEST_REQUIRE_CUDA()                                             \
+  do {                                                                     \
+    if (!::fustest::cuda_device_present())                                 \
+      GTEST_SKIP() << (fus_has_cuda() ? "no CUDA device present"           \
+                                      : "this build has no CUDA backend"); \
   } while (0)
 
 // Copies bufs to the device, runs the call with a CUDA context (legacy default stream),
@@ -433,7 +447,8 @@ inline DualResult run_both(const Buffers& init, const ApiCall& call) {
 
 // Bitwise comparison of one buffer; reports the first few differing elements of width T.
 template <typename T>
-::testing::AssertionResult same_bits(const Buffers& a, const Buffers& b, int idx, const char* what) {
+::testing::AssertionResult same_bits(const Buffers& a, const Buffers& b, int idx,
+                                     const char* what) {
   if (a.b[idx].size() != b.b[idx].size())
     return ::testing::AssertionFailure() << what << ": sizes differ";
   const std::vector<T> x = a.get<T>(idx), y = b.get<T>(idx);
@@ -446,8 +461,8 @@ template <typename T>
         std::memcpy(&ux, &x[i], sizeof(T));
         std::memcpy(&uy, &y[i], sizeof(T));
         char buf[96];
-        std::snprintf(buf, sizeof(buf), "]: cpu 0x%llx cuda 0x%llx", static_cast<unsigned long long>(ux),
-                      static_cast<unsigned long long>(uy));
+        std::snprintf(buf, sizeof(buf), "]: cpu 0x%llx cuda 0x%llx",
+                      static_cast<unsigned long long>(ux), static_cast<unsigned long long>(uy));
         res << "\n  " << what << "[" << i << buf;
       }
       ++bad;
@@ -464,11 +479,12 @@ inline ::testing::AssertionResult is_error(fus_status st, fus_status expected,
                                            std::initializer_list<const char*> words) {
   const std::string msg = fus_last_error();
   if (st != expected)
-    return ::testing::AssertionFailure() << "status " << st << ", expected " << expected
-                                         << " (message: \"" << msg << "\")";
+    return ::testing::AssertionFailure()
+           << "status " << st << ", expected " << expected << " (message: \"" << msg << "\")";
   for (const char* w : words)
     if (msg.find(w) == std::string::npos)
-      return ::testing::AssertionFailure() << "message \"" << msg << "\" does not mention \"" << w << "\"";
+      return ::testing::AssertionFailure()
+             << "message \"" << msg << "\" does not mention \"" << w << "\"";
   return ::testing::AssertionSuccess();
 }
 

@@ -1,5 +1,6 @@
 """The benchmarks run end to end at tiny sizes: benchmarks/gpt.py (every variant, eager, and its
-profiler path) and benchmarks/overhead.py --calls-only, as subprocesses (PYTHONPATH kept)."""
+profiler path), benchmarks/overhead.py --calls-only and benchmarks/grouped.py --tiny, as
+subprocesses (PYTHONPATH kept)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,10 @@ def test_overhead_calls_only(tmp_path):
     assert "most called functions" in out and "Self CPU" in out, out
     assert list(tmp_path.glob("overhead_*.json"))
     assert len(list((tmp_path / "prof").glob("overhead_*.json"))) == 5  # torch + 4 recipes
+
+
+def test_grouped_tiny(tmp_path):
+    out = _run("grouped.py", "--tiny", "--out", str(tmp_path))
+    for variant in ("torch eager", "fusible bf16", "fusible delayed", "fusible mxfp8"):
+        assert variant in out, out
+    assert list(tmp_path.glob("grouped_*.json"))

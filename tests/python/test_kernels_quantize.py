@@ -24,7 +24,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fusible._kernels as K
-from fusible import _C
 
 ops = torch.ops.fusible
 
@@ -1063,17 +1062,3 @@ def test_cuda_tensor_on_cpu_only_build():
         ops.quantize_mxfp8(x, E4M3, True, False)
     with pytest.raises(RuntimeError, match=r"fusible\.transpose_fp8: argument 'x'"):
         ops.transpose_fp8(torch.zeros(4, 64, dtype=torch.uint8, device="cuda").view(E4M3))
-
-
-@pytest.mark.skipif(K.has_cuda(), reason="checks the CPU-only build of the core library")
-def test_core_library_refuses_cuda_context_without_cuda_backend():
-    """Below the Python checks, the C API reports a CUDA context on a CPU-only build as an error
-    (TypeError from the binding), without touching the (null) pointers."""
-    cuda_ctx = _C.Context(1, 0, 0)
-    with pytest.raises(TypeError, match=r"fus_compute_amax: .*no CUDA backend"):
-        _C.compute_amax(_C.Tensor(0, 0, 4, 4), 0, cuda_ctx)
-    with pytest.raises(TypeError, match=r"fus_quantize: .*no CUDA backend"):
-        q = _C.Quantized(0, 3, 4, 4, 0, 0, 0, 0, 0, 0)
-        _C.quantize(_C.Tensor(0, 0, 4, 4), q, cuda_ctx)
-    with pytest.raises(TypeError, match=r"fus_transpose_fp8: .*no CUDA backend"):
-        _C.transpose_fp8(_C.Tensor(0, 3, 4, 4), _C.Tensor(0, 3, 4, 4), cuda_ctx)

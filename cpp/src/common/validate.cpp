@@ -36,11 +36,11 @@ void check_matrix(const char* fn, const char* arg, const fus_tensor* t,
     names += (names.empty() ? "" : ", ") + std::string(dtype_name(d));
   }
   if (!ok)
-    throw Error(FUS_ERROR_INVALID_ARGUMENT, where + " has dtype " + dtype_name(t->dtype) +
-                                                ", expected one of {" + names + "}");
+    throw Error(FUS_ERROR_INVALID_ARGUMENT,
+                where + " has dtype " + dtype_name(t->dtype) + ", expected one of {" + names + "}");
   if (t->rows * t->cols > 0 && t->data == nullptr)
-    throw Error(FUS_ERROR_INVALID_ARGUMENT, where + " has NULL data but " +
-                                                std::to_string(t->rows * t->cols) + " elements");
+    throw Error(FUS_ERROR_INVALID_ARGUMENT,
+                where + " has NULL data but " + std::to_string(t->rows * t->cols) + " elements");
 }
 
 void check_same_shape(const char* fn, const char* arg, const fus_tensor* t, int64_t rows,
@@ -74,12 +74,14 @@ void check_quantized(const char* fn, const char* arg, const fus_quantized* q, in
                 where + " has neither rowwise_data nor columnwise_data; expected at least one");
   if (q->mode == FUS_SCALING_MXFP8) {
     if (q->rowwise_data != nullptr && q->rowwise_scale_inv == nullptr)
-      throw Error(FUS_ERROR_INVALID_ARGUMENT,
-                  where + " has rowwise_data but NULL rowwise_scale_inv (E8M0 [rows, ceil(cols/32)])");
+      throw Error(
+          FUS_ERROR_INVALID_ARGUMENT,
+          where + " has rowwise_data but NULL rowwise_scale_inv (E8M0 [rows, ceil(cols/32)])");
     if (q->columnwise_data != nullptr && q->columnwise_scale_inv == nullptr)
-      throw Error(FUS_ERROR_INVALID_ARGUMENT,
-                  where +
-                      " has columnwise_data but NULL columnwise_scale_inv (E8M0 [ceil(rows/32), cols])");
+      throw Error(
+          FUS_ERROR_INVALID_ARGUMENT,
+          where +
+              " has columnwise_data but NULL columnwise_scale_inv (E8M0 [ceil(rows/32), cols])");
   } else if (q->rowwise_scale_inv == nullptr) {
     throw Error(FUS_ERROR_INVALID_ARGUMENT,
                 where + "->rowwise_scale_inv is NULL; per-tensor scaling needs float[1]");

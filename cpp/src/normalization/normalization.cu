@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(512) norm_fwd_kernel(const NormFwdParams p) {
 
   auto col_of = [&](int64_t k) { return (k * L + lane) * 8; };
   // The k-th chunk of x (from registers when cached).
-  auto get = [&](int64_t k, float(&v)[8], int& n) {
+  auto get = [&](int64_t k, float (&v)[8], int& n) {
     const int64_t col = col_of(k);
     n = active ? chunk_len(H, col) : 0;
     if constexpr (C > 0) {
@@ -506,7 +506,7 @@ __global__ void __launch_bounds__(512) norm_bwd_kernel(const NormBwdParams p) {
     const int64_t base = row * H;
     const float mean = active && p.ln ? p.mean[row] : 0.0f, rstd = active ? p.rstd[row] : 0.0f;
     // Loads chunk k of dy, x and w.
-    auto get = [&](int64_t k, float(&d)[8], float(&x)[8], float(&w)[8], int& n, bool first) {
+    auto get = [&](int64_t k, float (&d)[8], float (&x)[8], float (&w)[8], int& n, bool first) {
       const int64_t col = col_of(k);
       n = active ? chunk_len(H, col) : 0;
       if (kCache && !first) {

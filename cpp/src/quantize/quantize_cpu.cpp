@@ -81,7 +81,8 @@ void quantize_mxfp8(const fus_tensor& in, const fus_quantized& out) {
       }
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = 0; c < cols; ++c)
-          q[r * cols + c] = float_to_fp8<F>(scale_element(Element<T>::load(x, r * cols + c), mult[c]));
+          q[r * cols + c] =
+              float_to_fp8<F>(scale_element(Element<T>::load(x, r * cols + c), mult[c]));
     }
   }
   if (out.amax) *out.amax = bits_as_float(amax);
@@ -105,7 +106,8 @@ void dequantize_impl(const fus_quantized& in, bool columnwise, const fus_tensor&
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const uint8_t e = columnwise ? s[(r / B) * cols + c] : s[r * nb + c / B];
-      Element<T>::store(y, r * cols + c, scale_element(fp8_to_float<F>(q[r * cols + c]), e8m0_to_float(e)));
+      Element<T>::store(y, r * cols + c,
+                        scale_element(fp8_to_float<F>(q[r * cols + c]), e8m0_to_float(e)));
     }
   }
 }
@@ -148,9 +150,8 @@ void dequantize_cpu(const fus_quantized& in, bool columnwise, const fus_tensor& 
   if (output.rows * output.cols == 0) return;
   dispatch_hp(output.dtype, [&](auto t) {
     using T = decltype(t);
-    dispatch_fp8(in.dtype, [&](auto f) {
-      dequantize_impl<T, decltype(f)::value>(in, columnwise, output);
-    });
+    dispatch_fp8(in.dtype,
+                 [&](auto f) { dequantize_impl<T, decltype(f)::value>(in, columnwise, output); });
   });
 }
 

@@ -49,7 +49,8 @@ fus_status fus_compute_scale(const float* amax, float* scale, float* scale_inv, 
   return guarded(fn, [&] {
     check_context(fn, ctx);
     if (amax == nullptr || scale == nullptr)
-      throw Error(FUS_ERROR_INVALID_ARGUMENT, std::string(fn) + ": amax and scale must be float[1]");
+      throw Error(FUS_ERROR_INVALID_ARGUMENT,
+                  std::string(fn) + ": amax and scale must be float[1]");
     if (!(fp8_max > 0.0f))
       throw Error(FUS_ERROR_INVALID_ARGUMENT, std::string(fn) + ": fp8_max must be > 0");
     if (is_cuda(ctx)) {

@@ -26,8 +26,8 @@ FUS_HD void delayed_scaling_update_column(float* history, float* scale, int64_t 
 
 void delayed_scaling_update_cpu(const fus_delayed_scaling_group* groups, int num_groups,
                                 fus_amax_algo algo, int margin);
-void compute_scale_cpu(const float* amax, float* scale, float* scale_inv, float fp8_max,
-                       int margin, bool keep_previous);
+void compute_scale_cpu(const float* amax, float* scale, float* scale_inv, float fp8_max, int margin,
+                       bool keep_previous);
 
 #if defined(FUSIBLE_WITH_CUDA)
 void delayed_scaling_update_cuda(const fus_delayed_scaling_group* groups, int num_groups,

@@ -1,5 +1,6 @@
 """Modules: thin compositions of ops (one implementation of the math, no second code path)."""
 
+from fusible.modules.grouped_linear import GroupedLinear
 from fusible.modules.layernorm_linear import LayerNormLinear
 from fusible.modules.layernorm_mlp import LayerNormMLP
 from fusible.modules.linear import Linear
@@ -10,6 +11,7 @@ from fusible.modules.transformer_layer import (
 )
 
 __all__ = [
+    "GroupedLinear",
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",

@@ -39,7 +39,10 @@ from fusible.ops.workspace import (
 from fusible.quantization import autocast as _autocast
 from fusible.quantization.quantizers import Float8Data, MXFP8Data, Quantizer
 
-__all__ = ["Plan", "Unit", "build_plan", "params_of", "plan_by_id", "release_plans", "run_plan"]
+__all__ = [
+    "Plan", "Unit", "build_plan", "call_args", "params_of", "plan_by_id", "release_plans",
+    "run_plan",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,15 @@ class Unit:
 
 @dataclass(frozen=True)
 class WorkspaceSlot:
-    """An op with a quantized weight workspace: its index, the weight's position in the flat
-    parameter list, the weight quantizer and the workspace's description."""
+    """A quantized weight workspace of an op: the op's index, the weight's position in the flat
+    parameter list, the weight quantizer, the workspace's description, and its key among the
+    op's workspaces (None: the op's only one; see ``BasicOperation.workspace_specs``)."""
 
     op_index: int
     param_index: int
     quantizer: Quantizer
     meta: Any
+    key: int | None = None
 
 
 @dataclass
@@ -96,6 +101,9 @@ class Plan:
         default_factory=list
     )
     workspace_slots: list[WorkspaceSlot] = field(default_factory=list)
+    # Ops reading keyword arguments of Sequential.forward per call (BasicOperation.call_kwargs):
+    # (op index, the keywords it reads).
+    call_ops: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
     forward_states: list[Any] = field(default_factory=list)
     backward_states: list[Any] = field(default_factory=list)
     # The forward units' results are checked on the first (eager) run only.
@@ -208,13 +216,12 @@ def build_plan(
         needed = any(f[1] or any(f[0]) for f in plan.flags[u.start : u.stop])
         plan.backward_steps.append((u.start, u.stop, u.fused, prev, needed))
     for i, op in enumerate(ops):
-        spec = op.workspace_spec()
-        if spec is None:
-            continue
-        weight, q = spec
-        k = next(j for j, p in enumerate(op_params[i]) if p is weight)
-        slot = WorkspaceSlot(i, plan.param_bounds[i][0] + k, q, workspace_meta(q, weight))
-        plan.workspace_slots.append(slot)
+        for key, weight, q in op.workspace_specs():
+            k = next(j for j, p in enumerate(op_params[i]) if p is weight)
+            slot = WorkspaceSlot(i, plan.param_bounds[i][0] + k, q, workspace_meta(q, weight), key)
+            plan.workspace_slots.append(slot)
+        if op.call_kwargs:
+            plan.call_ops.append((i, tuple(op.call_kwargs)))
     plan.forward_states = [s for op in ops if (s := op.recipe_state(True)) is not None]
     plan.backward_states = [s for op in ops if (s := op.recipe_state(False)) is not None]
     setattr(_SLOTS, f"p{plan.id}", plan)
@@ -401,29 +408,47 @@ def _unpack(layout: list[Any], tensors: Sequence[torch.Tensor], fast: bool) -> l
 
 
 class _PlanFunction(torch.autograd.Function):
-    """Runs a plan. Arguments: the plan id and each workspace slot's mode (constants), then
-    tensors: the input, the extra inputs, every op's parameters, and the cached weight workspaces
-    given (flattened). Outputs: the output, the extra outputs, then the new workspaces
+    """Runs a plan. Arguments: the plan id and ``(workspace modes, calls)`` -- constants: each
+    workspace slot's mode, and the per-call constants of the plan's ``call_ops`` (None when it
+    has none; one argument with the modes, as torch pays per argument) --, then tensors: the
+    input, the extra inputs, every op's parameters, and the cached weight workspaces given
+    (flattened). Outputs: the output, the extra outputs, then the new workspaces
     (flattened, not differentiable). Workspace modes: 0 quantize the weight and keep nothing,
     1 use the workspace given, 2 quantize and return the new workspace."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, plan_id: int, ws_modes: tuple[int, ...], x: torch.Tensor, *args: torch.Tensor
+        ctx: Any,
+        plan_id: int,
+        consts: tuple[tuple[int, ...], tuple[Any, ...] | None],
+        x: torch.Tensor,
+        *args: torch.Tensor,
     ) -> Any:
         plan = plan_by_id(plan_id)
+        ws_modes, calls = consts
         n_extra = plan.n_extra_in
         extra_in = [args[a:b] for a, b in plan.extra_in_bounds]
         params = [args[n_extra + a : n_extra + b] for a, b in plan.param_bounds]
         ctxs = [OpContext(f[0], f[1]) for f in plan.flags]
+        if calls is not None:
+            for (i, _), call in zip(plan.call_ops, calls, strict=True):
+                ctxs[i].call = call
         pos = n_extra + plan.n_params
         for slot, mode in zip(plan.workspace_slots, ws_modes, strict=True):
             c = ctxs[slot.op_index]
+            ws = None
             if mode == 1:
                 n = workspace_len(slot.meta)
-                c.workspace = unflatten_workspace(list(args[pos : pos + n]), slot.meta)
+                ws = unflatten_workspace(list(args[pos : pos + n]), slot.meta)
                 pos += n
-            c.cache_weight = mode == 2
+            if slot.key is None:
+                c.workspace, c.cache_weight = ws, mode == 2
+                continue
+            if not isinstance(c.cache_weight, dict):  # the op's first keyed workspace
+                c.workspace, c.cache_weight, c.new_workspace = {}, {}, {}
+            if ws is not None:
+                c.workspace[slot.key] = ws
+            c.cache_weight[slot.key] = mode == 2
         y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
         if not isinstance(y, torch.Tensor):
             y = y.dequantize()
@@ -442,7 +467,10 @@ class _PlanFunction(torch.autograd.Function):
         new_ws: list[torch.Tensor] = []
         for slot, mode in zip(plan.workspace_slots, ws_modes, strict=True):
             if mode == 2:
-                new_ws.extend(flatten_workspace(ctxs[slot.op_index].new_workspace)[0])  # type: ignore[arg-type]
+                made = ctxs[slot.op_index].new_workspace
+                if slot.key is not None:
+                    made = made[slot.key]
+                new_ws.extend(flatten_workspace(made)[0])  # type: ignore[arg-type]
         if new_ws:
             ctx.mark_non_differentiable(*new_ws)
         return (y, *flat_out, *new_ws)
@@ -475,10 +503,25 @@ class _PlanFunction(torch.autograd.Function):
         return (None, None, dx, *flat_eg, *flat_pg, *([None] * n_rest))
 
 
-def _cache(op: BasicOperation) -> WorkspaceCache:
-    cache = getattr(op, "workspace_cache", None)
+def _cache(op: BasicOperation, key: int | None) -> WorkspaceCache:
+    cache = (
+        getattr(op, "workspace_cache", None) if key is None else op.workspace_caches[key]  # type: ignore[index]
+    )
     assert isinstance(cache, WorkspaceCache), f"{type(op).__name__} has a workspace but no cache"
     return cache
+
+
+def call_args(plan: Plan, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The per-call constants of ``plan``'s ``call_ops`` from ``Sequential.forward``'s keyword
+    arguments (each op sees the keywords it declares; ``BasicOperation.prepare_call`` checks
+    them), or None when the plan has no such op."""
+    if not plan.call_ops:
+        return None
+    ops = plan.ops
+    return tuple(
+        ops[i].prepare_call({k: kwargs[k] for k in names if k in kwargs})
+        for i, names in plan.call_ops
+    )
 
 
 def run_plan(
@@ -488,11 +531,13 @@ def run_plan(
     params: list[torch.Tensor],
     is_first_microbatch: bool | None = None,
     cache_params: list[torch.Tensor] | None = None,
+    calls: tuple[Any, ...] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Run ``plan`` on ``x`` with the flat parameter list ``params``; weight workspaces are looked
     up before and stored after the autograd function (see ops/workspace.py for the
     ``is_first_microbatch`` semantics), keyed by ``cache_params`` (the parameters themselves,
-    when ``params`` are their casts for torch.autocast; default ``params``)."""
+    when ``params`` are their casts for torch.autocast; default ``params``). ``calls``: the
+    per-call constants of the plan's ``call_ops`` (see :func:`call_args`)."""
     if cache_params is None:
         cache_params = params
     modes: list[int] = []
@@ -503,7 +548,7 @@ def run_plan(
             ws = None
             if not is_first_microbatch:
                 op = plan.ops[slot.op_index]
-                ws = _cache(op).lookup(
+                ws = _cache(op, slot.key).lookup(
                     cache_params[slot.param_index], slot.quantizer,
                     params[slot.param_index].dtype,
                 )  # fmt: skip
@@ -515,7 +560,7 @@ def run_plan(
         modes.append(mode)
     if torch.compiler.is_compiling():
         extra_inputs = _distinct(x, extra_inputs)
-    outs = _PlanFunction.apply(plan.id, tuple(modes), x, *extra_inputs, *params, *ws_flat)
+    outs = _PlanFunction.apply(plan.id, (tuple(modes), calls), x, *extra_inputs, *params, *ws_flat)
     n_out = 1 + sum(plan.n_extra_out)
     if 2 in modes:
         new_ws = list(outs[n_out:])
@@ -525,7 +570,7 @@ def run_plan(
                 ws = unflatten_workspace(new_ws[:n], slot.meta)
                 w = cache_params[slot.param_index]
                 src = params[slot.param_index].dtype  # the dtype quantized (torch.autocast)
-                _cache(plan.ops[slot.op_index]).store(w, slot.quantizer, ws, src)
+                _cache(plan.ops[slot.op_index], slot.key).store(w, slot.quantizer, ws, src)
                 new_ws = new_ws[n:]
     if n_out == 1:
         return outs[0], []

@@ -39,11 +39,16 @@ class OpContext:
     ``input_requires_grad``: which params need gradients, and whether the op's input does.
     Forward only (never saved): ``workspace`` (the cached weight workspace handed in),
     ``cache_weight`` (whether to produce a new one) and ``new_workspace`` (the one produced; see
-    ops/workspace.py). A plain class with slots: one is made per op per call."""
+    ops/workspace.py) -- for an op with several workspaces (:meth:`BasicOperation.workspace_specs`
+    with keys), dicts keyed by the workspace key (``workspace``: the keys handed in;
+    ``cache_weight``: key -> bool; ``new_workspace``: the op fills one entry per key to cache);
+    ``call``: the op's per-call constant (:meth:`BasicOperation.prepare_call`, e.g. the split
+    sizes of ``GroupedLinear``; None for ops without call keywords). A plain class with slots:
+    one is made per op per call."""
 
     __slots__ = (
-        "attrs", "cache_weight", "input_requires_grad", "new_workspace", "params_requires_grad",
-        "saved", "workspace",
+        "attrs", "cache_weight", "call", "input_requires_grad", "new_workspace",
+        "params_requires_grad", "saved", "workspace",
     )  # fmt: skip
 
     def __init__(
@@ -58,8 +63,9 @@ class OpContext:
         self.saved: list[Any] = [] if saved is None else saved
         self.attrs: dict[str, Any] = {} if attrs is None else attrs
         self.workspace: Any = None
-        self.cache_weight = False
+        self.cache_weight: Any = False
         self.new_workspace: Any = None
+        self.call: Any = None
 
 
 _UIDS = itertools.count()
@@ -81,10 +87,16 @@ class BasicOperation(torch.nn.Module):
 
     ``num_extra_inputs`` / ``num_extra_outputs`` let an op take a tensor from outside the chain
     (``AddExtraInput``: a residual) or emit one (``MakeExtraOutput``: a branch).
+
+    ``call_kwargs``: keyword arguments of ``Sequential.forward`` the op reads on every call that
+    are not tensors (``GroupedLinear``: ``m_splits``). :meth:`prepare_call` turns them into a
+    hashable constant, which crosses the autograd function as a constant (never part of the
+    plan key: a plan serves every value) and reaches the op as ``ctx.call``.
     """
 
     num_extra_inputs: ClassVar[int] = 0
     num_extra_outputs: ClassVar[int] = 0
+    call_kwargs: ClassVar[tuple[str, ...]] = ()
     # Scope of the op's quantizer roles (e.g. "linear"); modules may re-scope.
     role_scope: ClassVar[str] = ""
 
@@ -333,6 +345,22 @@ class BasicOperation(torch.nn.Module):
 
     def workspace_spec(self) -> tuple[torch.Tensor, Quantizer] | None:
         """``(weight, quantizer)`` if this op keeps a quantized weight workspace, else None."""
+        return None
+
+    def workspace_specs(self) -> list[tuple[int | None, torch.Tensor, Quantizer]]:
+        """Every quantized weight workspace this op keeps, as ``(key, weight, quantizer)``. The
+        default is :meth:`workspace_spec`'s one workspace under key None (``ctx.workspace`` is
+        then the workspace itself and the cache ``self.workspace_cache``); an op with several
+        (``GroupedLinear``: one per expert) gives int keys, gets ``ctx.workspace`` /
+        ``ctx.cache_weight`` / ``ctx.new_workspace`` as dicts by key (see :class:`OpContext`)
+        and keeps its caches in ``self.workspace_caches[key]``."""
+        spec = self.workspace_spec()
+        return [] if spec is None else [(None, spec[0], spec[1])]
+
+    def prepare_call(self, kwargs: Mapping[str, Any]) -> Any:
+        """The per-call constant (hashable: ints, tuples, None) of this op from the keyword
+        arguments of ``Sequential.forward`` (only those named in :attr:`call_kwargs` are
+        passed), checked here: it reaches ``op_forward`` as ``ctx.call``."""
         return None
 
     def input_quantizer(self) -> Quantizer | None:

@@ -68,10 +68,14 @@ def _recipe_key(recipe: Any) -> str | None:
 class Sequential(torch.nn.Module):
     """A chain of ops. Nested ``Sequential``s are flattened; a plain ``nn.Module`` splits fusion.
 
-    ``forward(x, *extra_inputs, is_first_microbatch=None)`` returns ``y``, or
+    ``forward(x, *extra_inputs, is_first_microbatch=None, **call_kwargs)`` returns ``y``, or
     ``(y, *extra_outputs)`` when the chain holds ``MakeExtraOutput`` ops. Extra inputs are consumed
     by ``AddExtraInput`` ops in order. ``is_first_microbatch`` controls the quantized weight
-    workspace cache of Linear ops (see ``fusible.ops.workspace``).
+    workspace cache of Linear ops (see ``fusible.ops.workspace``). ``call_kwargs`` are the
+    per-call, non-tensor arguments some ops read (``BasicOperation.call_kwargs``): every op
+    declaring a keyword gets its value, e.g. ``m_splits=[...]`` for each ``GroupedLinear``
+    (the two of an MoE expert MLP share the token split); a keyword no op reads raises
+    ``TypeError``.
     """
 
     def __init__(self, *modules: torch.nn.Module) -> None:
@@ -276,7 +280,11 @@ class Sequential(torch.nn.Module):
     # ---- execution -------------------------------------------------------------------------
 
     def forward(
-        self, x: torch.Tensor, *extra_inputs: torch.Tensor, is_first_microbatch: bool | None = None
+        self,
+        x: torch.Tensor,
+        *extra_inputs: torch.Tensor,
+        is_first_microbatch: bool | None = None,
+        **call_kwargs: Any,
     ) -> Any:
         if not isinstance(x, torch.Tensor):
             raise TypeError(
@@ -301,6 +309,8 @@ class Sequential(torch.nn.Module):
             runs = self._runs()  # first: changed children reset the token
             if self._token != (rkey, ACTIVE_EPOCH[0]):
                 self._activate(recipe)
+        if call_kwargs:
+            self._check_call_kwargs(call_kwargs)
         cast = _torch_autocast_dtype(x)
         pending = extra_inputs
         extra_outputs: list[torch.Tensor] = []
@@ -321,7 +331,8 @@ class Sequential(torch.nn.Module):
             else:
                 key = self._eager_key(index, rkey, x, extra, run_params, run)
                 plan = self._plans.get(key) or self._plan(key, recipe)
-            x, outs = fuser.run_plan(plan, x, extra, run_params, is_first_microbatch, params)
+            calls = fuser.call_args(plan, call_kwargs) if plan.call_ops else None
+            x, outs = fuser.run_plan(plan, x, extra, run_params, is_first_microbatch, params, calls)
             if outs:
                 extra_outputs.extend(outs)
             if plan.forward_states:
@@ -331,6 +342,17 @@ class Sequential(torch.nn.Module):
         if not traced:
             self._last_run = (recipe, x.dtype, x.device)
         return (x, *extra_outputs) if extra_outputs else x
+
+    def _check_call_kwargs(self, kwargs: dict[str, Any]) -> None:
+        known = {k for m in self if isinstance(m, BasicOperation) for k in m.call_kwargs}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}.forward: unexpected keyword argument(s) "
+                f"{', '.join(repr(k) for k in unknown)}: no op of this container reads "
+                f"{'it' if len(unknown) == 1 else 'them'} (keywords the ops read: "
+                f"{', '.join(sorted(known)) or 'none'})"
+            )
 
     def _too_few_extra_inputs(self, given: Any) -> None:
         need = sum(op.num_extra_inputs for op in self if isinstance(op, BasicOperation))

@@ -22,14 +22,16 @@ constexpr fus_dtype kE5M2 = FUS_FLOAT8_E5M2;
 // ---- numerics.h by runtime format ----------------------------------------------------------------
 
 uint8_t nx_encode(float f, fus_dtype d) {
-  return d == kE4M3 ? fu::float_to_fp8<fu::Fp8Format::kE4M3>(f) : fu::float_to_fp8<fu::Fp8Format::kE5M2>(f);
+  return d == kE4M3 ? fu::float_to_fp8<fu::Fp8Format::kE4M3>(f)
+                    : fu::float_to_fp8<fu::Fp8Format::kE5M2>(f);
 }
 uint8_t nx_encode_soft(float f, fus_dtype d) {
   return d == kE4M3 ? fu::float_to_fp8_soft<fu::Fp8Format::kE4M3>(f)
                     : fu::float_to_fp8_soft<fu::Fp8Format::kE5M2>(f);
 }
 float nx_decode(uint8_t q, fus_dtype d) {
-  return d == kE4M3 ? fu::fp8_to_float<fu::Fp8Format::kE4M3>(q) : fu::fp8_to_float<fu::Fp8Format::kE5M2>(q);
+  return d == kE4M3 ? fu::fp8_to_float<fu::Fp8Format::kE4M3>(q)
+                    : fu::fp8_to_float<fu::Fp8Format::kE5M2>(q);
 }
 uint8_t nx_e8m0(float amax, fus_dtype d) {
   return d == kE4M3 ? fu::e8m0_from_amax<fu::Fp8Format::kE4M3>(amax)
@@ -96,9 +98,18 @@ Buffers quantize_buffers(const HostMatrix& in, const QuantizeSetup& s) {
 ApiCall quantize_call(const QuantizeSetup& s, int margin = INT_MIN) {
   return [s, margin](const std::vector<void*>& p, const fus_context& ctx) {
     fus_tensor t{p[kIn], s.in_dtype, s.rows, s.cols};
-    fus_quantized q{s.mode, s.fmt, s.rows, s.cols, p[kRow], p[kCol], p[kRowS], p[kColS],
-                    static_cast<float*>(p[kScale]), static_cast<float*>(p[kAmax])};
-    return margin == INT_MIN ? fus_quantize(&t, &q, &ctx) : fus_quantize_current_scaling(&t, &q, margin, &ctx);
+    fus_quantized q{s.mode,
+                    s.fmt,
+                    s.rows,
+                    s.cols,
+                    p[kRow],
+                    p[kCol],
+                    p[kRowS],
+                    p[kColS],
+                    static_cast<float*>(p[kScale]),
+                    static_cast<float*>(p[kAmax])};
+    return margin == INT_MIN ? fus_quantize(&t, &q, &ctx)
+                             : fus_quantize_current_scaling(&t, &q, margin, &ctx);
   };
 }
 
@@ -117,9 +128,11 @@ struct DequantizeSetup {
 
 ApiCall dequantize_call(const DequantizeSetup& s) {
   return [s](const std::vector<void*>& p, const fus_context& ctx) {
-    fus_quantized q{s.mode, s.fmt, s.rows, s.cols, p[kDRow], p[kDCol], p[kDRowS], p[kDColS], nullptr, nullptr};
+    fus_quantized q{s.mode,   s.fmt,     s.rows,    s.cols,  p[kDRow],
+                    p[kDCol], p[kDRowS], p[kDColS], nullptr, nullptr};
     const bool transposed = s.columnwise && s.mode == FUS_SCALING_PER_TENSOR;
-    fus_tensor out{p[kDOut], s.out_dtype, transposed ? s.cols : s.rows, transposed ? s.rows : s.cols};
+    fus_tensor out{p[kDOut], s.out_dtype, transposed ? s.cols : s.rows,
+                   transposed ? s.rows : s.cols};
     return fus_dequantize(&q, s.columnwise, &out, &ctx);
   };
 }
@@ -151,7 +164,9 @@ const std::vector<fus_dtype> kHpTypes = {FUS_FLOAT32, FUS_FLOAT16, FUS_BFLOAT16}
 std::string shape_name(int64_t r, int64_t c) { return std::to_string(r) + "x" + std::to_string(c); }
 
 class Fp8FormatTest : public ::testing::TestWithParam<fus_dtype> {};
-std::string FormatName(const ::testing::TestParamInfo<fus_dtype>& info) { return fmt_name(info.param); }
+std::string FormatName(const ::testing::TestParamInfo<fus_dtype>& info) {
+  return fmt_name(info.param);
+}
 
 // =================================================================================================
 // FP8 codes: decode, encode, round trips
@@ -166,7 +181,8 @@ TEST_P(Fp8FormatTest, DecodeAll256CodesMatchesBitFieldReference) {
       EXPECT_TRUE(std::isnan(got)) << "code " << hex(c);
       EXPECT_EQ(std::signbit(got), (c & 0x80) != 0) << "NaN code " << hex(c) << " lost its sign";
     } else {
-      EXPECT_EQ(f2u(got), f2u(static_cast<float>(want))) << "code " << hex(c) << " decoded to " << fdesc(got);
+      EXPECT_EQ(f2u(got), f2u(static_cast<float>(want)))
+          << "code " << hex(c) << " decoded to " << fdesc(got);
     }
   }
 }
@@ -187,8 +203,8 @@ TEST_P(Fp8FormatTest, SpecialCodeValues) {
   if (d == kE4M3) {
     EXPECT_EQ(nx_decode(0x7e, d), 448.0f);
     EXPECT_EQ(nx_decode(0xfe, d), -448.0f);
-    EXPECT_EQ(nx_decode(0x01, d), std::ldexp(1.0f, -9));   // smallest subnormal
-    EXPECT_EQ(nx_decode(0x08, d), std::ldexp(1.0f, -6));   // smallest normal
+    EXPECT_EQ(nx_decode(0x01, d), std::ldexp(1.0f, -9));  // smallest subnormal
+    EXPECT_EQ(nx_decode(0x08, d), std::ldexp(1.0f, -6));  // smallest normal
     EXPECT_TRUE(std::isnan(nx_decode(0x7f, d)));
     EXPECT_TRUE(std::isnan(nx_decode(0xff, d)));
   } else {
@@ -197,7 +213,8 @@ TEST_P(Fp8FormatTest, SpecialCodeValues) {
     EXPECT_EQ(nx_decode(0xfc, d), -inf());
     EXPECT_EQ(nx_decode(0x01, d), std::ldexp(1.0f, -16));
     EXPECT_EQ(nx_decode(0x04, d), std::ldexp(1.0f, -14));
-    for (int c : {0x7d, 0x7e, 0x7f, 0xfd, 0xfe, 0xff}) EXPECT_TRUE(std::isnan(nx_decode(static_cast<uint8_t>(c), d)));
+    for (int c : {0x7d, 0x7e, 0x7f, 0xfd, 0xfe, 0xff})
+      EXPECT_TRUE(std::isnan(nx_decode(static_cast<uint8_t>(c), d)));
   }
   EXPECT_EQ(f2u(nx_decode(0x80, d)), 0x80000000u) << "code 0x80 is -0";
   EXPECT_EQ(nx_encode(-0.0f, d), 0x80);
@@ -210,7 +227,8 @@ TEST_P(Fp8FormatTest, SpecialCodeValues) {
 TEST_P(Fp8FormatTest, QuantizeApiRoundTripsAllCodesFromEachInputType) {
   const fus_dtype d = GetParam();
   std::vector<float> vals(256);
-  for (int c = 0; c < 256; ++c) vals[c] = static_cast<float>(ref::fp8_decode(static_cast<uint8_t>(c), d));
+  for (int c = 0; c < 256; ++c)
+    vals[c] = static_cast<float>(ref::fp8_decode(static_cast<uint8_t>(c), d));
   for (fus_dtype in_dt : kHpTypes) {
     SCOPED_TRACE(fmt_name(in_dt));
     HostMatrix in(in_dt, 1, 256, vals);
@@ -281,7 +299,7 @@ TEST_P(Fp8FormatTest, MidpointsRoundToEvenNeighboursRoundAway) {
     EXPECT_EQ(nx_encode(std::ldexp(3.0f, -10), d), 0x02);
     EXPECT_EQ(nx_encode(std::ldexp(15.0f, -10), d), 0x08);  // between 7*2^-9 (0x07) and 2^-6 (0x08)
   } else {
-    EXPECT_EQ(nx_encode(1.125f, d), 0x3c);                   // between 1 (0x3c) and 1.25 (0x3d)
+    EXPECT_EQ(nx_encode(1.125f, d), 0x3c);  // between 1 (0x3c) and 1.25 (0x3d)
     EXPECT_EQ(nx_encode(1.375f, d), 0x3e);
     EXPECT_EQ(nx_encode(std::ldexp(1.0f, -17), d), 0x00);
     EXPECT_EQ(nx_encode(std::ldexp(3.0f, -17), d), 0x02);
@@ -314,15 +332,32 @@ TEST_P(Fp8FormatTest, SaturatesToMaxCode) {
   const uint8_t mc = ref::spec(d).max_code;
   std::vector<float> big;
   if (d == kE4M3) {
-    big = {448.0f, std::nextafter(448.0f, inf()), 449.0f, 464.0f, std::nextafter(464.0f, inf()), 480.0f, 500.0f,
-           1e6f, 1e30f, FLT_MAX, inf()};
+    big = {448.0f,
+           std::nextafter(448.0f, inf()),
+           449.0f,
+           464.0f,
+           std::nextafter(464.0f, inf()),
+           480.0f,
+           500.0f,
+           1e6f,
+           1e30f,
+           FLT_MAX,
+           inf()};
     EXPECT_EQ(nx_encode(std::nextafter(448.0f, 0.0f), d), 0x7e);
     EXPECT_EQ(nx_encode(432.0f, d), 0x7e);  // tie 416 (0x7d) / 448 (0x7e) -> even 448
     EXPECT_EQ(nx_encode(std::nextafter(432.0f, 0.0f), d), 0x7d);
     EXPECT_EQ(nx_encode(416.0f, d), 0x7d);
   } else {
-    big = {57344.0f, std::nextafter(57344.0f, inf()), 57345.0f, 61440.0f, std::nextafter(61440.0f, inf()),
-           65536.0f, 1e6f, 1e30f, FLT_MAX, inf()};
+    big = {57344.0f,
+           std::nextafter(57344.0f, inf()),
+           57345.0f,
+           61440.0f,
+           std::nextafter(61440.0f, inf()),
+           65536.0f,
+           1e6f,
+           1e30f,
+           FLT_MAX,
+           inf()};
     EXPECT_EQ(nx_encode(std::nextafter(57344.0f, 0.0f), d), 0x7b);
     EXPECT_EQ(nx_encode(49152.0f, d), 0x7a);
     EXPECT_EQ(nx_encode(53248.0f, d), 0x7a);  // tie 49152 / 57344 -> even 0x7a
@@ -363,7 +398,8 @@ TEST_P(Fp8FormatTest, NanEncodesAs7FWithSign) {
   // Through the API: NaN * scale keeps x's sign, and amax is NaN wherever the NaN sits.
   for (float scale : {1.0f, 3.5f}) {
     for (int pos : {0, 5, 9}) {
-      std::vector<float> vals = {1.0f, -2.0f, inf(), -inf(), 448.0f, 0.5f, -0.0f, 3.0f, 1e-3f, -7.0f};
+      std::vector<float> vals = {1.0f, -2.0f, inf(), -inf(), 448.0f,
+                                 0.5f, -0.0f, 3.0f,  1e-3f,  -7.0f};
       vals[pos] = qnan(pos == 5);
       vals.push_back(qnan(pos != 5));
       HostMatrix in(FUS_FLOAT32, 1, static_cast<int64_t>(vals.size()), vals);
@@ -405,7 +441,6 @@ TEST_P(Fp8FormatTest, HalfAndBf16NanAndInfInputs) {
   }
 }
 
-
 // x * s before a cast (numerics.h scale_element): a NaN x keeps its sign (and bits), otherwise a NaN
 // s gives +NaN, otherwise the plain fp32 product.
 TEST(ScaleElement, NanRuleAndPlainProduct) {
@@ -416,14 +451,17 @@ TEST(ScaleElement, NanRuleAndPlainProduct) {
       EXPECT_EQ(nx_encode(fu::scale_element(x, s), kE4M3), 0x7f);
     }
     for (float x : nan_s) {
-      EXPECT_EQ(f2u(fu::scale_element(x, s)), f2u(x)) << "NaN x wins: " << fdesc(x) << " * " << fdesc(s);
+      EXPECT_EQ(f2u(fu::scale_element(x, s)), f2u(x))
+          << "NaN x wins: " << fdesc(x) << " * " << fdesc(s);
       EXPECT_EQ(nx_encode(fu::scale_element(x, s), kE5M2), std::signbit(x) ? 0xff : 0x7f);
     }
   }
   for (float x : nan_s)
-    for (float s : {1.0f, -2.0f, 0.0f, inf()}) EXPECT_EQ(f2u(fu::scale_element(x, s)), f2u(x)) << fdesc(x);
+    for (float s : {1.0f, -2.0f, 0.0f, inf()})
+      EXPECT_EQ(f2u(fu::scale_element(x, s)), f2u(x)) << fdesc(x);
   for (float x : {1.5f, -3.0f, 1e-30f, 3e38f})
-    for (float s : {0.375f, -2.0f, 1e10f, 0.0f}) EXPECT_EQ(f2u(fu::scale_element(x, s)), f2u(x * s));
+    for (float s : {0.375f, -2.0f, 1e10f, 0.0f})
+      EXPECT_EQ(f2u(fu::scale_element(x, s)), f2u(x * s));
   EXPECT_TRUE(std::isnan(fu::scale_element(inf(), 0.0f)));
 }
 
@@ -446,7 +484,8 @@ TEST(Fp8Sample, EncoderMatchesReferenceOnEvery251stFloatPattern) {
     for (float x : sample) {
       const uint8_t want = ref::fp8_encode(x, d);
       const uint8_t got = nx_encode_soft(x, d);
-      if (got != want && ++bad <= 10) ADD_FAILURE() << fdesc(x) << ": got " << hex(got) << " want " << hex(want);
+      if (got != want && ++bad <= 10)
+        ADD_FAILURE() << fdesc(x) << ": got " << hex(got) << " want " << hex(want);
     }
     EXPECT_EQ(bad, 0);
   }
@@ -504,7 +543,8 @@ TEST(Half, RoundTripsAll65536Codes) {
     const uint16_t back = fu::float_to_half(fu::half_to_float(static_cast<uint16_t>(h)));
     const bool is_nan = (h & 0x7c00u) == 0x7c00u && (h & 0x3ffu) != 0;
     if (is_nan) {
-      EXPECT_EQ(back, h | 0x0200u) << "NaN " << hex(h) << " should stay NaN (quieted, same sign/payload)";
+      EXPECT_EQ(back, h | 0x0200u)
+          << "NaN " << hex(h) << " should stay NaN (quieted, same sign/payload)";
     } else {
       ASSERT_EQ(back, h) << hex(h);
     }
@@ -516,20 +556,20 @@ TEST(Half, EncodeRoundsToNearestEven) {
     float x;
     uint16_t want;
   } ks[] = {
-      {1.0f + std::ldexp(1.0f, -11), 0x3c00},        // tie -> even 1.0
-      {1.0f + std::ldexp(3.0f, -11), 0x3c02},        // tie -> even 0x3c02
+      {1.0f + std::ldexp(1.0f, -11), 0x3c00},  // tie -> even 1.0
+      {1.0f + std::ldexp(3.0f, -11), 0x3c02},  // tie -> even 0x3c02
       {std::nextafter(1.0f + std::ldexp(1.0f, -11), 2.0f), 0x3c01},
       {std::nextafter(1.0f + std::ldexp(3.0f, -11), 0.0f), 0x3c01},
       {65504.0f, 0x7bff},
       {std::nextafter(65520.0f, 0.0f), 0x7bff},
-      {65520.0f, 0x7c00},                            // tie between 65504 and 2^16 -> even -> inf
+      {65520.0f, 0x7c00},  // tie between 65504 and 2^16 -> even -> inf
       {1e6f, 0x7c00},
       {FLT_MAX, 0x7c00},
       {inf(), 0x7c00},
-      {std::ldexp(1.0f, -25), 0x0000},               // tie 0 / smallest subnormal -> 0
+      {std::ldexp(1.0f, -25), 0x0000},  // tie 0 / smallest subnormal -> 0
       {std::nextafter(std::ldexp(1.0f, -25), 1.0f), 0x0001},
       {std::ldexp(3.0f, -25), 0x0002},
-      {std::ldexp(2047.0f, -25), 0x0400},            // tie largest subnormal / smallest normal -> even
+      {std::ldexp(2047.0f, -25), 0x0400},  // tie largest subnormal / smallest normal -> even
       {std::ldexp(1.0f, -14), 0x0400},
       {1e-30f, 0x0000},
       {-1e-30f, 0x8000},
@@ -562,7 +602,8 @@ TEST(Half, EncodeMatchesReferenceOnEvery251stFloatPattern) {
     std::memcpy(&hb, &hf, 2);
     EXPECT_EQ(hb, want) << "reference vs compiler _Float16 disagree on " << fdesc(x);
 #endif
-    if (got != want && ++bad <= 10) ADD_FAILURE() << fdesc(x) << ": got " << hex(got) << " want " << hex(want);
+    if (got != want && ++bad <= 10)
+      ADD_FAILURE() << fdesc(x) << ": got " << hex(got) << " want " << hex(want);
   }
   EXPECT_EQ(bad, 0);
 }
@@ -572,8 +613,10 @@ TEST(Bf16, DecodeAndRoundTripAll65536Codes) {
     const float f = fu::bf16_to_float(static_cast<uint16_t>(b));
     ASSERT_EQ(f2u(f), b << 16);
     const uint16_t back = fu::float_to_bf16(f);
-    if (std::isnan(f)) EXPECT_EQ(back, b | 0x40u) << "NaN " << hex(b) << " quieted, sign and payload kept";
-    else ASSERT_EQ(back, b) << hex(b);
+    if (std::isnan(f))
+      EXPECT_EQ(back, b | 0x40u) << "NaN " << hex(b) << " quieted, sign and payload kept";
+    else
+      ASSERT_EQ(back, b) << hex(b);
   }
 }
 
@@ -582,19 +625,19 @@ TEST(Bf16, EncodeRoundsToNearestEven) {
     float x;
     uint16_t want;
   } ks[] = {
-      {1.0f + std::ldexp(1.0f, -8), 0x3f80},   // tie -> even
-      {1.0f + std::ldexp(3.0f, -8), 0x3f82},   // tie -> even
+      {1.0f + std::ldexp(1.0f, -8), 0x3f80},  // tie -> even
+      {1.0f + std::ldexp(3.0f, -8), 0x3f82},  // tie -> even
       {std::nextafter(1.0f + std::ldexp(1.0f, -8), 2.0f), 0x3f81},
       {std::nextafter(1.0f + std::ldexp(3.0f, -8), 0.0f), 0x3f81},
-      {u2f(0x7f7f0000u), 0x7f7f},              // largest bf16
+      {u2f(0x7f7f0000u), 0x7f7f},  // largest bf16
       {u2f(0x7f7f7fffu), 0x7f7f},
-      {u2f(0x7f7f8000u), 0x7f80},              // tie above the largest bf16 -> inf
+      {u2f(0x7f7f8000u), 0x7f80},  // tie above the largest bf16 -> inf
       {FLT_MAX, 0x7f80},
       {inf(), 0x7f80},
-      {u2f(0x00008000u), 0x0000},              // subnormal tie -> even 0
+      {u2f(0x00008000u), 0x0000},  // subnormal tie -> even 0
       {u2f(0x00018000u), 0x0002},
       {u2f(0x00008001u), 0x0001},
-      {u2f(0x007fffffu), 0x0080},              // largest subnormal rounds up to the smallest normal
+      {u2f(0x007fffffu), 0x0080},  // largest subnormal rounds up to the smallest normal
       {-0.0f, 0x8000},
   };
   for (const auto& k : ks) {
@@ -604,13 +647,15 @@ TEST(Bf16, EncodeRoundsToNearestEven) {
   }
   EXPECT_EQ(fu::float_to_bf16(qnan(false)), 0x7fc0);
   EXPECT_EQ(fu::float_to_bf16(qnan(true)), 0xffc0);
-  EXPECT_EQ(fu::float_to_bf16(u2f(0x7f800001u)) & 0xffc0u, 0x7fc0u) << "signalling NaN must not become inf";
+  EXPECT_EQ(fu::float_to_bf16(u2f(0x7f800001u)) & 0xffc0u, 0x7fc0u)
+      << "signalling NaN must not become inf";
   int bad = 0;
   for (uint64_t u = 0; u <= 0xffffffffull; u += 251) {
     const float x = u2f(static_cast<uint32_t>(u));
     if (std::isnan(x)) continue;
     const uint16_t got = fu::float_to_bf16(x), want = ref::bf16_encode(x);
-    if (got != want && ++bad <= 10) ADD_FAILURE() << fdesc(x) << ": got " << hex(got) << " want " << hex(want);
+    if (got != want && ++bad <= 10)
+      ADD_FAILURE() << fdesc(x) << ": got " << hex(got) << " want " << hex(want);
   }
   EXPECT_EQ(bad, 0);
 }
@@ -644,10 +689,11 @@ TEST_P(PerTensorTest, RowwiseMatchesReferenceAndColumnwiseIsItsTranspose) {
         const size_t i = static_cast<size_t>(r * cols + c);
         const uint8_t want = ref::fp8_encode(in.values[i] * scale, fmt);
         if (row[i] != want && ++bad <= 10)
-          ADD_FAILURE() << "rowwise[" << r << "," << c << "] x=" << fdesc(in.values[i]) << " got " << hex(row[i])
-                        << " want " << hex(want);
+          ADD_FAILURE() << "rowwise[" << r << "," << c << "] x=" << fdesc(in.values[i]) << " got "
+                        << hex(row[i]) << " want " << hex(want);
         if (col[static_cast<size_t>(c * rows + r)] != row[i] && ++bad <= 10)
-          ADD_FAILURE() << "columnwise[" << c << "," << r << "] != rowwise[" << r << "," << c << "]";
+          ADD_FAILURE() << "columnwise[" << c << "," << r << "] != rowwise[" << r << "," << c
+                        << "]";
       }
     }
     EXPECT_EQ(bad, 0);
@@ -659,10 +705,14 @@ TEST_P(PerTensorTest, RowwiseMatchesReferenceAndColumnwiseIsItsTranspose) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, PerTensorTest,
-    ::testing::Combine(::testing::Values(std::make_pair<int64_t, int64_t>(1, 1), std::make_pair<int64_t, int64_t>(7, 13),
-                                         std::make_pair<int64_t, int64_t>(127, 33), std::make_pair<int64_t, int64_t>(1, 4097),
-                                         std::make_pair<int64_t, int64_t>(4097, 1), std::make_pair<int64_t, int64_t>(65, 129),
-                                         std::make_pair<int64_t, int64_t>(0, 9), std::make_pair<int64_t, int64_t>(9, 0)),
+    ::testing::Combine(::testing::Values(std::make_pair<int64_t, int64_t>(1, 1),
+                                         std::make_pair<int64_t, int64_t>(7, 13),
+                                         std::make_pair<int64_t, int64_t>(127, 33),
+                                         std::make_pair<int64_t, int64_t>(1, 4097),
+                                         std::make_pair<int64_t, int64_t>(4097, 1),
+                                         std::make_pair<int64_t, int64_t>(65, 129),
+                                         std::make_pair<int64_t, int64_t>(0, 9),
+                                         std::make_pair<int64_t, int64_t>(9, 0)),
                        ::testing::ValuesIn(kHpTypes), ::testing::ValuesIn(kFormats)),
     [](const ::testing::TestParamInfo<PerTensorParam>& info) {
       return shape_name(std::get<0>(info.param).first, std::get<0>(info.param).second) + "_" +
@@ -700,7 +750,16 @@ TEST(PerTensor, EmptyInputWithNullData) {
   for (auto [rows, cols] : {std::pair<int64_t, int64_t>{0, 5}, {5, 0}, {0, 0}}) {
     float scale = 4.0f, scale_inv = -1.0f, amax = -1.0f;
     fus_tensor t{nullptr, FUS_FLOAT32, rows, cols};
-    fus_quantized q{FUS_SCALING_PER_TENSOR, kE4M3, rows, cols, nullptr, nullptr, &scale_inv, nullptr, &scale, &amax};
+    fus_quantized q{FUS_SCALING_PER_TENSOR,
+                    kE4M3,
+                    rows,
+                    cols,
+                    nullptr,
+                    nullptr,
+                    &scale_inv,
+                    nullptr,
+                    &scale,
+                    &amax};
     const fus_context ctx = cpu_ctx();
     ASSERT_EQ(fus_quantize(&t, &q, &ctx), FUS_SUCCESS) << fus_last_error();
     EXPECT_EQ(amax, 0.0f);
@@ -737,9 +796,11 @@ TEST(PerTensor, DequantizeErrorWithinHalfStep) {
           const double yy = cw ? y[c * rows + r] : y[r * cols + c];
           // half an ulp relative in the normal range, half the subnormal quantum below it; plus slack
           // for the two fp32 roundings (x * scale, q * scale_inv).
-          const double bound = std::ldexp(std::fabs(x), -(sp.mant + 1)) * (1 + 1e-6) +
-                               std::ldexp(static_cast<double>(scale_inv), -sp.bias - sp.mant) * (1 + 1e-6);
-          ASSERT_LE(std::fabs(yy - x), bound) << "x=" << x << " y=" << yy << " at " << r << "," << c;
+          const double bound =
+              std::ldexp(std::fabs(x), -(sp.mant + 1)) * (1 + 1e-6) +
+              std::ldexp(static_cast<double>(scale_inv), -sp.bias - sp.mant) * (1 + 1e-6);
+          ASSERT_LE(std::fabs(yy - x), bound)
+              << "x=" << x << " y=" << yy << " at " << r << "," << c;
         }
       }
     }
@@ -763,7 +824,8 @@ TEST_P(CurrentScalingTest, ScaleIsFp8MaxOverAmaxTimesTwoToMinusMargin) {
   ASSERT_EQ(run_cpu(b, quantize_call(s, margin)), FUS_SUCCESS) << fus_last_error();
   const float amax = max_abs(in.values);
   const float fmax = fus_fp8_max(fmt);
-  const float want_scale = static_cast<float>(std::ldexp(static_cast<double>(fmax / amax), -margin));
+  const float want_scale =
+      static_cast<float>(std::ldexp(static_cast<double>(fmax / amax), -margin));
   EXPECT_EQ(f2u(get_float(b, kAmax)), f2u(amax));
   EXPECT_EQ(f2u(get_float(b, kScale)), f2u(want_scale));
   EXPECT_EQ(f2u(get_float(b, kScale)), f2u(ref::scale_from_amax(amax, fmax, margin, 1.0f)));
@@ -771,24 +833,27 @@ TEST_P(CurrentScalingTest, ScaleIsFp8MaxOverAmaxTimesTwoToMinusMargin) {
   const auto row = b.get<uint8_t>(kRow), col = b.get<uint8_t>(kCol);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) {
-      ASSERT_EQ(row[r * cols + c], ref::fp8_encode(in.values[r * cols + c] * want_scale, fmt)) << r << "," << c;
+      ASSERT_EQ(row[r * cols + c], ref::fp8_encode(in.values[r * cols + c] * want_scale, fmt))
+          << r << "," << c;
       ASSERT_EQ(col[c * rows + r], row[r * cols + c]);
     }
   // The largest element lands at fp8_max * 2^-margin (or one rounding step of it).
   if (margin >= 0) {
-    const float top = static_cast<float>(ref::fp8_decode(ref::fp8_encode(amax * want_scale, fmt), fmt));
+    const float top =
+        static_cast<float>(ref::fp8_decode(ref::fp8_encode(amax * want_scale, fmt), fmt));
     EXPECT_LE(top, fmax);
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Margins, CurrentScalingTest,
-                         ::testing::Combine(::testing::ValuesIn(kHpTypes), ::testing::ValuesIn(kFormats),
+                         ::testing::Combine(::testing::ValuesIn(kHpTypes),
+                                            ::testing::ValuesIn(kFormats),
                                             ::testing::Values(0, 2, -1)),
                          [](const ::testing::TestParamInfo<CurrentParam>& info) {
                            const int m = std::get<2>(info.param);
                            return std::string(fmt_name(std::get<0>(info.param))) + "_" +
-                                  fmt_name(std::get<1>(info.param)) + "_margin" + (m < 0 ? "M" : "") +
-                                  std::to_string(std::abs(m));
+                                  fmt_name(std::get<1>(info.param)) + "_margin" +
+                                  (m < 0 ? "M" : "") + std::to_string(std::abs(m));
                          });
 
 // Runs current scaling on vals (1 row, fp32) and returns the buffers.
@@ -864,7 +929,9 @@ TEST(CurrentScaling, HugeAmax) {
 TEST_P(Fp8FormatTest, E8m0AtPowerOfTwoBoundaries) {
   const fus_dtype d = GetParam();
   const int emax = ref::spec(d).emax;
-  auto expect_byte = [](int e) { return static_cast<uint8_t>(std::min(254, std::max(0, e + 127))); };
+  auto expect_byte = [](int e) {
+    return static_cast<uint8_t>(std::min(254, std::max(0, e + 127)));
+  };
   for (int k = -149; k <= 127; ++k) {
     const float p = std::ldexp(1.0f, k);
     ASSERT_NE(p, 0.0f);
@@ -872,7 +939,8 @@ TEST_P(Fp8FormatTest, E8m0AtPowerOfTwoBoundaries) {
     EXPECT_EQ(nx_e8m0(std::nextafter(p, inf()), d), expect_byte(k - emax)) << "just above 2^" << k;
     EXPECT_EQ(nx_e8m0(p * 1.75f, d), expect_byte(k - emax)) << "1.75 * 2^" << k;
     if (k > -149) {
-      EXPECT_EQ(nx_e8m0(std::nextafter(p, 0.0f), d), expect_byte(k - 1 - emax)) << "just below 2^" << k;
+      EXPECT_EQ(nx_e8m0(std::nextafter(p, 0.0f), d), expect_byte(k - 1 - emax))
+          << "just below 2^" << k;
     }
     EXPECT_EQ(ref::e8m0_from_amax(p, d), expect_byte(k - emax));
   }
@@ -933,24 +1001,30 @@ MxRef mx_reference_scales(const HostMatrix& in, fus_dtype fmt) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t c = c0; c < c1; ++c) {
         const double x = in.values[r * cols + c];
-        if (!std::isfinite(x)) special = true;
-        else a = std::max(a, std::fabs(x));
+        if (!std::isfinite(x))
+          special = true;
+        else
+          a = std::max(a, std::fabs(x));
       }
     return special ? std::numeric_limits<double>::infinity() : a;
   };
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < nbr; ++b)
-      m.row_s[r * nbr + b] = ref::e8m0_from_amax(block_amax(r, r + 1, b * 32, std::min(cols, b * 32 + 32)), fmt);
+      m.row_s[r * nbr + b] =
+          ref::e8m0_from_amax(block_amax(r, r + 1, b * 32, std::min(cols, b * 32 + 32)), fmt);
   for (int64_t b = 0; b < nbc; ++b)
     for (int64_t c = 0; c < cols; ++c)
-      m.col_s[b * cols + c] = ref::e8m0_from_amax(block_amax(b * 32, std::min(rows, b * 32 + 32), c, c + 1), fmt);
+      m.col_s[b * cols + c] =
+          ref::e8m0_from_amax(block_amax(b * 32, std::min(rows, b * 32 + 32), c, c + 1), fmt);
   return m;
 }
 
 // Data with varied block magnitudes plus special blocks: all zero, denormal only, a NaN, an inf.
 // narrow: exponents kept inside the fp16 range (fp16 inputs would otherwise overflow to inf).
-std::vector<float> mx_test_values(int64_t rows, int64_t cols, uint32_t seed, bool specials, bool narrow = false) {
-  std::vector<float> v = random_values(static_cast<size_t>(rows * cols), seed, narrow ? -6 : -20, narrow ? 6 : 20);
+std::vector<float> mx_test_values(int64_t rows, int64_t cols, uint32_t seed, bool specials,
+                                  bool narrow = false) {
+  std::vector<float> v =
+      random_values(static_cast<size_t>(rows * cols), seed, narrow ? -6 : -20, narrow ? 6 : 20);
   std::mt19937 rng(seed + 1);
   // Per-row exponent offsets so row blocks differ in scale.
   const int spread = narrow ? 4 : 30;
@@ -959,12 +1033,13 @@ std::vector<float> mx_test_values(int64_t rows, int64_t cols, uint32_t seed, boo
     for (int64_t c = 0; c < cols; ++c) v[r * cols + c] = std::ldexp(v[r * cols + c], off);
   }
   if (specials && rows >= 3 && cols >= 40) {
-    for (int64_t c = 0; c < std::min<int64_t>(cols, 32); ++c) v[0 * cols + c] = 0.0f;          // zero block
+    for (int64_t c = 0; c < std::min<int64_t>(cols, 32); ++c) v[0 * cols + c] = 0.0f;  // zero block
     for (int64_t c = 0; c < std::min<int64_t>(cols, 32); ++c)
-      v[1 * cols + c] = u2f(static_cast<uint32_t>(1 + (c * 977) % 0x7fffff)) * (c & 1 ? -1.0f : 1.0f);  // denormals
-    v[2 * cols + 35] = qnan(true);     // NaN in block (2, 1)
-    v[(rows - 1) * cols + cols - 1] = inf();  // inf in the last (partial) blocks
-    v[2 * cols + 0] = 2.0f;             // exactly a power of two as block amax (block (2, 0) has tiny rest)
+      v[1 * cols + c] = u2f(static_cast<uint32_t>(1 + (c * 977) % 0x7fffff)) *
+                        (c & 1 ? -1.0f : 1.0f);  // denormals
+    v[2 * cols + 35] = qnan(true);               // NaN in block (2, 1)
+    v[(rows - 1) * cols + cols - 1] = inf();     // inf in the last (partial) blocks
+    v[2 * cols + 0] = 2.0f;  // exactly a power of two as block amax (block (2, 0) has tiny rest)
     for (int64_t c = 1; c < 32; ++c) v[2 * cols + c] = 0.25f * static_cast<float>(c % 7) / 7.0f;
   }
   return v;
@@ -977,7 +1052,8 @@ TEST_P(Mxfp8Test, ScalesPerPartialBlockAndDataMatchReference) {
   const auto [shape, in_dt, fmt] = GetParam();
   const auto [rows, cols] = shape;
   HostMatrix in(in_dt, rows, cols,
-                mx_test_values(rows, cols, static_cast<uint32_t>(rows * 31 + cols), true, in_dt == FUS_FLOAT16));
+                mx_test_values(rows, cols, static_cast<uint32_t>(rows * 31 + cols), true,
+                               in_dt == FUS_FLOAT16));
   QuantizeSetup s{in_dt, rows, cols, fmt, FUS_SCALING_MXFP8};
   Buffers b = quantize_buffers(in, s);
   ASSERT_EQ(run_cpu(b, quantize_call(s)), FUS_SUCCESS) << fus_last_error();
@@ -999,24 +1075,27 @@ TEST_P(Mxfp8Test, ScalesPerPartialBlockAndDataMatchReference) {
       const float x = in.values[i];
       const uint8_t sr = m.row_s[r * nbr + c / 32], sc = m.col_s[(r / 32) * cols + c];
       // In a NaN block (byte 0xFF) a NaN element is 0x7F | sign(x), every other element 0x7F.
-      const uint8_t nan_block_code = std::isnan(x) ? static_cast<uint8_t>(std::signbit(x) ? 0xff : 0x7f) : 0x7f;
+      const uint8_t nan_block_code =
+          std::isnan(x) ? static_cast<uint8_t>(std::signbit(x) ? 0xff : 0x7f) : 0x7f;
       if (sr == 0xff) {
-        EXPECT_EQ(row[i], nan_block_code) << "rowwise[" << r << "," << c << "] in a NaN block, x=" << fdesc(x);
+        EXPECT_EQ(row[i], nan_block_code)
+            << "rowwise[" << r << "," << c << "] in a NaN block, x=" << fdesc(x);
         EXPECT_TRUE(std::isnan(y_row[i])) << "NaN block dequantizes to NaN";
       } else {
         const uint8_t want = ref::fp8_encode(x * ref::e8m0_multiplier(sr), fmt);
         if (row[i] != want && ++bad <= 10)
-          ADD_FAILURE() << "rowwise[" << r << "," << c << "] x=" << fdesc(x) << " scale " << int(sr) << " got "
-                        << hex(row[i]) << " want " << hex(want);
+          ADD_FAILURE() << "rowwise[" << r << "," << c << "] x=" << fdesc(x) << " scale " << int(sr)
+                        << " got " << hex(row[i]) << " want " << hex(want);
       }
       if (sc == 0xff) {
-        EXPECT_EQ(col[i], nan_block_code) << "columnwise[" << r << "," << c << "] in a NaN block, x=" << fdesc(x);
+        EXPECT_EQ(col[i], nan_block_code)
+            << "columnwise[" << r << "," << c << "] in a NaN block, x=" << fdesc(x);
         EXPECT_TRUE(std::isnan(y_col[i])) << "NaN block dequantizes to NaN";
       } else {
         const uint8_t want = ref::fp8_encode(x * ref::e8m0_multiplier(sc), fmt);
         if (col[i] != want && ++bad <= 10)
-          ADD_FAILURE() << "columnwise[" << r << "," << c << "] x=" << fdesc(x) << " scale " << int(sc) << " got "
-                        << hex(col[i]) << " want " << hex(want);
+          ADD_FAILURE() << "columnwise[" << r << "," << c << "] x=" << fdesc(x) << " scale "
+                        << int(sc) << " got " << hex(col[i]) << " want " << hex(want);
       }
     }
   }
@@ -1034,10 +1113,14 @@ TEST_P(Mxfp8Test, ScalesPerPartialBlockAndDataMatchReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, Mxfp8Test,
-    ::testing::Combine(::testing::Values(std::make_pair<int64_t, int64_t>(33, 65), std::make_pair<int64_t, int64_t>(1, 1),
-                                         std::make_pair<int64_t, int64_t>(32, 32), std::make_pair<int64_t, int64_t>(31, 33),
-                                         std::make_pair<int64_t, int64_t>(64, 96), std::make_pair<int64_t, int64_t>(1, 4097),
-                                         std::make_pair<int64_t, int64_t>(97, 1), std::make_pair<int64_t, int64_t>(0, 7)),
+    ::testing::Combine(::testing::Values(std::make_pair<int64_t, int64_t>(33, 65),
+                                         std::make_pair<int64_t, int64_t>(1, 1),
+                                         std::make_pair<int64_t, int64_t>(32, 32),
+                                         std::make_pair<int64_t, int64_t>(31, 33),
+                                         std::make_pair<int64_t, int64_t>(64, 96),
+                                         std::make_pair<int64_t, int64_t>(1, 4097),
+                                         std::make_pair<int64_t, int64_t>(97, 1),
+                                         std::make_pair<int64_t, int64_t>(0, 7)),
                        ::testing::ValuesIn(kHpTypes), ::testing::ValuesIn(kFormats)),
     [](const ::testing::TestParamInfo<MxParam>& info) {
       return shape_name(std::get<0>(info.param).first, std::get<0>(info.param).second) + "_" +
@@ -1053,10 +1136,13 @@ TEST_P(Fp8FormatTest, Mxfp8BlockAmaxAtPowerOfTwoThroughApi) {
   for (int k = -140; k <= 127; k += 3) {
     const float p = std::ldexp(1.0f, k);
     for (int which = 0; which < 3; ++which) {
-      const float amax = which == 0 ? p : which == 1 ? std::nextafter(p, 0.0f) : std::nextafter(p, inf());
+      const float amax = which == 0   ? p
+                         : which == 1 ? std::nextafter(p, 0.0f)
+                                      : std::nextafter(p, inf());
       const int e = (which == 1 ? k - 1 : k) - emax;
       want.push_back(static_cast<uint8_t>(std::min(254, std::max(0, e + 127))));
-      for (int j = 0; j < 32; ++j) vals.push_back(j == 17 ? -amax : amax * (static_cast<float>(j % 5) / 8.0f));
+      for (int j = 0; j < 32; ++j)
+        vals.push_back(j == 17 ? -amax : amax * (static_cast<float>(j % 5) / 8.0f));
     }
   }
   const int64_t cols = static_cast<int64_t>(vals.size());
@@ -1068,7 +1154,8 @@ TEST_P(Fp8FormatTest, Mxfp8BlockAmaxAtPowerOfTwoThroughApi) {
   const auto row_s = b.get<uint8_t>(kRowS), row = b.get<uint8_t>(kRow);
   ASSERT_EQ(row_s.size(), want.size());
   for (size_t i = 0; i < want.size(); ++i) {
-    EXPECT_EQ(row_s[i], want[i]) << "block " << i << " amax " << fdesc(std::fabs(vals[i * 32 + 17]));
+    EXPECT_EQ(row_s[i], want[i]) << "block " << i << " amax "
+                                 << fdesc(std::fabs(vals[i * 32 + 17]));
     for (int j = 0; j < 32; ++j) {
       const float x = vals[i * 32 + j];
       EXPECT_EQ(row[i * 32 + j], ref::fp8_encode(x * ref::e8m0_multiplier(want[i]), d)) << fdesc(x);
@@ -1092,16 +1179,19 @@ TEST(Mxfp8, DequantizeErrorWithinRelativeStep) {
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t c = 0; c < cols; ++c) {
             const double x = in.values[r * cols + c];
-            const uint8_t sb = cw ? m.col_s[(r / 32) * cols + c] : m.row_s[r * ceil32(cols) + c / 32];
+            const uint8_t sb =
+                cw ? m.col_s[(r / 32) * cols + c] : m.row_s[r * ceil32(cols) + c / 32];
             const double unit = std::ldexp(1.0, sb - 127);
             const double scaled = std::fabs(x) / unit;
             // One relative step (2^-mant of |x|, which also bounds the saturation loss in
             // (max, 2^(emax+1))) plus half a subnormal quantum of the block scale.
             double rel = std::ldexp(1.0, -sp.mant);
-            if (scaled <= sp.max) rel = std::ldexp(1.0, -(sp.mant + 1));  // no saturation: half a step
+            if (scaled <= sp.max)
+              rel = std::ldexp(1.0, -(sp.mant + 1));  // no saturation: half a step
             const double bound = rel * std::fabs(x) + std::ldexp(unit, -sp.bias - sp.mant);
             ASSERT_LE(std::fabs(y[r * cols + c] - x), bound)
-                << (cw ? "columnwise" : "rowwise") << " x=" << x << " y=" << y[r * cols + c] << " scale byte " << int(sb);
+                << (cw ? "columnwise" : "rowwise") << " x=" << x << " y=" << y[r * cols + c]
+                << " scale byte " << int(sb);
           }
         }
       }
@@ -1141,11 +1231,12 @@ using DequantParam = std::tuple<fus_dtype, fus_dtype>;
 class DequantizeTest : public ::testing::TestWithParam<DequantParam> {};
 
 // Checks out (in dtype dt) against decode(q) * factor rounded to dt; NaN -> NaN.
-void expect_dequantized(const std::vector<uint8_t>& out, fus_dtype dt, size_t i, uint8_t q, fus_dtype fmt,
-                        float factor, const std::string& where) {
+void expect_dequantized(const std::vector<uint8_t>& out, fus_dtype dt, size_t i, uint8_t q,
+                        fus_dtype fmt, float factor, const std::string& where) {
   const float v = static_cast<float>(ref::fp8_decode(q, fmt)) * factor;
   if (std::isnan(v)) {
-    EXPECT_TRUE(std::isnan(load_as_double(out, dt, i))) << where << ": code " << hex(q) << " must give NaN";
+    EXPECT_TRUE(std::isnan(load_as_double(out, dt, i)))
+        << where << ": code " << hex(q) << " must give NaN";
     return;
   }
   EXPECT_EQ(stored_bits(out, dt, i), encode_output(v, dt))
@@ -1171,8 +1262,9 @@ TEST_P(DequantizeTest, PerTensorAllCodesBothCopies) {
       ASSERT_EQ(run_cpu(d, dequantize_call(ds)), FUS_SUCCESS) << fus_last_error();
       const auto& out = d.b[kDOut];
       for (int i = 0; i < 256; ++i)
-        expect_dequantized(out, out_dt, i, cw ? qt[i] : q[i], fmt, scale_inv,
-                           std::string(cw ? "columnwise" : "rowwise") + " scale_inv " + fdesc(scale_inv));
+        expect_dequantized(
+            out, out_dt, i, cw ? qt[i] : q[i], fmt, scale_inv,
+            std::string(cw ? "columnwise" : "rowwise") + " scale_inv " + fdesc(scale_inv));
     }
   }
 }
@@ -1200,14 +1292,17 @@ TEST_P(DequantizeTest, Mxfp8AllCodesAndScaleBytes) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; ++c) {
         const uint8_t s = cw ? cs[(r / 32) * cols + c] : rs[r * (cols / 32) + c / 32];
-        expect_dequantized(out, out_dt, static_cast<size_t>(r * cols + c), q[r * cols + c], fmt, ref::e8m0_value(s),
-                           std::string(cw ? "columnwise" : "rowwise") + " scale byte " + std::to_string(s));
+        expect_dequantized(
+            out, out_dt, static_cast<size_t>(r * cols + c), q[r * cols + c], fmt,
+            ref::e8m0_value(s),
+            std::string(cw ? "columnwise" : "rowwise") + " scale byte " + std::to_string(s));
       }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, DequantizeTest,
-                         ::testing::Combine(::testing::ValuesIn(kFormats), ::testing::ValuesIn(kHpTypes)),
+                         ::testing::Combine(::testing::ValuesIn(kFormats),
+                                            ::testing::ValuesIn(kHpTypes)),
                          [](const ::testing::TestParamInfo<DequantParam>& info) {
                            return std::string(fmt_name(std::get<0>(info.param))) + "_to_" +
                                   fmt_name(std::get<1>(info.param));
@@ -1236,7 +1331,8 @@ TEST(Dequantize, RoundTripOfFp8ValuesIntoHalfAndBf16) {
       DequantizeSetup ds{fmt, FUS_SCALING_PER_TENSOR, 1, n, 0, out_dt};
       ASSERT_EQ(run_cpu(d, dequantize_call(ds)), FUS_SUCCESS) << fus_last_error();
       for (int64_t i = 0; i < n; ++i)
-        EXPECT_EQ(load_as_double(d.b[kDOut], out_dt, static_cast<size_t>(i)), vals[i]) << fmt_name(out_dt);
+        EXPECT_EQ(load_as_double(d.b[kDOut], out_dt, static_cast<size_t>(i)), vals[i])
+            << fmt_name(out_dt);
     }
   }
 }
@@ -1354,11 +1450,20 @@ TEST(Transpose, OfRowwiseCopyIsTheQuantizedColumnwiseCopy) {
 
 struct ErrFixture : ::testing::Test {
   std::vector<float> x = std::vector<float>(12, 1.0f);
-  std::vector<uint8_t> row = std::vector<uint8_t>(12), col = std::vector<uint8_t>(12), rs = std::vector<uint8_t>(4),
-                       cs = std::vector<uint8_t>(4);
+  std::vector<uint8_t> row = std::vector<uint8_t>(12), col = std::vector<uint8_t>(12),
+                       rs = std::vector<uint8_t>(4), cs = std::vector<uint8_t>(4);
   float scale = 1.0f, scale_inv = 0.0f, amax = -7.0f;
   fus_tensor in{x.data(), FUS_FLOAT32, 3, 4};
-  fus_quantized q{FUS_SCALING_PER_TENSOR, kE4M3, 3, 4, row.data(), col.data(), &scale_inv, nullptr, &scale, &amax};
+  fus_quantized q{FUS_SCALING_PER_TENSOR,
+                  kE4M3,
+                  3,
+                  4,
+                  row.data(),
+                  col.data(),
+                  &scale_inv,
+                  nullptr,
+                  &scale,
+                  &amax};
   fus_context ctx = cpu_ctx();
   std::vector<float> yv = std::vector<float>(12);
   fus_tensor out{yv.data(), FUS_FLOAT32, 3, 4};
@@ -1375,68 +1480,86 @@ TEST_F(ErrFixture, ValidCallSucceedsAndClearsLastError) {
 }
 
 TEST_F(ErrFixture, QuantizeNullPointers) {
-  EXPECT_TRUE(is_error(fus_quantize(nullptr, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "input"}));
-  EXPECT_TRUE(is_error(fus_quantize(&in, nullptr, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "out"}));
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, nullptr), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "ctx"}));
+  EXPECT_TRUE(is_error(fus_quantize(nullptr, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_quantize", "input"}));
+  EXPECT_TRUE(is_error(fus_quantize(&in, nullptr, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_quantize", "out"}));
+  EXPECT_TRUE(is_error(fus_quantize(&in, &q, nullptr), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_quantize", "ctx"}));
   in.data = nullptr;
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "input", "NULL"}));
+  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_quantize", "input", "NULL"}));
   EXPECT_EQ(amax, -7.0f) << "a failed call must not write outputs";
 }
 
 TEST_F(ErrFixture, QuantizeNegativeShape) {
   in.rows = -3;
   q.rows = -3;
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "input", "negative"}));
+  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_quantize", "input", "negative"}));
   in.rows = 3;
   q.rows = 3;
   in.cols = -4;
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "input"}));
+  EXPECT_TRUE(
+      is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "input"}));
 }
 
 TEST_F(ErrFixture, QuantizeWrongDtypes) {
   in.dtype = FUS_FLOAT8_E4M3;
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "input", "dtype"}));
+  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_quantize", "input", "dtype"}));
   in.dtype = static_cast<fus_dtype>(42);
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "input"}));
+  EXPECT_TRUE(
+      is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "input"}));
   in.dtype = FUS_FLOAT32;
   q.dtype = FUS_BFLOAT16;
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "out", "dtype"}));
+  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_quantize", "out", "dtype"}));
   q.dtype = FUS_E8M0;
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "out"}));
+  EXPECT_TRUE(
+      is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "out"}));
   q.dtype = kE4M3;
   q.mode = static_cast<fus_scaling_mode>(9);
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "mode"}));
+  EXPECT_TRUE(
+      is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "mode"}));
   EXPECT_EQ(amax, -7.0f);
 }
 
 TEST_F(ErrFixture, QuantizeMismatchedShapes) {
   q.rows = 4;
   q.cols = 3;
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "out"}));
+  EXPECT_TRUE(
+      is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "out"}));
   q.rows = 3;
   q.cols = 5;
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "out"}));
+  EXPECT_TRUE(
+      is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "out"}));
 }
 
 TEST_F(ErrFixture, QuantizeMissingScaleOrScaleInvOrData) {
   q.scale = nullptr;
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "scale"}));
+  EXPECT_TRUE(
+      is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "scale"}));
   q.scale = &scale;
   q.rowwise_scale_inv = nullptr;
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "rowwise_scale_inv"}));
+  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_quantize", "rowwise_scale_inv"}));
   q.rowwise_scale_inv = &scale_inv;
   q.rowwise_data = nullptr;
   q.columnwise_data = nullptr;
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "rowwise_data"}));
+  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_quantize", "rowwise_data"}));
   // MXFP8 needs the E8M0 scale buffer of each copy it writes.
   q.mode = FUS_SCALING_MXFP8;
   q.rowwise_data = row.data();
   q.rowwise_scale_inv = nullptr;
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "rowwise_scale_inv"}));
+  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_quantize", "rowwise_scale_inv"}));
   q.rowwise_scale_inv = rs.data();
   q.columnwise_data = col.data();
   q.columnwise_scale_inv = nullptr;
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "columnwise_scale_inv"}));
+  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_quantize", "columnwise_scale_inv"}));
   q.columnwise_scale_inv = cs.data();
   q.scale = nullptr;  // unused by MXFP8
   EXPECT_EQ(fus_quantize(&in, &q, &ctx), FUS_SUCCESS) << fus_last_error();
@@ -1445,18 +1568,23 @@ TEST_F(ErrFixture, QuantizeMissingScaleOrScaleInvOrData) {
 
 TEST_F(ErrFixture, BadContext) {
   ctx.device = static_cast<fus_device_type>(7);
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "ctx"}));
-  EXPECT_TRUE(is_error(fus_compute_amax(&in, &amax, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_compute_amax", "ctx"}));
+  EXPECT_TRUE(
+      is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize", "ctx"}));
+  EXPECT_TRUE(is_error(fus_compute_amax(&in, &amax, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_compute_amax", "ctx"}));
 }
 
 TEST_F(ErrFixture, CudaContextInCpuOnlyBuildIsUnsupported) {
   if (fus_has_cuda()) GTEST_SKIP() << "this build has the CUDA backend";
   ctx = cuda_ctx();
-  EXPECT_TRUE(is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_UNSUPPORTED, {"fus_quantize", "CUDA"}));
-  EXPECT_TRUE(is_error(fus_compute_amax(&in, &amax, &ctx), FUS_ERROR_UNSUPPORTED, {"fus_compute_amax", "CUDA"}));
+  EXPECT_TRUE(
+      is_error(fus_quantize(&in, &q, &ctx), FUS_ERROR_UNSUPPORTED, {"fus_quantize", "CUDA"}));
+  EXPECT_TRUE(is_error(fus_compute_amax(&in, &amax, &ctx), FUS_ERROR_UNSUPPORTED,
+                       {"fus_compute_amax", "CUDA"}));
   EXPECT_TRUE(is_error(fus_quantize_current_scaling(&in, &q, 0, &ctx), FUS_ERROR_UNSUPPORTED,
                        {"fus_quantize_current_scaling", "CUDA"}));
-  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_UNSUPPORTED, {"fus_dequantize", "CUDA"}));
+  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_UNSUPPORTED,
+                       {"fus_dequantize", "CUDA"}));
   fus_tensor t_in{row.data(), kE4M3, 3, 4}, t_out{col.data(), kE4M3, 4, 3};
   EXPECT_TRUE(is_error(fus_transpose_fp8(&t_in, &t_out, &ctx), FUS_ERROR_UNSUPPORTED,
                        {"fus_transpose_fp8", "CUDA"}));
@@ -1464,73 +1592,95 @@ TEST_F(ErrFixture, CudaContextInCpuOnlyBuildIsUnsupported) {
 }
 
 TEST_F(ErrFixture, ComputeAmaxArguments) {
-  EXPECT_TRUE(is_error(fus_compute_amax(&in, nullptr, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_compute_amax", "amax"}));
-  EXPECT_TRUE(is_error(fus_compute_amax(nullptr, &amax, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_compute_amax", "input"}));
+  EXPECT_TRUE(is_error(fus_compute_amax(&in, nullptr, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_compute_amax", "amax"}));
+  EXPECT_TRUE(is_error(fus_compute_amax(nullptr, &amax, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_compute_amax", "input"}));
   in.dtype = FUS_E8M0;
-  EXPECT_TRUE(is_error(fus_compute_amax(&in, &amax, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_compute_amax", "input"}));
+  EXPECT_TRUE(is_error(fus_compute_amax(&in, &amax, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_compute_amax", "input"}));
   in.dtype = FUS_FLOAT32;
   in.cols = -1;
-  EXPECT_TRUE(is_error(fus_compute_amax(&in, &amax, &ctx), FUS_ERROR_INVALID_ARGUMENT, {"fus_compute_amax", "input"}));
+  EXPECT_TRUE(is_error(fus_compute_amax(&in, &amax, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {"fus_compute_amax", "input"}));
   EXPECT_EQ(amax, -7.0f);
 }
 
 TEST_F(ErrFixture, CurrentScalingArguments) {
   const char* fn = "fus_quantize_current_scaling";
-  EXPECT_TRUE(is_error(fus_quantize_current_scaling(nullptr, &q, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "input"}));
-  EXPECT_TRUE(is_error(fus_quantize_current_scaling(&in, nullptr, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "out"}));
+  EXPECT_TRUE(is_error(fus_quantize_current_scaling(nullptr, &q, 0, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {fn, "input"}));
+  EXPECT_TRUE(is_error(fus_quantize_current_scaling(&in, nullptr, 0, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {fn, "out"}));
   q.amax = nullptr;
-  EXPECT_TRUE(is_error(fus_quantize_current_scaling(&in, &q, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "amax"}));
+  EXPECT_TRUE(is_error(fus_quantize_current_scaling(&in, &q, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "amax"}));
   q.amax = &amax;
   q.scale = nullptr;
-  EXPECT_TRUE(is_error(fus_quantize_current_scaling(&in, &q, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "scale"}));
+  EXPECT_TRUE(is_error(fus_quantize_current_scaling(&in, &q, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "scale"}));
   q.scale = &scale;
   q.rowwise_scale_inv = nullptr;
-  EXPECT_TRUE(is_error(fus_quantize_current_scaling(&in, &q, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "scale_inv"}));
+  EXPECT_TRUE(is_error(fus_quantize_current_scaling(&in, &q, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "scale_inv"}));
   q.rowwise_scale_inv = &scale_inv;
   q.mode = FUS_SCALING_MXFP8;
   q.columnwise_scale_inv = cs.data();
-  EXPECT_TRUE(is_error(fus_quantize_current_scaling(&in, &q, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "mode"}));
+  EXPECT_TRUE(is_error(fus_quantize_current_scaling(&in, &q, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "mode"}));
   EXPECT_EQ(amax, -7.0f);
   EXPECT_EQ(scale, 1.0f);
 }
 
 TEST_F(ErrFixture, DequantizeArguments) {
   const char* fn = "fus_dequantize";
-  EXPECT_TRUE(is_error(fus_dequantize(nullptr, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "in"}));
-  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, nullptr, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "output"}));
-  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, nullptr), FUS_ERROR_INVALID_ARGUMENT, {fn, "ctx"}));
+  EXPECT_TRUE(
+      is_error(fus_dequantize(nullptr, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "in"}));
+  EXPECT_TRUE(
+      is_error(fus_dequantize(&q, 0, nullptr, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "output"}));
+  EXPECT_TRUE(
+      is_error(fus_dequantize(&q, 0, &out, nullptr), FUS_ERROR_INVALID_ARGUMENT, {fn, "ctx"}));
   out.dtype = FUS_FLOAT8_E5M2;
-  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "output", "dtype"}));
+  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "output", "dtype"}));
   out.dtype = FUS_FLOAT32;
   // Per-tensor columnwise output is the transpose, [cols, rows] = [4, 3]: [3, 4] is wrong.
-  EXPECT_TRUE(is_error(fus_dequantize(&q, 1, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "output", "[4, 3]"}));
+  EXPECT_TRUE(is_error(fus_dequantize(&q, 1, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "output", "[4, 3]"}));
   out.rows = 4;
   out.cols = 3;
   EXPECT_EQ(fus_dequantize(&q, 1, &out, &ctx), FUS_SUCCESS) << fus_last_error();
-  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "output"}));
+  EXPECT_TRUE(
+      is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "output"}));
   out.rows = 3;
   out.cols = 4;
   out.rows = -3;
-  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "output", "negative"}));
+  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "output", "negative"}));
   out.rows = 3;
   q.rowwise_data = nullptr;
-  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "rowwise_data"}));
+  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "rowwise_data"}));
   q.rowwise_data = row.data();
   q.columnwise_data = nullptr;
   out.rows = 4;
   out.cols = 3;
-  EXPECT_TRUE(is_error(fus_dequantize(&q, 1, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "columnwise_data"}));
+  EXPECT_TRUE(is_error(fus_dequantize(&q, 1, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "columnwise_data"}));
   q.rowwise_scale_inv = nullptr;
   out.rows = 3;
   out.cols = 4;
-  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "scale_inv"}));
+  EXPECT_TRUE(
+      is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "scale_inv"}));
   q.rowwise_scale_inv = &scale_inv;
   q.dtype = FUS_FLOAT16;
-  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "in", "dtype"}));
+  EXPECT_TRUE(
+      is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "in", "dtype"}));
   q.dtype = kE4M3;
   q.mode = FUS_SCALING_MXFP8;
   q.rowwise_scale_inv = nullptr;
-  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT, {fn, "rowwise_scale_inv"}));
+  EXPECT_TRUE(is_error(fus_dequantize(&q, 0, &out, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+                       {fn, "rowwise_scale_inv"}));
 }
 
 TEST_F(ErrFixture, TransposeArguments) {
@@ -1609,19 +1759,41 @@ TEST_F(ErrFixture, TransposeArguments) {
 // midpoints and saturation thresholds of both formats.
 std::vector<float> edgy_values(size_t n, uint32_t seed) {
   std::vector<float> v = random_values(n, seed, -24, 24);
-  const float specials[] = {qnan(false), qnan(true), u2f(0x7f800001u), inf(), -inf(), FLT_MAX, -FLT_MAX,
-                            u2f(1), u2f(0x807fffffu), 1e-40f, 464.0f, 480.0f, 448.0f, -464.0f, 57344.0f,
-                            61440.0f, -61440.0f, 65536.0f, 1.0625f, 1.125f, std::ldexp(1.0f, -10),
-                            std::ldexp(3.0f, -17), std::ldexp(1.0f, -130), 0.0f, -0.0f};
+  const float specials[] = {qnan(false),
+                            qnan(true),
+                            u2f(0x7f800001u),
+                            inf(),
+                            -inf(),
+                            FLT_MAX,
+                            -FLT_MAX,
+                            u2f(1),
+                            u2f(0x807fffffu),
+                            1e-40f,
+                            464.0f,
+                            480.0f,
+                            448.0f,
+                            -464.0f,
+                            57344.0f,
+                            61440.0f,
+                            -61440.0f,
+                            65536.0f,
+                            1.0625f,
+                            1.125f,
+                            std::ldexp(1.0f, -10),
+                            std::ldexp(3.0f, -17),
+                            std::ldexp(1.0f, -130),
+                            0.0f,
+                            -0.0f};
   std::mt19937 rng(seed ^ 0x9e3779b9u);
   if (n == 0) return v;
   const size_t count = std::min<size_t>(n / 16 + 1, 4096);
-  for (size_t k = 0; k < count; ++k) v[rng() % n] = specials[k % (sizeof(specials) / sizeof(specials[0]))];
+  for (size_t k = 0; k < count; ++k)
+    v[rng() % n] = specials[k % (sizeof(specials) / sizeof(specials[0]))];
   return v;
 }
 
-const std::vector<std::pair<int64_t, int64_t>> kCudaShapes = {{1, 1}, {7, 13}, {33, 65}, {127, 33}, {1, 4097},
-                                                              {4097, 1}, {257, 4099}, {1024, 1024}, {0, 5}};
+const std::vector<std::pair<int64_t, int64_t>> kCudaShapes = {
+    {1, 1}, {7, 13}, {33, 65}, {127, 33}, {1, 4097}, {4097, 1}, {257, 4099}, {1024, 1024}, {0, 5}};
 
 using CudaParam = std::tuple<std::pair<int64_t, int64_t>, fus_dtype, fus_dtype>;
 class CudaVsCpuTest : public ::testing::TestWithParam<CudaParam> {};
@@ -1651,14 +1823,16 @@ TEST_P(CudaVsCpuTest, PerTensorQuantize) {
   const auto [shape, in_dt, fmt] = GetParam();
   const auto [rows, cols] = shape;
   for (bool edges : {false, true}) {
-    const auto vals = edges ? edgy_values(rows * cols, static_cast<uint32_t>(rows + 3 * cols))
-                            : random_values(rows * cols, static_cast<uint32_t>(rows * 5 + cols), -10, 10);
+    const auto vals =
+        edges ? edgy_values(rows * cols, static_cast<uint32_t>(rows + 3 * cols))
+              : random_values(rows * cols, static_cast<uint32_t>(rows * 5 + cols), -10, 10);
     HostMatrix in(in_dt, rows, cols, vals);
     const float amax = max_abs(in.values);
     const float base = (std::isfinite(amax) && amax > 0) ? fus_fp8_max(fmt) / amax : 1.0f;
     // 0 and inf: inf * 0 makes a NaN out of a non-NaN element.
     for (float scale : {1.0f, base, 3.7f * base, 0.0f, inf()}) {
-      SCOPED_TRACE(std::string(edges ? "edge values" : "random values") + ", scale " + fdesc(scale));
+      SCOPED_TRACE(std::string(edges ? "edge values" : "random values") + ", scale " +
+                   fdesc(scale));
       QuantizeSetup s{in_dt, rows, cols, fmt, FUS_SCALING_PER_TENSOR};
       s.scale = scale;
       expect_same_quantize(run_both(quantize_buffers(in, s), quantize_call(s)), s);
@@ -1671,7 +1845,8 @@ TEST_P(CudaVsCpuTest, CurrentScaling) {
   const auto [shape, in_dt, fmt] = GetParam();
   const auto [rows, cols] = shape;
   for (int variant = 0; variant < 3; ++variant) {
-    std::vector<float> vals = random_values(rows * cols, static_cast<uint32_t>(rows * 11 + cols + variant), -10, 10);
+    std::vector<float> vals =
+        random_values(rows * cols, static_cast<uint32_t>(rows * 11 + cols + variant), -10, 10);
     if (variant == 1 && !vals.empty()) vals[vals.size() / 2] = inf();
     if (variant == 2 && !vals.empty()) vals[vals.size() / 3] = qnan(true);
     HostMatrix in(in_dt, rows, cols, vals);
@@ -1691,13 +1866,15 @@ TEST_P(CudaVsCpuTest, Mxfp8Quantize) {
   for (bool edges : {false, true}) {
     SCOPED_TRACE(edges ? "edge values" : "block-structured values");
     const auto vals = edges ? edgy_values(rows * cols, static_cast<uint32_t>(rows * 3 + cols))
-                            : mx_test_values(rows, cols, static_cast<uint32_t>(rows + cols), true, in_dt == FUS_FLOAT16);
+                            : mx_test_values(rows, cols, static_cast<uint32_t>(rows + cols), true,
+                                             in_dt == FUS_FLOAT16);
     HostMatrix in(in_dt, rows, cols, vals);
     QuantizeSetup s{in_dt, rows, cols, fmt, FUS_SCALING_MXFP8};
     expect_same_quantize(run_both(quantize_buffers(in, s), quantize_call(s)), s);
     QuantizeSetup only_col = s;
     only_col.row = false;
-    expect_same_quantize(run_both(quantize_buffers(in, only_col), quantize_call(only_col)), only_col);
+    expect_same_quantize(run_both(quantize_buffers(in, only_col), quantize_call(only_col)),
+                         only_col);
   }
 }
 
@@ -1725,7 +1902,8 @@ TEST_P(CudaVsCpuTest, ComputeAmax) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaVsCpuTest,
-                         ::testing::Combine(::testing::ValuesIn(kCudaShapes), ::testing::ValuesIn(kHpTypes),
+                         ::testing::Combine(::testing::ValuesIn(kCudaShapes),
+                                            ::testing::ValuesIn(kHpTypes),
                                             ::testing::ValuesIn(kFormats)),
                          CudaParamName);
 
@@ -1784,8 +1962,8 @@ TEST(CudaVsCpu, DequantizeAllCodesEachFormatAndOutputType) {
     for (fus_dtype out_dt : kHpTypes) {
       for (fus_scaling_mode mode : {FUS_SCALING_PER_TENSOR, FUS_SCALING_MXFP8}) {
         for (int cw : {0, 1}) {
-          SCOPED_TRACE(std::string(fmt_name(fmt)) + " -> " + fmt_name(out_dt) + (mode ? " mxfp8" : " per-tensor") +
-                       (cw ? " columnwise" : " rowwise"));
+          SCOPED_TRACE(std::string(fmt_name(fmt)) + " -> " + fmt_name(out_dt) +
+                       (mode ? " mxfp8" : " per-tensor") + (cw ? " columnwise" : " rowwise"));
           Buffers d;
           d.add(q);
           d.add(q);
@@ -1803,8 +1981,10 @@ TEST(CudaVsCpu, DequantizeAllCodesEachFormatAndOutputType) {
           ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
           int bad = 0;
           for (size_t i = 0; i < static_cast<size_t>(rows * cols); ++i) {
-            if (stored_bits(r.cpu.b[kDOut], out_dt, i) != stored_bits(r.cuda.b[kDOut], out_dt, i) && ++bad <= 8)
-              ADD_FAILURE() << "element " << i << ": cpu " << hex(stored_bits(r.cpu.b[kDOut], out_dt, i)) << " cuda "
+            if (stored_bits(r.cpu.b[kDOut], out_dt, i) != stored_bits(r.cuda.b[kDOut], out_dt, i) &&
+                ++bad <= 8)
+              ADD_FAILURE() << "element " << i << ": cpu "
+                            << hex(stored_bits(r.cpu.b[kDOut], out_dt, i)) << " cuda "
                             << hex(stored_bits(r.cuda.b[kDOut], out_dt, i));
           }
           EXPECT_EQ(bad, 0);
@@ -1876,24 +2056,35 @@ TEST(CudaVsCpu, NonDefaultStream) {
   for (size_t i = 0; i < dev.b.size(); ++i) {
     if (dev.b[i].empty()) continue;
     ASSERT_EQ(cudaMalloc(&p[i], dev.b[i].size()), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(p[i], dev.b[i].data(), dev.b[i].size(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(p[i], dev.b[i].data(), dev.b[i].size(), cudaMemcpyHostToDevice),
+              cudaSuccess);
   }
   // A pageable-memory cudaMemcpy may return before its DMA lands, and a non-blocking stream does
   // not order after the legacy default stream: wait for the copies before launching on `stream`.
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   fus_tensor t{p[kIn], s.in_dtype, rows, cols};
-  fus_quantized q{s.mode, s.fmt, rows, cols, p[kRow], p[kCol], p[kRowS], p[kColS], static_cast<float*>(p[kScale]),
+  fus_quantized q{s.mode,
+                  s.fmt,
+                  rows,
+                  cols,
+                  p[kRow],
+                  p[kCol],
+                  p[kRowS],
+                  p[kColS],
+                  static_cast<float*>(p[kScale]),
                   static_cast<float*>(p[kAmax])};
   const fus_context ctx{FUS_DEVICE_CUDA, 0, stream};
   ASSERT_EQ(fus_quantize_current_scaling(&t, &q, 0, &ctx), FUS_SUCCESS) << fus_last_error();
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   for (size_t i = 0; i < dev.b.size(); ++i) {
     if (dev.b[i].empty()) continue;
-    ASSERT_EQ(cudaMemcpy(dev.b[i].data(), p[i], dev.b[i].size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dev.b[i].data(), p[i], dev.b[i].size(), cudaMemcpyDeviceToHost),
+              cudaSuccess);
     cudaFree(p[i]);
   }
   cudaStreamDestroy(stream);
-  for (int slot : {kRow, kCol, kRowS, kScale, kAmax}) EXPECT_EQ(dev.b[slot], cpu.b[slot]) << "slot " << slot;
+  for (int slot : {kRow, kCol, kRowS, kScale, kAmax})
+    EXPECT_EQ(dev.b[slot], cpu.b[slot]) << "slot " << slot;
 }
 
 // The transpose honours ctx->stream too.

@@ -40,8 +40,10 @@ void ref_update(RefGroup& g, fus_amax_algo algo, int margin) {
     bool nan = false;
     for (int64_t k = 0; k < rows; ++k) {
       const float h = g.history[k * n + i];
-      if (std::isnan(h)) nan = true;
-      else amax = std::max(amax, std::fabs(static_cast<double>(h)));
+      if (std::isnan(h))
+        nan = true;
+      else
+        amax = std::max(amax, std::fabs(static_cast<double>(h)));
     }
     const float a = nan ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(amax);
     g.scale[i] = ref::scale_from_amax(a, g.fp8_max, margin, g.scale[i]);
@@ -57,8 +59,8 @@ void ref_update(RefGroup& g, fus_amax_algo algo, int margin) {
 fus_status api_update_cpu(std::vector<RefGroup>& groups, fus_amax_algo algo, int margin) {
   std::vector<fus_delayed_scaling_group> desc;
   for (auto& g : groups)
-    desc.push_back({g.history.empty() ? nullptr : g.history.data(), g.scale.empty() ? nullptr : g.scale.data(),
-                    g.history_len, g.n, g.fp8_max});
+    desc.push_back({g.history.empty() ? nullptr : g.history.data(),
+                    g.scale.empty() ? nullptr : g.scale.data(), g.history_len, g.n, g.fp8_max});
   const fus_context ctx = cpu_ctx();
   return fus_delayed_scaling_update(desc.data(), static_cast<int>(desc.size()), algo, margin, &ctx);
 }
@@ -82,19 +84,21 @@ ApiCall update_call(const std::vector<RefGroup>& groups, fus_amax_algo algo, int
   return [dims, maxes, algo, margin](const std::vector<void*>& p, const fus_context& ctx) {
     std::vector<fus_delayed_scaling_group> desc;
     for (size_t j = 0; j < dims.size(); ++j)
-      desc.push_back({static_cast<float*>(p[2 * j]), static_cast<float*>(p[2 * j + 1]), dims[j].first, dims[j].second,
-                      maxes[j]});
-    return fus_delayed_scaling_update(desc.data(), static_cast<int>(desc.size()), algo, margin, &ctx);
+      desc.push_back({static_cast<float*>(p[2 * j]), static_cast<float*>(p[2 * j + 1]),
+                      dims[j].first, dims[j].second, maxes[j]});
+    return fus_delayed_scaling_update(desc.data(), static_cast<int>(desc.size()), algo, margin,
+                                      &ctx);
   };
 }
 
-::testing::AssertionResult same_floats(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+::testing::AssertionResult same_floats(const std::vector<float>& got,
+                                       const std::vector<float>& want, const char* what) {
   if (got.size() != want.size()) return ::testing::AssertionFailure() << what << ": size";
   for (size_t i = 0; i < got.size(); ++i) {
     const bool ok = std::isnan(want[i]) ? std::isnan(got[i]) : f2u(got[i]) == f2u(want[i]);
     if (!ok)
-      return ::testing::AssertionFailure() << what << "[" << i << "]: got " << fdesc(got[i]) << " want "
-                                           << fdesc(want[i]);
+      return ::testing::AssertionFailure()
+             << what << "[" << i << "]: got " << fdesc(got[i]) << " want " << fdesc(want[i]);
   }
   return ::testing::AssertionSuccess();
 }
@@ -141,24 +145,28 @@ TEST_P(DelayedScalingTest, SeveralStepsSeveralGroupsMatchReference) {
     for (auto& g : expect) ref_update(g, algo, margin);
     ASSERT_EQ(api_update_cpu(groups, algo, margin), FUS_SUCCESS) << fus_last_error();
     for (size_t j = 0; j < groups.size(); ++j) {
-      EXPECT_TRUE(same_floats(groups[j].history, expect[j].history, ("history of group " + std::to_string(j)).c_str()));
-      EXPECT_TRUE(same_floats(groups[j].scale, expect[j].scale, ("scale of group " + std::to_string(j)).c_str()));
+      EXPECT_TRUE(same_floats(groups[j].history, expect[j].history,
+                              ("history of group " + std::to_string(j)).c_str()));
+      EXPECT_TRUE(same_floats(groups[j].scale, expect[j].scale,
+                              ("scale of group " + std::to_string(j)).c_str()));
       for (int64_t i = 0; i < groups[j].n; ++i) {
         EXPECT_EQ(groups[j].history[i], 0.0f) << "row 0 is reset";
-        EXPECT_TRUE(std::isfinite(groups[j].scale[i]) && groups[j].scale[i] > 0) << "scale stays finite and > 0";
+        EXPECT_TRUE(std::isfinite(groups[j].scale[i]) && groups[j].scale[i] > 0)
+            << "scale stays finite and > 0";
       }
     }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Variants, DelayedScalingTest,
-                         ::testing::Combine(::testing::Values(FUS_AMAX_MAX, FUS_AMAX_MOST_RECENT),
-                                            ::testing::Values(0, 2), ::testing::Values<int64_t>(1, 5)),
-                         [](const ::testing::TestParamInfo<UpdateParam>& info) {
-                           return std::string(std::get<0>(info.param) == FUS_AMAX_MAX ? "Max" : "MostRecent") +
-                                  "_margin" + std::to_string(std::get<1>(info.param)) + "_len" +
-                                  std::to_string(std::get<2>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Variants, DelayedScalingTest,
+    ::testing::Combine(::testing::Values(FUS_AMAX_MAX, FUS_AMAX_MOST_RECENT),
+                       ::testing::Values(0, 2), ::testing::Values<int64_t>(1, 5)),
+    [](const ::testing::TestParamInfo<UpdateParam>& info) {
+      return std::string(std::get<0>(info.param) == FUS_AMAX_MAX ? "Max" : "MostRecent") +
+             "_margin" + std::to_string(std::get<1>(info.param)) + "_len" +
+             std::to_string(std::get<2>(info.param));
+    });
 
 // Hand-computed: one column, history_len 3, algo max, margin 0, fp8_max 448.
 TEST(DelayedScaling, HandComputedRoll) {
@@ -171,15 +179,15 @@ TEST(DelayedScaling, HandComputedRoll) {
   ASSERT_EQ(api_update_cpu(none, FUS_AMAX_MAX, 0), FUS_SUCCESS);  // zero groups is fine
   std::vector<RefGroup> gs{g};
   ASSERT_EQ(api_update_cpu(gs, FUS_AMAX_MAX, 0), FUS_SUCCESS) << fus_last_error();
-  EXPECT_EQ(gs[0].scale[0], 448.0f / 8.0f);                 // max of {2, 8, 4}
+  EXPECT_EQ(gs[0].scale[0], 448.0f / 8.0f);                          // max of {2, 8, 4}
   EXPECT_EQ(gs[0].history, (std::vector<float>{0.0f, 4.0f, 2.0f}));  // [H1, H2, H0] then H[0] = 0
-  gs[0].history[0] = 1.0f;                                   // the next step's amax
+  gs[0].history[0] = 1.0f;                                           // the next step's amax
   ASSERT_EQ(api_update_cpu(gs, FUS_AMAX_MAX, 0), FUS_SUCCESS);
   EXPECT_EQ(gs[0].scale[0], 448.0f / 4.0f);
   EXPECT_EQ(gs[0].history, (std::vector<float>{0.0f, 2.0f, 1.0f}));
   gs[0].history[0] = 0.5f;
   ASSERT_EQ(api_update_cpu(gs, FUS_AMAX_MOST_RECENT, 2), FUS_SUCCESS);
-  EXPECT_EQ(gs[0].scale[0], 448.0f / 0.5f / 4.0f);           // only row 0, margin 2
+  EXPECT_EQ(gs[0].scale[0], 448.0f / 0.5f / 4.0f);  // only row 0, margin 2
   EXPECT_EQ(gs[0].history, (std::vector<float>{0.0f, 1.0f, 0.5f}));
 }
 
@@ -203,15 +211,16 @@ TEST(DelayedScaling, ZeroInfNanAmaxKeepPreviousScale) {
       g.history_len = 2;
       g.n = 6;
       //                 0      inf     -inf     NaN         -NaN        only old entries NaN
-      g.history = {0.0f, inf(), -inf(), qnan(false), qnan(true), 1.0f,   // row 0
-                   0.0f, 1.0f, 2.0f, 3.0f, 4.0f, qnan(false)};           // row 1
+      g.history = {0.0f, inf(), -inf(), qnan(false), qnan(true), 1.0f,          // row 0
+                   0.0f, 1.0f,  2.0f,   3.0f,        4.0f,       qnan(false)};  // row 1
       g.scale = {1.5f, 2.5f, 3.5f, 4.5f, 5.5f, 6.5f};
       std::vector<RefGroup> want = gs;
       ref_update(want[0], algo, margin);
       ASSERT_EQ(api_update_cpu(gs, algo, margin), FUS_SUCCESS) << fus_last_error();
       EXPECT_TRUE(same_floats(g.scale, want[0].scale, "scale"));
       EXPECT_TRUE(same_floats(g.history, want[0].history, "history"));
-      for (int i = 0; i < 5; ++i) EXPECT_EQ(g.scale[i], 1.5f + i) << "column " << i << " keeps its scale";
+      for (int i = 0; i < 5; ++i)
+        EXPECT_EQ(g.scale[i], 1.5f + i) << "column " << i << " keeps its scale";
       if (algo == FUS_AMAX_MAX)
         EXPECT_EQ(g.scale[5], 6.5f) << "NaN in an older history row makes amax NaN: keep";
       else
@@ -271,15 +280,18 @@ TEST(ComputeScale, RuleAndFallbacks) {
     float amax;
     int margin;
   };
-  const K ks[] = {{1.0f, 0}, {3.0f, 0}, {3.0f, 2}, {448.0f, 0}, {1e-3f, 5}, {7e4f, -2}, {FLT_MAX, 0}, {FLT_MAX, 3},
-                  {u2f(1), 0}, {1e-39f, 2}, {0.0f, 0}, {-0.0f, 0}, {inf(), 0}, {-inf(), 1}, {qnan(false), 0},
+  const K ks[] = {{1.0f, 0},       {3.0f, 0},    {3.0f, 2},    {448.0f, 0}, {1e-3f, 5},
+                  {7e4f, -2},      {FLT_MAX, 0}, {FLT_MAX, 3}, {u2f(1), 0}, {1e-39f, 2},
+                  {0.0f, 0},       {-0.0f, 0},   {inf(), 0},   {-inf(), 1}, {qnan(false), 0},
                   {qnan(true), 2}, {-2.0f, 0}};
   for (float fp8_max : {448.0f, 57344.0f}) {
     for (const auto& k : ks) {
       for (int keep : {0, 1}) {
-        SCOPED_TRACE("amax " + fdesc(k.amax) + " margin " + std::to_string(k.margin) + " keep " + std::to_string(keep));
+        SCOPED_TRACE("amax " + fdesc(k.amax) + " margin " + std::to_string(k.margin) + " keep " +
+                     std::to_string(keep));
         float amax = k.amax, scale = 9.0f, scale_inv = -1.0f;
-        ASSERT_EQ(fus_compute_scale(&amax, &scale, &scale_inv, fp8_max, k.margin, keep, &ctx), FUS_SUCCESS)
+        ASSERT_EQ(fus_compute_scale(&amax, &scale, &scale_inv, fp8_max, k.margin, keep, &ctx),
+                  FUS_SUCCESS)
             << fus_last_error();
         const float want = ref::scale_from_amax(k.amax, fp8_max, k.margin, keep ? 9.0f : 1.0f);
         EXPECT_EQ(f2u(scale), f2u(want)) << fdesc(scale);
@@ -288,7 +300,8 @@ TEST(ComputeScale, RuleAndFallbacks) {
         EXPECT_EQ(f2u(fu::compute_scale(k.amax, fp8_max, k.margin, keep ? 9.0f : 1.0f)), f2u(want));
         // scale_inv is optional.
         scale = 9.0f;
-        ASSERT_EQ(fus_compute_scale(&amax, &scale, nullptr, fp8_max, k.margin, keep, &ctx), FUS_SUCCESS);
+        ASSERT_EQ(fus_compute_scale(&amax, &scale, nullptr, fp8_max, k.margin, keep, &ctx),
+                  FUS_SUCCESS);
         EXPECT_EQ(f2u(scale), f2u(want));
       }
     }
@@ -314,8 +327,8 @@ TEST(ComputeScale, BitPatternSampleMatchesReference) {
         const float got = fu::compute_scale(a, fp8_max, margin, 2.0f);
         const float want = ref::scale_from_amax(a, fp8_max, margin, 2.0f);
         if (f2u(got) != f2u(want) && ++bad <= 10)
-          ADD_FAILURE() << "amax " << fdesc(a) << " margin " << margin << ": got " << fdesc(got) << " want "
-                        << fdesc(want);
+          ADD_FAILURE() << "amax " << fdesc(a) << " margin " << margin << ": got " << fdesc(got)
+                        << " want " << fdesc(want);
       }
     }
   }
@@ -338,54 +351,60 @@ struct RecipeErr : ::testing::Test {
 };
 
 TEST_F(RecipeErr, UpdateArguments) {
-  EXPECT_TRUE(is_error(fus_delayed_scaling_update(nullptr, 1, FUS_AMAX_MAX, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT,
-                       {fn, "groups"}));
-  EXPECT_TRUE(is_error(fus_delayed_scaling_update(&g, -1, FUS_AMAX_MAX, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT,
-                       {fn, "num_groups"}));
-  EXPECT_TRUE(is_error(fus_delayed_scaling_update(&g, 1, FUS_AMAX_MAX, 0, nullptr), FUS_ERROR_INVALID_ARGUMENT,
-                       {fn, "ctx"}));
+  EXPECT_TRUE(is_error(fus_delayed_scaling_update(nullptr, 1, FUS_AMAX_MAX, 0, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {fn, "groups"}));
+  EXPECT_TRUE(is_error(fus_delayed_scaling_update(&g, -1, FUS_AMAX_MAX, 0, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {fn, "num_groups"}));
+  EXPECT_TRUE(is_error(fus_delayed_scaling_update(&g, 1, FUS_AMAX_MAX, 0, nullptr),
+                       FUS_ERROR_INVALID_ARGUMENT, {fn, "ctx"}));
   EXPECT_TRUE(is_error(fus_delayed_scaling_update(&g, 1, static_cast<fus_amax_algo>(5), 0, &ctx),
                        FUS_ERROR_INVALID_ARGUMENT, {fn, "algo"}));
   fus_delayed_scaling_group two[2] = {g, g};
   two[1].history_len = 0;
-  EXPECT_TRUE(is_error(fus_delayed_scaling_update(two, 2, FUS_AMAX_MAX, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT,
-                       {fn, "groups[1]", "history_len"}));
+  EXPECT_TRUE(is_error(fus_delayed_scaling_update(two, 2, FUS_AMAX_MAX, 0, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {fn, "groups[1]", "history_len"}));
   two[1] = g;
   two[1].n = -2;
-  EXPECT_TRUE(is_error(fus_delayed_scaling_update(two, 2, FUS_AMAX_MAX, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT,
-                       {fn, "groups[1]", "n"}));
+  EXPECT_TRUE(is_error(fus_delayed_scaling_update(two, 2, FUS_AMAX_MAX, 0, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {fn, "groups[1]", "n"}));
   two[1] = g;
   two[1].amax_history = nullptr;
-  EXPECT_TRUE(is_error(fus_delayed_scaling_update(two, 2, FUS_AMAX_MAX, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT,
-                       {fn, "groups[1]", "amax_history"}));
+  EXPECT_TRUE(is_error(fus_delayed_scaling_update(two, 2, FUS_AMAX_MAX, 0, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {fn, "groups[1]", "amax_history"}));
   two[1] = g;
   two[1].scale = nullptr;
-  EXPECT_TRUE(is_error(fus_delayed_scaling_update(two, 2, FUS_AMAX_MAX, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT,
-                       {fn, "groups[1]", "scale"}));
+  EXPECT_TRUE(is_error(fus_delayed_scaling_update(two, 2, FUS_AMAX_MAX, 0, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {fn, "groups[1]", "scale"}));
   two[1] = g;
   for (float bad : {0.0f, -448.0f, qnan(false)}) {
     two[1].fp8_max = bad;
-    EXPECT_TRUE(is_error(fus_delayed_scaling_update(two, 2, FUS_AMAX_MAX, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT,
-                         {fn, "groups[1]", "fp8_max"}));
+    EXPECT_TRUE(is_error(fus_delayed_scaling_update(two, 2, FUS_AMAX_MAX, 0, &ctx),
+                         FUS_ERROR_INVALID_ARGUMENT, {fn, "groups[1]", "fp8_max"}));
   }
   // Validation happens before any group is updated.
   expect_untouched();
   // n == 0 with NULL pointers and num_groups == 0 are fine.
   fus_delayed_scaling_group empty{nullptr, nullptr, 4, 0, 448.0f};
-  EXPECT_EQ(fus_delayed_scaling_update(&empty, 1, FUS_AMAX_MAX, 0, &ctx), FUS_SUCCESS) << fus_last_error();
-  EXPECT_EQ(fus_delayed_scaling_update(nullptr, 0, FUS_AMAX_MAX, 0, &ctx), FUS_SUCCESS) << fus_last_error();
+  EXPECT_EQ(fus_delayed_scaling_update(&empty, 1, FUS_AMAX_MAX, 0, &ctx), FUS_SUCCESS)
+      << fus_last_error();
+  EXPECT_EQ(fus_delayed_scaling_update(nullptr, 0, FUS_AMAX_MAX, 0, &ctx), FUS_SUCCESS)
+      << fus_last_error();
   EXPECT_STREQ(fus_last_error(), "");
 }
 
 TEST_F(RecipeErr, ComputeScaleArguments) {
   const char* f = "fus_compute_scale";
   float a = 1.0f, s = 5.0f, si = 0.0f;
-  EXPECT_TRUE(is_error(fus_compute_scale(nullptr, &s, &si, 448.0f, 0, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT, {f, "amax"}));
-  EXPECT_TRUE(is_error(fus_compute_scale(&a, nullptr, &si, 448.0f, 0, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT, {f, "scale"}));
-  EXPECT_TRUE(is_error(fus_compute_scale(&a, &s, &si, 0.0f, 0, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT, {f, "fp8_max"}));
-  EXPECT_TRUE(is_error(fus_compute_scale(&a, &s, &si, qnan(false), 0, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT,
+  EXPECT_TRUE(is_error(fus_compute_scale(nullptr, &s, &si, 448.0f, 0, 0, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {f, "amax"}));
+  EXPECT_TRUE(is_error(fus_compute_scale(&a, nullptr, &si, 448.0f, 0, 0, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {f, "scale"}));
+  EXPECT_TRUE(is_error(fus_compute_scale(&a, &s, &si, 0.0f, 0, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT,
                        {f, "fp8_max"}));
-  EXPECT_TRUE(is_error(fus_compute_scale(&a, &s, &si, 448.0f, 0, 0, nullptr), FUS_ERROR_INVALID_ARGUMENT, {f, "ctx"}));
+  EXPECT_TRUE(is_error(fus_compute_scale(&a, &s, &si, qnan(false), 0, 0, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {f, "fp8_max"}));
+  EXPECT_TRUE(is_error(fus_compute_scale(&a, &s, &si, 448.0f, 0, 0, nullptr),
+                       FUS_ERROR_INVALID_ARGUMENT, {f, "ctx"}));
   EXPECT_EQ(s, 5.0f);
   EXPECT_EQ(si, 0.0f);
 }
@@ -393,10 +412,11 @@ TEST_F(RecipeErr, ComputeScaleArguments) {
 TEST_F(RecipeErr, CudaContextInCpuOnlyBuildIsUnsupported) {
   if (fus_has_cuda()) GTEST_SKIP() << "this build has the CUDA backend";
   ctx = cuda_ctx();
-  EXPECT_TRUE(is_error(fus_delayed_scaling_update(&g, 1, FUS_AMAX_MAX, 0, &ctx), FUS_ERROR_UNSUPPORTED, {fn, "CUDA"}));
+  EXPECT_TRUE(is_error(fus_delayed_scaling_update(&g, 1, FUS_AMAX_MAX, 0, &ctx),
+                       FUS_ERROR_UNSUPPORTED, {fn, "CUDA"}));
   float a = 1.0f, s = 5.0f;
-  EXPECT_TRUE(is_error(fus_compute_scale(&a, &s, nullptr, 448.0f, 0, 0, &ctx), FUS_ERROR_UNSUPPORTED,
-                       {"fus_compute_scale", "CUDA"}));
+  EXPECT_TRUE(is_error(fus_compute_scale(&a, &s, nullptr, 448.0f, 0, 0, &ctx),
+                       FUS_ERROR_UNSUPPORTED, {"fus_compute_scale", "CUDA"}));
   expect_untouched();
   EXPECT_EQ(s, 5.0f);
 }
@@ -409,18 +429,22 @@ void expect_same_groups(const DualResult& r, size_t num_groups) {
   ASSERT_EQ(r.cpu_status, FUS_SUCCESS);
   ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
   for (size_t j = 0; j < num_groups; ++j) {
-    EXPECT_TRUE(same_bits<uint32_t>(r.cpu, r.cuda, static_cast<int>(2 * j), "amax_history")) << "group " << j;
-    EXPECT_TRUE(same_bits<uint32_t>(r.cpu, r.cuda, static_cast<int>(2 * j + 1), "scale")) << "group " << j;
+    EXPECT_TRUE(same_bits<uint32_t>(r.cpu, r.cuda, static_cast<int>(2 * j), "amax_history"))
+        << "group " << j;
+    EXPECT_TRUE(same_bits<uint32_t>(r.cpu, r.cuda, static_cast<int>(2 * j + 1), "scale"))
+        << "group " << j;
   }
 }
 
 TEST(CudaVsCpu, DelayedScalingUpdateRandomAndEdgeHistories) {
   FUSTEST_REQUIRE_CUDA();
   std::mt19937 rng(2024);
-  const float specials[] = {0.0f, -0.0f, inf(), -inf(), qnan(false), qnan(true), u2f(1), FLT_MAX, 1e-39f};
+  const float specials[] = {0.0f,       -0.0f,  inf(),   -inf(), qnan(false),
+                            qnan(true), u2f(1), FLT_MAX, 1e-39f};
   for (fus_amax_algo algo : {FUS_AMAX_MAX, FUS_AMAX_MOST_RECENT}) {
     for (int margin : {0, 2, -3, 20}) {
-      SCOPED_TRACE(std::string(algo == FUS_AMAX_MAX ? "max" : "most_recent") + " margin " + std::to_string(margin));
+      SCOPED_TRACE(std::string(algo == FUS_AMAX_MAX ? "max" : "most_recent") + " margin " +
+                   std::to_string(margin));
       std::vector<RefGroup> gs(5);
       const int64_t ns[] = {1, 37, 10000, 0, 513};
       const int64_t lens[] = {1, 1024, 5, 3, 300};  // 300: a partial chunk of the CUDA roll
@@ -457,7 +481,8 @@ TEST(CudaVsCpu, ScaleRuleOverAmaxBitPatterns) {
   for (int j = 0; j < 2; ++j) {
     gs[j].history_len = 1;
     gs[j].fp8_max = j ? 57344.0f : 448.0f;
-    for (uint64_t u = 0; u <= 0xffffffffull; u += 4099) gs[j].history.push_back(u2f(static_cast<uint32_t>(u)));
+    for (uint64_t u = 0; u <= 0xffffffffull; u += 4099)
+      gs[j].history.push_back(u2f(static_cast<uint32_t>(u)));
     gs[j].n = static_cast<int64_t>(gs[j].history.size());
     gs[j].scale.assign(gs[j].history.size(), 0.75f);
   }
@@ -484,14 +509,17 @@ TEST(CudaVsCpu, ComputeScale) {
         b.add(std::vector<float>{a});
         b.add(std::vector<float>{6.0f});
         b.add_filled(4);
-        DualResult r = run_both(b, [margin, keep](const std::vector<void*>& p, const fus_context& ctx) {
-          return fus_compute_scale(static_cast<float*>(p[0]), static_cast<float*>(p[1]), static_cast<float*>(p[2]),
-                                   448.0f, margin, keep, &ctx);
-        });
+        DualResult r =
+            run_both(b, [margin, keep](const std::vector<void*>& p, const fus_context& ctx) {
+              return fus_compute_scale(static_cast<float*>(p[0]), static_cast<float*>(p[1]),
+                                       static_cast<float*>(p[2]), 448.0f, margin, keep, &ctx);
+            });
         ASSERT_EQ(r.cpu_status, FUS_SUCCESS);
         ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
-        EXPECT_TRUE(same_bits<uint32_t>(r.cpu, r.cuda, 1, "scale")) << fdesc(a) << " margin " << margin;
-        EXPECT_TRUE(same_bits<uint32_t>(r.cpu, r.cuda, 2, "scale_inv")) << fdesc(a) << " margin " << margin;
+        EXPECT_TRUE(same_bits<uint32_t>(r.cpu, r.cuda, 1, "scale"))
+            << fdesc(a) << " margin " << margin;
+        EXPECT_TRUE(same_bits<uint32_t>(r.cpu, r.cuda, 2, "scale_inv"))
+            << fdesc(a) << " margin " << margin;
       }
     }
   }

@@ -18,6 +18,9 @@ that reassociates the fp32 sum (on CPU: up to 2e-6 absolute on values ~10, 1-2 u
 rtol 1e-6, atol 1e-5. Every step must trace without graph breaks, and a second step of the same
 kind must not recompile.
 
+``fusible.GroupedLinear`` is compiled with changing split sizes (``m_splits``, a per-call
+constant of the op: see the recompile counts at ``GROUPED_STEPS``).
+
 Models are tiny (32 tokens, hidden 32) to keep compilation time low; the file is dominated by
 dynamo tracing (~1-3 s per graph on CPU).
 """
@@ -288,3 +291,53 @@ def test_residual_of_the_blocks_own_input_compiles():
         outs.append([y.detach(), xa.grad, *(p.grad for p in m.parameters())])
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
+
+
+# ---- GroupedLinear: split sizes under torch.compile ------------------------------------------
+
+# (m_splits, is_first_microbatch, compiles so far with a recipe, without one). The first call
+# specializes the split sizes; the first other split makes dynamo treat them as symbolic ints,
+# so later splits reuse that graph as long as the same experts are empty (the op branches on
+# an expert being empty, which is guarded); a True step adds the cached-weight graph.
+GROUPED_STEPS = [
+    ([32, 0, 64], None, 1, 1),
+    ([32, 0, 64], None, 1, 1),
+    ([64, 0, 32], None, 2, 2),
+    ([96, 0, 0], None, 3, 3),
+    ([32, 0, 64], None, 3, 3),
+    ([32, 32, 32], None, 4, 4),
+    ([32, 32, 32], True, 5, 4),
+    ([64, 0, 32], False, 6, 4),
+]
+
+
+@pytest.mark.parametrize("recipe_name", ["none", "delayed"])
+def test_grouped_linear_compiled_matches_eager(recipe_name):
+    """fusible.GroupedLinear(x, m_splits, is_first_microbatch) compiled (fullgraph) against
+    eager, bit for bit (outputs, gradients, recipe state), as the split sizes change."""
+    rec = RECIPES[recipe_name]
+    torch.manual_seed(0)
+    model = fusible.GroupedLinear(3, HIDDEN, HIDDEN)
+    twin = copy.deepcopy(model)
+    counter = CountingBackend()
+
+    def fwd(m, x, splits, fm):
+        with fusible.autocast(enabled=rec is not None, recipe=rec):
+            return m(x, splits, is_first_microbatch=fm)
+
+    compiled = torch.compile(fwd, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    for i, (splits, fm, with_recipe, without) in enumerate(GROUPED_STEPS):
+        x, g = torch.randn(96, HIDDEN, generator=gen), torch.randn(96, HIDDEN, generator=gen)
+        outs = []
+        for f, m in ((compiled, model), (fwd, twin)):
+            m.zero_grad(set_to_none=True)
+            xx = x.clone().requires_grad_(True)
+            y = f(m, xx, list(splits), fm)
+            y.backward(g)
+            out = {"y": y.detach(), "x.grad": xx.grad}
+            out.update({f"{n}.grad": p.grad for n, p in m.named_parameters()})
+            out.update({f"state.{k}": t for k, t in m[0].get_extra_state().items()})
+            outs.append(out)
+        _assert_match(outs[0], outs[1], f"step {i} (m_splits={splits}, fm={fm})")
+        assert counter.compiles == (with_recipe if rec is not None else without), i

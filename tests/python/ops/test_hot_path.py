@@ -72,7 +72,7 @@ def test_parameter_dtype_change_builds_a_new_plan():
 
 # Regression ceilings for the Python calls of one forward + backward step of the issue-11 block
 # (CPU, Python 3.11, benchmarks/overhead.py; torch eager makes about 71). Measured with the kernels
-# as C++ torch operators (cpp/torch/): bf16 404, delayed 771, current 656, mxfp8 719; with the
+# as C++ torch operators (cpp/bindings/): bf16 404, delayed 771, current 656, mxfp8 719; with the
 # Python kernel wrappers before them: 702, 1566, 1409, 1611; before the executor rewrite
 # (60c0229): 1431, 2896, 2667, 3077. The issue's target (<= 2x torch eager) is not met: the rest
 # is the ops' and the executor's Python (README, "Host overhead").

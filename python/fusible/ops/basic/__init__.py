@@ -1,6 +1,7 @@
 """Basic operations."""
 
 from fusible.ops.basic.activation import GEGLU, GELU, ReLU, SiLU, SwiGLU
+from fusible.ops.basic.grouped_linear import GroupedLinear
 from fusible.ops.basic.linear import BasicLinear, Bias
 from fusible.ops.basic.misc import (
     AddExtraInput,
@@ -21,6 +22,7 @@ __all__ = [
     "Bias",
     "ConstantScale",
     "Dropout",
+    "GroupedLinear",
     "Identity",
     "LayerNorm",
     "MakeExtraOutput",

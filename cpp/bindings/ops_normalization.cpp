@@ -1,10 +1,9 @@
 // torch.ops.fusible normalization family: LayerNorm / RMSNorm forward with optional quantized
 // output, and backward (cpp/include/fusible/normalization.h).
-#include "fusible/normalization.h"
-
 #include <cmath>
 
 #include "families.h"
+#include "fusible/normalization.h"
 #include "torch_ops.h"
 
 namespace fusible_torch {
@@ -15,13 +14,12 @@ const std::vector<std::string_view> kNormKinds{"layernorm", "rmsnorm"};  // fus_
 // gamma / beta: a high-precision vector [n] (the input's last dimension).
 void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, c10::Device dev) {
   check_tensor(op, name, t, high_precision(), dev);
-  FUS_VALUE_CHECK(t.dim() == 1 && t.size(0) == n, op, "argument '", name, "' must have shape (",
-                  n, ",) (the last dimension of the input), got ", shape_str(t.sizes()));
+  FUS_VALUE_CHECK(t.dim() == 1 && t.size(0) == n, op, "argument '", name, "' must have shape (", n,
+                  ",) (the last dimension of the input), got ", shape_str(t.sizes()));
 }
 
 // mean / rstd: one float32 value per row, as norm_fwd returns them.
-void check_stats(const char* op, const char* name, const Tensor& t, int64_t rows,
-                 c10::Device dev) {
+void check_stats(const char* op, const char* name, const Tensor& t, int64_t rows, c10::Device dev) {
   check_tensor(op, name, t, {at::kFloat}, dev);
   FUS_VALUE_CHECK(t.numel() == rows, op, "argument '", name, "' must hold ", rows,
                   " float32 values (one per row, as norm_fwd returns it), got shape ",
@@ -48,8 +46,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_
                   "argument 'eps' must be finite and >= 0, got ", eps);
   FUS_VALUE_CHECK(cols != 0, op, "argument 'x' must have a non-empty last dimension");
   check_opt_out_dtype(op, out_dtype);
-  const int quant =
-      check_quant_args(op, quant_name, fp8_dtype, scale, rowwise, columnwise, dev);
+  const int quant = check_quant_args(op, quant_name, fp8_dtype, scale, rowwise, columnwise, dev);
 
   Tensor y = out_dtype.has_value() ? empty(x.sizes(), *out_dtype, x) : nothing(x.scalar_type(), x);
   std::vector<Tensor> q = quant_outputs(x.sizes(), x, quant, fp8_dtype, rowwise, columnwise);
@@ -62,11 +59,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_
     const fus_tensor bm = beta.has_value() ? mat(*beta, 1, cols) : kAbsent;
     fus_tensor ym = out_dtype.has_value() ? mat(y, rows, cols) : kAbsent;
     const fus_context ctx = context_of(x);
-    check_status(op, fus_norm_forward(static_cast<fus_norm_kind>(kind), &xm, &gm,
-                                      beta.has_value() ? &bm : nullptr, static_cast<float>(eps),
-                                      zero_centered_gamma ? 1 : 0,
-                                      out_dtype.has_value() ? &ym : nullptr, qv ? &*qv : nullptr,
-                                      fptr(mean), fptr(rstd), &ctx));
+    check_status(
+        op, fus_norm_forward(static_cast<fus_norm_kind>(kind), &xm, &gm,
+                             beta.has_value() ? &bm : nullptr, static_cast<float>(eps),
+                             zero_centered_gamma ? 1 : 0, out_dtype.has_value() ? &ym : nullptr,
+                             qv ? &*qv : nullptr, fptr(mean), fptr(rstd), &ctx));
   }
   return {y, q[0], q[1], q[2], q[3], q[4], mean, rstd};
 }
@@ -85,14 +82,16 @@ std::tuple<Tensor, Tensor, Tensor> norm_bwd(const Tensor& dy, const Tensor& x, c
   FUS_VALUE_CHECK(cols != 0, op, "argument 'dy' must have a non-empty last dimension");
   check_vector(op, "gamma", gamma, cols, dev);
   const bool layernorm = kind == FUS_NORM_LAYERNORM;
-  if (layernorm) check_stats(op, "mean", mean, rows, dev);
-  else check_tensor(op, "mean", mean, {}, dev);  // ignored, but must not mix devices
+  if (layernorm)
+    check_stats(op, "mean", mean, rows, dev);
+  else
+    check_tensor(op, "mean", mean, {}, dev);  // ignored, but must not mix devices
   check_stats(op, "rstd", rstd, rows, dev);
 
   Tensor dx = empty(dy.sizes(), dy.scalar_type(), dy);
   Tensor dgamma = empty(gamma.sizes(), gamma.scalar_type(), dy);
-  Tensor dbeta = layernorm ? empty(gamma.sizes(), gamma.scalar_type(), dy)
-                           : nothing(gamma.scalar_type(), dy);
+  Tensor dbeta =
+      layernorm ? empty(gamma.sizes(), gamma.scalar_type(), dy) : nothing(gamma.scalar_type(), dy);
   if (!shapes_only(dy)) {
     const fus_context ctx = context_of(dy);
     size_t ws_bytes = 0;

@@ -1,8 +1,7 @@
 // torch.ops.fusible activation family: forward with optional quantized output, and backward
 // ("dact + dbias + cast") (cpp/include/fusible/activation.h).
-#include "fusible/activation.h"
-
 #include "families.h"
+#include "fusible/activation.h"
 #include "torch_ops.h"
 
 namespace fusible_torch {
@@ -79,8 +78,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_bwd(
   auto [rows, k] = matrix_shape(op, x);
   const int64_t h = shape.back();
   const at::ScalarType dt = out_dtype.value_or(grad.scalar_type());
-  Tensor dx = out_dtype.has_value() ? empty(x.sizes(), *out_dtype, x)
-                                    : nothing(grad.scalar_type(), x);
+  Tensor dx =
+      out_dtype.has_value() ? empty(x.sizes(), *out_dtype, x) : nothing(grad.scalar_type(), x);
   std::vector<Tensor> q = quant_outputs(x.sizes(), x, quant, fp8_dtype, rowwise, columnwise);
   Tensor dbias = empty({with_dbias ? k : 0}, dt, x);
   if (!shapes_only(grad)) {
@@ -94,10 +93,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_bwd(
     const fus_tensor xm = mat(x, rows, k);
     fus_tensor dxm = out_dtype.has_value() ? mat(dx, rows, k) : kAbsent;
     fus_tensor dbm = with_dbias ? mat(dbias, 1, k) : kAbsent;
-    check_status(op, fus_activation_backward(
-                         static_cast<fus_activation>(kind), &gm, &xm,
-                         out_dtype.has_value() ? &dxm : nullptr, qv ? &*qv : nullptr,
-                         with_dbias ? &dbm : nullptr, ptr(ws), ws_bytes, &ctx));
+    check_status(
+        op, fus_activation_backward(static_cast<fus_activation>(kind), &gm, &xm,
+                                    out_dtype.has_value() ? &dxm : nullptr, qv ? &*qv : nullptr,
+                                    with_dbias ? &dbm : nullptr, ptr(ws), ws_bytes, &ctx));
   }
   return {dx, q[0], q[1], q[2], q[3], q[4], dbias};
 }

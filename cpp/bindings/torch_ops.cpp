@@ -86,8 +86,7 @@ void check_tensor(const char* op, const char* name, const Tensor& t,
   FUS_VALUE_CHECK(t.is_contiguous(), op, "argument '", name, "' must be contiguous (shape ",
                   shape_str(t.sizes()), ", stride ", shape_str(t.strides()),
                   "); call .contiguous() first");
-  TORCH_CHECK(type != c10::DeviceType::CUDA || fus_has_cuda(), "fusible.", op, ": argument '",
-              name,
+  TORCH_CHECK(type != c10::DeviceType::CUDA || fus_has_cuda(), "fusible.", op, ": argument '", name,
               "' is a CUDA tensor but fusible was built without its CUDA backend (no nvcc at "
               "build time)");
 }
@@ -215,11 +214,19 @@ std::optional<fus_quantized> quantized_view(int quant, at::ScalarType fp8_dtype,
   const Tensor& cs = outs[first + 3];
   const Tensor& amax = outs[first + 4];
   if (quant == kQuantFp8)
-    return fus_quantized{FUS_SCALING_PER_TENSOR, code_of(fp8_dtype), rows,   cols,
-                         ptr(data),              ptr(data2),         ptr(s), nullptr,
-                         fptr(scale),            fptr(amax)};
-  return fus_quantized{FUS_SCALING_MXFP8, code_of(fp8_dtype), rows,    cols,    ptr(data),
-                       ptr(data2),        ptr(s),             ptr(cs), nullptr, fptr(amax)};
+    return fus_quantized{FUS_SCALING_PER_TENSOR,
+                         code_of(fp8_dtype),
+                         rows,
+                         cols,
+                         ptr(data),
+                         ptr(data2),
+                         ptr(s),
+                         nullptr,
+                         fptr(scale),
+                         fptr(amax)};
+  return fus_quantized{FUS_SCALING_MXFP8, code_of(fp8_dtype), rows,   cols,
+                       ptr(data),         ptr(data2),         ptr(s), ptr(cs),
+                       nullptr,           fptr(amax)};
 }
 
 }  // namespace fusible_torch

@@ -1,10 +1,9 @@
 // torch.ops.fusible recipe family: per-tensor scale from an amax, and the batched delayed-scaling
 // update (cpp/include/fusible/recipe.h).
-#include "fusible/recipe.h"
-
 #include <cmath>
 
 #include "families.h"
+#include "fusible/recipe.h"
 #include "torch_ops.h"
 
 namespace fusible_torch {
@@ -21,9 +20,9 @@ std::tuple<Tensor, Tensor> compute_scale(const Tensor& amax, at::ScalarType fp8_
   if (!shapes_only(amax)) {
     const fus_context ctx = context_of(amax);
     // keep_previous = 0: scale 1 where amax is 0 or not finite (scale is never read).
-    check_status(op, fus_compute_scale(fptr(amax), fptr(scale), fptr(scale_inv),
-                                       fus_fp8_max(code_of(fp8_dtype)), static_cast<int>(margin),
-                                       0, &ctx));
+    check_status(
+        op, fus_compute_scale(fptr(amax), fptr(scale), fptr(scale_inv),
+                              fus_fp8_max(code_of(fp8_dtype)), static_cast<int>(margin), 0, &ctx));
   }
   return {scale, scale_inv};
 }
@@ -31,8 +30,7 @@ std::tuple<Tensor, Tensor> compute_scale(const Tensor& amax, at::ScalarType fp8_
 }  // namespace
 
 void delayed_scaling_update(at::TensorList amax_histories, at::TensorList scales,
-                            at::ArrayRef<double> fp8_maxes, c10::string_view algo,
-                            int64_t margin) {
+                            at::ArrayRef<double> fp8_maxes, c10::string_view algo, int64_t margin) {
   const char* op = "delayed_scaling_update";
   FUS_VALUE_CHECK(amax_histories.size() == scales.size() && scales.size() == fp8_maxes.size(), op,
                   "amax_histories, scales and fp8_maxes must have equal lengths, got ",
@@ -64,10 +62,9 @@ void delayed_scaling_update(at::TensorList amax_histories, at::TensorList scales
                                                static_cast<float>(fp8_maxes[g])});
   }
   const fus_context ctx = context_of(amax_histories[0]);
-  check_status(op, fus_delayed_scaling_update(
-                       groups.data(), static_cast<int>(groups.size()),
-                       algo == "max" ? FUS_AMAX_MAX : FUS_AMAX_MOST_RECENT,
-                       static_cast<int>(margin), &ctx));
+  check_status(op, fus_delayed_scaling_update(groups.data(), static_cast<int>(groups.size()),
+                                              algo == "max" ? FUS_AMAX_MAX : FUS_AMAX_MOST_RECENT,
+                                              static_cast<int>(margin), &ctx));
 }
 
 void register_recipe(torch::Library& m) { m.impl("compute_scale", &compute_scale); }

@@ -1,8 +1,7 @@
 // torch.ops.fusible quantize family: per-tensor FP8 (delayed and current scaling), MXFP8, FP8
 // transpose, amax (cpp/include/fusible/quantize.h).
-#include "fusible/quantize.h"
-
 #include "families.h"
+#include "fusible/quantize.h"
 #include "torch_ops.h"
 
 namespace fusible_torch {
@@ -28,9 +27,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, const T
   Tensor scale_inv = empty({1}, at::kFloat, x);
   Tensor amax = empty({1}, at::kFloat, x);
   if (!shapes_only(x)) {
-    fus_quantized q{FUS_SCALING_PER_TENSOR, code_of(fp8_dtype), rows,        cols,
-                    ptr(data),              ptr(data_t),        ptr(scale_inv), nullptr,
-                    fptr(scale),            fptr(amax)};
+    fus_quantized q{FUS_SCALING_PER_TENSOR,
+                    code_of(fp8_dtype),
+                    rows,
+                    cols,
+                    ptr(data),
+                    ptr(data_t),
+                    ptr(scale_inv),
+                    nullptr,
+                    fptr(scale),
+                    fptr(amax)};
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize(&in, &q, &ctx));
@@ -52,9 +58,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quantize_fp8_current(
   Tensor scale_inv = empty({1}, at::kFloat, x);
   Tensor amax = empty({1}, at::kFloat, x);
   if (!shapes_only(x)) {
-    fus_quantized q{FUS_SCALING_PER_TENSOR, code_of(fp8_dtype), rows,        cols,
-                    ptr(data),              ptr(data_t),        ptr(scale_inv), nullptr,
-                    fptr(scale),            fptr(amax)};
+    fus_quantized q{FUS_SCALING_PER_TENSOR,
+                    code_of(fp8_dtype),
+                    rows,
+                    cols,
+                    ptr(data),
+                    ptr(data_t),
+                    ptr(scale_inv),
+                    nullptr,
+                    fptr(scale),
+                    fptr(amax)};
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize_current_scaling(&in, &q, static_cast<int>(margin), &ctx));
@@ -70,8 +83,16 @@ Tensor dequantize_fp8(const Tensor& data, const Tensor& scale_inv, at::ScalarTyp
   auto [rows, cols] = matrix_shape(op, data, "data");
   Tensor out = empty(data.sizes(), out_dtype, data);
   if (!shapes_only(data)) {
-    const fus_quantized q{FUS_SCALING_PER_TENSOR, code_of(data.scalar_type()), rows, cols,
-                          ptr(data), nullptr, ptr(scale_inv), nullptr, nullptr, nullptr};
+    const fus_quantized q{FUS_SCALING_PER_TENSOR,
+                          code_of(data.scalar_type()),
+                          rows,
+                          cols,
+                          ptr(data),
+                          nullptr,
+                          ptr(scale_inv),
+                          nullptr,
+                          nullptr,
+                          nullptr};
     fus_tensor o = mat(out, rows, cols);
     const fus_context ctx = context_of(data);
     check_status(op, fus_dequantize(&q, 0, &o, &ctx));
@@ -108,9 +129,8 @@ Tensor compute_amax(const Tensor& x) {
   return amax;
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mxfp8(const Tensor& x,
-                                                          at::ScalarType fp8_dtype, bool rowwise,
-                                                          bool columnwise) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mxfp8(const Tensor& x, at::ScalarType fp8_dtype,
+                                                          bool rowwise, bool columnwise) {
   const char* op = "quantize_mxfp8";
   check_tensor(op, "x", x, high_precision());
   check_fp8_dtype(op, fp8_dtype);
@@ -123,9 +143,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mxfp8(const Tensor& x,
   Tensor col_scale =
       columnwise ? empty({ceil_div(rows, FUS_MXFP8_BLOCK), cols}, u8, x) : nothing(u8, x);
   if (!shapes_only(x)) {
-    fus_quantized q{FUS_SCALING_MXFP8, code_of(fp8_dtype), rows,           cols,
-                    ptr(data),         ptr(col),           ptr(scale),     ptr(col_scale),
-                    nullptr,           nullptr};
+    fus_quantized q{FUS_SCALING_MXFP8, code_of(fp8_dtype), rows,           cols,    ptr(data),
+                    ptr(col),          ptr(scale),         ptr(col_scale), nullptr, nullptr};
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize(&in, &q, &ctx));

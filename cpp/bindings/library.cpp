@@ -11,6 +11,8 @@
 #include <string_view>
 
 #include "families.h"
+#include "fusible/common.h"
+#include "fusible/gemm.h"
 
 // Operator schemas (docs in python/fusible/_kernels.py; the C contract in
 // cpp/include/fusible/<family>.h).
@@ -61,6 +63,9 @@ static void register_all(torch::Library& m) {
 
 TORCH_LIBRARY(fusible, m) {
   for (const char* schema : kSchemas) m.def(schema);
+  // What this build of the core library has (no tensors: one kernel for every backend).
+  m.def("has_cuda() -> bool", [] { return fus_has_cuda() != 0; });
+  m.def("gemm_has_cublaslt() -> bool", [] { return fus_gemm_has_cublaslt() != 0; });
 }
 
 TORCH_LIBRARY_IMPL(fusible, CPU, m) { register_all(m); }

@@ -1,19 +1,22 @@
 // torch.ops.fusible gemm family (cpp/include/fusible/gemm.h holds the contract: numerics,
 // epilogues, dtype rules, the FP8 "TN" layout, and the CUDA backend's cuBLASLt constraints).
-#include "fusible/gemm.h"
-
 #include "families.h"
+#include "fusible/gemm.h"
 #include "torch_ops.h"
 
 namespace fusible_torch {
 namespace {
 
 // In fus_gemm_epilogue order.
-const std::vector<std::string_view> kEpilogues{"none",      "bias",          "gelu",
-                                               "gelu_aux",  "bias_gelu",     "bias_gelu_aux",
-                                               "dgelu",     "dgelu_bgrad"};
-bool uses_bias(int e) { return e == FUS_GEMM_EPILOGUE_BIAS || e == FUS_GEMM_EPILOGUE_BIAS_GELU || e == FUS_GEMM_EPILOGUE_BIAS_GELU_AUX; }
-bool writes_aux(int e) { return e == FUS_GEMM_EPILOGUE_GELU_AUX || e == FUS_GEMM_EPILOGUE_BIAS_GELU_AUX; }
+const std::vector<std::string_view> kEpilogues{
+    "none", "bias", "gelu", "gelu_aux", "bias_gelu", "bias_gelu_aux", "dgelu", "dgelu_bgrad"};
+bool uses_bias(int e) {
+  return e == FUS_GEMM_EPILOGUE_BIAS || e == FUS_GEMM_EPILOGUE_BIAS_GELU ||
+         e == FUS_GEMM_EPILOGUE_BIAS_GELU_AUX;
+}
+bool writes_aux(int e) {
+  return e == FUS_GEMM_EPILOGUE_GELU_AUX || e == FUS_GEMM_EPILOGUE_BIAS_GELU_AUX;
+}
 bool reads_aux(int e) { return e == FUS_GEMM_EPILOGUE_DGELU || e == FUS_GEMM_EPILOGUE_DGELU_BGRAD; }
 
 const char* py_bool(bool b) { return b ? "True" : "False"; }
@@ -33,8 +36,8 @@ void check_epilogue_operand(const char* arg, const OptTensor& t, std::string_vie
 void check_mn(const char* name, const Tensor& t, int64_t m, int64_t n) {
   FUS_VALUE_CHECK(t.dim() > 0 && t.size(-1) == n && t.numel() == m * n, "gemm", "argument '", name,
                   "' has shape ", shape_str(t.sizes()),
-                  "; expected a tensor viewable as [M, N] = [", m, ", ", n, "] (last dimension ",
-                  n, ", ", m * n, " elements)");
+                  "; expected a tensor viewable as [M, N] = [", m, ", ", n, "] (last dimension ", n,
+                  ", ", m * n, " elements)");
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> gemm(
@@ -120,8 +123,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gemm(
     d_shape.assign(a.sizes().begin(), a.sizes().end() - 1);
     d_shape.push_back(n);
   }
-  at::ScalarType vec = out_fp8 ? (bias.has_value() ? bias->scalar_type() : at::kBFloat16)
-                               : out_dtype;
+  at::ScalarType vec =
+      out_fp8 ? (bias.has_value() ? bias->scalar_type() : at::kBFloat16) : out_dtype;
   if (reads_aux(epilogue) && aux.has_value() && out_fp8) vec = aux->scalar_type();
   Tensor d = empty(d_shape, out_dtype, a);
   Tensor aux_out = writes_aux(epilogue) ? empty(d_shape, vec, a) : nothing(vec, a);
@@ -144,8 +147,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gemm(
   args.beta = static_cast<float>(beta);
   args.epilogue = static_cast<fus_gemm_epilogue>(epilogue);
   args.bias = bias.has_value() ? mat(*bias, 1, n) : kAbsent;
-  args.aux = writes_aux(epilogue) ? mat(aux_out, m, n)
-                                  : (aux.has_value() ? mat(*aux, m, n) : kAbsent);
+  args.aux =
+      writes_aux(epilogue) ? mat(aux_out, m, n) : (aux.has_value() ? mat(*aux, m, n) : kAbsent);
   args.dbias = epilogue == FUS_GEMM_EPILOGUE_DGELU_BGRAD ? mat(dbias, 1, n) : kAbsent;
   args.use_fast_accum = fast_accum ? 1 : 0;
   const fus_context ctx = context_of(a);

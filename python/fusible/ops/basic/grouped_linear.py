@@ -1,0 +1,380 @@
+"""GroupedLinear: ``num_gemms`` linears over consecutive row groups of one input (MoE experts)."""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fusible.ops import _compute as C
+from fusible.ops.basic.linear import _inference
+from fusible.ops.op import BasicOperation
+from fusible.ops.workspace import WorkspaceCache, quantize_weight
+from fusible.quantization import QuantizerRole
+from fusible.quantization.model_init import get_quantized_model_init_recipe
+from fusible.quantization.quantizers import MXFP8Quantizer, QuantizedTensor, Quantizer
+from fusible.quantization.roles import BACKWARD_BUCKETS, FORWARD_BUCKETS
+
+__all__ = ["GroupedLinear", "gemm_index"]
+
+_GEMM_NAME = re.compile(r"(?:\A|_)gemm(\d+)\Z")
+
+
+def gemm_index(role: QuantizerRole) -> int | None:
+    """The GEMM (expert) index a ``GroupedLinear`` role names (``gemm3`` or ``<name>_gemm3``
+    -> 3), or None for a role without one -- handy in a ``CustomRecipe`` factory."""
+    found = _GEMM_NAME.search(role.name or "")
+    return None if found is None else int(found.group(1))
+
+
+class GroupedLinear(BasicOperation):
+    """``num_gemms`` linear layers over consecutive groups of rows (tokens grouped by expert):
+    with ``x`` of ``sum(m_splits)`` rows (``(..., in_features)``, the leading dimensions
+    flattened), rows ``[s_i, s_i + m_splits[i])`` give ``y_i = x_i @ weight{i}.T + bias{i}``,
+    and ``y`` is the ``y_i`` stacked in order (``(..., out_features)``). Parameters, named as in
+    TransformerEngine: ``weight0 .. weight{n-1}`` (``[out_features, in_features]`` each), then
+    ``bias0 .. bias{n-1}`` (``bias=True``).
+
+    **Split sizes.** ``m_splits`` is a per-call keyword of ``Sequential.forward``
+    (``seq(x, m_splits=[...])``; the module ``fusible.GroupedLinear`` passes its positional
+    argument on): a list or tuple of ``num_gemms`` ints >= 0 summing to the token count, or a
+    1-D integer tensor, which is read with ``.tolist()`` -- a device-to-host sync for a CUDA
+    tensor, and a graph break under ``torch.compile``; pass a list there. Why a keyword and not
+    an extra input (TransformerEngine's op takes a tensor of sizes as one): the per-expert loop
+    needs the sizes on the host, and a tensor read inside the autograd function would sync
+    there and cannot be traced. The sizes are not part of the fusion plan's key, so one cached
+    plan serves every split: :meth:`prepare_call` checks them per call and they cross the
+    autograd function as a constant (a tuple of ints, kept in the op's context for backward),
+    so a new split needs no new plan, and backward always uses the sizes of its own forward
+    (several forwards may be pending). Under ``torch.compile`` the first call specializes the
+    sizes; after a change, dynamo traces them as symbolic ints and one graph serves every split
+    that leaves the same experts empty (the op branches on an expert being empty, which
+    recompiles). Every ``GroupedLinear`` of one ``Sequential`` call reads the same ``m_splits``
+    (an MoE expert MLP keeps tokens grouped between its two layers). Empty experts (0 rows)
+    are allowed: no kernel runs for them (on an ``is_first_microbatch=True`` step their weight
+    is still quantized, to fill the cache), they have no rows in ``y`` and their weight and bias
+    gradients are zeros.
+
+    **Quantizer roles** (scope ``grouped_linear``; the GEMM index in the role's name:
+    ``gemm<i>``, or ``<name>_gemm<i>`` for an op built with ``name=``): forward, per GEMM in
+    order, ``input``, ``weight``, ``output``; backward, per GEMM, ``grad_output``,
+    ``grad_input``. So every expert has its own quantizers and scaling state under every
+    recipe (a ``CustomRecipe`` factory can route by expert, see :func:`gemm_index`). Each
+    expert's input and output gradient are quantized separately (one quantize and one GEMM per
+    expert and pass, the per-GEMM kernels in a loop; no grouped GEMM kernel), so the op offers
+    no quantizer to its neighbours (no hand-off: one tensor cannot carry per-expert scales).
+    MXFP8 needs ``in_features``, ``out_features`` and every split divisible by 32.
+
+    **Weight workspaces**: one per expert (``workspace_caches[i]``), each looked up, stored and
+    invalidated on its own (an in-place update of ``weight3`` re-quantizes expert 3 only); see
+    ``fusible.ops.workspace`` for ``is_first_microbatch``.
+
+    Weights built inside ``fusible.quantized_model_init`` (stored quantized) are not supported
+    yet: construction there raises ``NotImplementedError``.
+    """
+
+    role_scope = "grouped_linear"
+    call_kwargs = ("m_splits",)
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        for arg, v in (("num_gemms", num_gemms), ("in_features", in_features),
+                       ("out_features", out_features)):  # fmt: skip
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"GroupedLinear: {arg} must be a positive int, got {v!r}")
+        if get_quantized_model_init_recipe() is not None:
+            raise NotImplementedError(
+                "GroupedLinear: weights built inside fusible.quantized_model_init are not "
+                "supported yet; build the GroupedLinear outside the quantized_model_init region "
+                "(its weights then stay high precision and are quantized per step)"
+            )
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.use_bias = bool(bias)
+        for i in range(num_gemms):
+            w = torch.empty(out_features, in_features, device=device, dtype=dtype)
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(w))
+        if self.use_bias:
+            for i in range(num_gemms):
+                b = torch.zeros(out_features, device=device, dtype=dtype)
+                self.register_parameter(f"bias{i}", torch.nn.Parameter(b))
+        self.workspace_caches = [WorkspaceCache() for _ in range(num_gemms)]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each weight kaiming-uniform (as ``torch.nn.Linear``), biases zero; a no-op on
+        ``meta`` (``to_empty()`` then ``reset_parameters()`` materialises)."""
+        for w in self.weights():
+            if w.device.type != "meta":
+                torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        with torch.no_grad():
+            for b in self.biases():
+                if b.device.type != "meta":
+                    b.zero_()
+
+    def weights(self) -> list[torch.nn.Parameter]:
+        return [self._parameters[f"weight{i}"] for i in range(self.num_gemms)]  # type: ignore[misc]
+
+    def biases(self) -> list[torch.nn.Parameter]:
+        if not self.use_bias:
+            return []
+        return [self._parameters[f"bias{i}"] for i in range(self.num_gemms)]  # type: ignore[misc]
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.use_bias}"
+        )
+
+    # ---- quantizers --------------------------------------------------------------------------
+
+    def gemm_name(self, i: int) -> str:
+        """The role name of GEMM ``i``: ``gemm<i>``, or ``<name>_gemm<i>``."""
+        return f"gemm{i}" if self.quantizer_name is None else f"{self.quantizer_name}_gemm{i}"
+
+    def get_quantizer_roles(self, fwd: bool) -> list[QuantizerRole]:
+        buckets = FORWARD_BUCKETS if fwd else BACKWARD_BUCKETS
+        return [
+            QuantizerRole(b, self.scope, self.gemm_name(i))
+            for i in range(self.num_gemms)
+            for b in buckets
+        ]
+
+    def gemm_quantizers(self, fwd: bool, bucket: str) -> list[Quantizer | None]:
+        """The quantizer of ``bucket`` for each GEMM, in order (all None without a recipe)."""
+        state = self.recipe_state(fwd)
+        buckets = FORWARD_BUCKETS if fwd else BACKWARD_BUCKETS
+        if state is None:
+            return [None] * self.num_gemms
+        k, step = buckets.index(bucket), len(buckets)
+        return list(state.quantizers[k::step])
+
+    def workspace_specs(self) -> list[tuple[int | None, torch.Tensor, Quantizer]]:
+        ws = self.weights()
+        return [(i, ws[i], q) for i, q in enumerate(self.gemm_quantizers(True, "weight"))
+                if q is not None]  # fmt: skip
+
+    def kernels(self, fwd: bool) -> list[str]:
+        qw = self.gemm_quantizers(True, "weight")[0]
+        how = " on dequantized MXFP8 operands" if isinstance(qw, MXFP8Quantizer) else ""
+        n = self.num_gemms
+        if fwd:
+            quant = "quantize(input, weight), " if qw is not None else ""
+            return [f"per expert (x{n}, empty experts skipped): {quant}gemm(fprop){how}"]
+        quant = "quantize(grad_output), " if qw is not None else ""
+        return [f"per expert (x{n}): {quant}gemm(dgrad){how}, gemm(wgrad){how}"]
+
+    # ---- per-call split sizes ------------------------------------------------------------------
+
+    def prepare_call(self, kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+        """``m_splits`` checked and as a tuple of ints (a tensor is read with ``.tolist()``)."""
+        if "m_splits" not in kwargs or kwargs["m_splits"] is None:
+            raise TypeError(
+                f"GroupedLinear: m_splits is required: pass m_splits=[...] ({self.num_gemms} "
+                "token counts, one per GEMM) to the Sequential call"
+            )
+        return check_splits(kwargs["m_splits"], self.num_gemms)
+
+    def _check_input(self, x: torch.Tensor, splits: tuple[int, ...]) -> int:
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"GroupedLinear: input feature size {x.shape[-1] if x.dim() else None} does not "
+                f"match in_features {self.in_features} (input shape {tuple(x.shape)})"
+            )
+        tokens = math.prod(x.shape[:-1])
+        if sum(splits) != tokens:
+            raise ValueError(
+                f"GroupedLinear: m_splits must sum to the number of input rows {tokens} (input "
+                f"shape {tuple(x.shape)}), got sum {sum(splits)} for m_splits={list(splits)}"
+            )
+        return tokens
+
+    def _check_mxfp8(self, splits: tuple[int, ...]) -> None:
+        bad = [(i, m) for i, m in enumerate(splits) if m % 32]
+        if self.in_features % 32 or self.out_features % 32 or bad:
+            what = f"m_splits[{bad[0][0]}]={bad[0][1]}" if bad else f"m_splits={list(splits)}"
+            raise ValueError(
+                f"GroupedLinear: MXFP8 needs in_features, out_features and every m_splits entry "
+                f"divisible by 32, got {self.in_features}, {self.out_features} and {what}"
+            )
+
+    # ---- execution ----------------------------------------------------------------------------
+
+    def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
+        splits: tuple[int, ...] = ctx.call
+        x = C.dequantize(x)
+        self._check_input(x, splits)
+        n = self.num_gemms
+        ws, bs = params[:n], params[n:]
+        for i, w in enumerate(ws):
+            if isinstance(w, QuantizedTensor):
+                raise TypeError(
+                    f"GroupedLinear: weight{i} is a QuantizedTensor; quantized weights are not "
+                    "supported by GroupedLinear yet (assign a high-precision parameter)"
+                )
+        dtype = x.dtype
+        prg = ctx.params_requires_grad or (False,) * len(params)
+        grad = not _inference()
+        need_dgrad = grad and ctx.input_requires_grad
+        need_wgrad = tuple(grad and bool(r) for r in prg[:n])
+        qxs = self.gemm_quantizers(True, "input")
+        qws = self.gemm_quantizers(True, "weight")
+        if any(isinstance(q, MXFP8Quantizer) for q in (*qxs, *qws)):
+            self._check_mxfp8(splits)
+        keyed = isinstance(ctx.cache_weight, dict)
+        cache = ctx.cache_weight if keyed else {}
+        given = ctx.workspace if keyed else {}
+        x2 = C.as_2d(x)
+        xs = torch.split(x2, list(splits)) if n > 1 else (x2,)
+        ys: list[torch.Tensor] = []
+        saved_x: list[Any] = []
+        saved_w: list[Any] = []
+        for i in range(n):
+            m, qx, qw, w = splits[i], qxs[i], qws[i], ws[i]
+            b = bs[i] if bs else None
+            wq: Any = w
+            if qw is not None and (m or cache.get(i, False)):
+                # An empty expert's weight is quantized only to fill its cache.
+                wq, made = quantize_weight(
+                    w, qw, given.get(i), cache.get(i, False), columnwise=need_dgrad
+                )
+                if cache.get(i, False):
+                    ctx.new_workspace[i] = made
+            if m == 0:
+                saved_x.append(None)
+                saved_w.append(None)
+                continue
+            xi = xs[i]
+            xq: Any = xi if qx is None else qx.quantize(xi, rowwise=True, columnwise=need_wgrad[i])
+            # As ops.Linear computes it (BasicLinear, fused with its Bias): the same bits.
+            if b is not None:
+                yi, _ = C.gemm_fprop(xq, wq, dtype, bias=b.to(dtype), epilogue="bias")
+            elif isinstance(xq, torch.Tensor) and isinstance(wq, torch.Tensor):
+                yi = torch.nn.functional.linear(xq, wq.to(dtype))
+            else:
+                yi, _ = C.gemm_fprop(xq, wq, dtype)
+            ys.append(yi)
+            saved_x.append(C.keep_columnwise(xq) if need_wgrad[i] else None)
+            saved_w.append(C.keep_columnwise(wq) if need_dgrad else None)
+        if ys:
+            y = torch.cat(ys) if len(ys) > 1 else ys[0]
+        else:
+            y = x2.new_empty(0, self.out_features)
+        y = y.view(*x.shape[:-1], self.out_features)
+        ctx.saved = saved_x + saved_w
+        ctx.attrs.update(
+            splits=splits, need_dgrad=need_dgrad, need_wgrad=need_wgrad, dtype=dtype,
+            w_dtypes=tuple(w.dtype for w in ws), b_dtypes=tuple(b.dtype for b in bs),
+            need_bgrad=tuple(grad and bool(r) for r in prg[n:]),
+        )  # fmt: skip
+        return y, []
+
+    def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
+        n = self.num_gemms
+        a = ctx.attrs
+        splits, need_dgrad, need_wgrad = a["splits"], a["need_dgrad"], a["need_wgrad"]
+        need_bgrad, dtype = a["need_bgrad"], a["dtype"]
+        saved_x, saved_w = ctx.saved[:n], ctx.saved[n:]
+        qgs = self.gemm_quantizers(False, "grad_output")
+        dy = C.dequantize(dy)
+        lead = dy.shape[:-1]
+        dy2 = C.as_2d(dy)
+        dys = torch.split(dy2, list(splits)) if n > 1 else (dy2,)
+        dxs: list[torch.Tensor] = []
+        dws: list[torch.Tensor | None] = []
+        dbs: list[torch.Tensor | None] = []
+        for i in range(n):
+            m, w_dtype = splits[i], a["w_dtypes"][i]
+            dw = db = None
+            if m == 0:
+                if need_wgrad[i]:
+                    dw = dy2.new_zeros(self.out_features, self.in_features, dtype=w_dtype)
+                if need_bgrad and need_bgrad[i]:
+                    db = dy2.new_zeros(self.out_features, dtype=a["b_dtypes"][i])
+                dws.append(dw)
+                dbs.append(db)
+                continue
+            dyi = dys[i]
+            if need_bgrad and need_bgrad[i]:
+                db = dyi.sum(0, dtype=torch.float32).to(a["b_dtypes"][i])
+            g: Any = dyi
+            qg = qgs[i]
+            if qg is not None and (need_dgrad or need_wgrad[i]):
+                g = qg.quantize(dyi, rowwise=need_dgrad, columnwise=need_wgrad[i])
+            xq, wq = saved_x[i], saved_w[i]
+            plain = isinstance(g, torch.Tensor)
+            if need_dgrad:
+                if plain and isinstance(wq, torch.Tensor):
+                    dxs.append(g @ wq.to(g.dtype))
+                else:
+                    dxs.append(C.gemm_dgrad(g, wq, dtype)[0])
+            if need_wgrad[i]:
+                if plain and isinstance(xq, torch.Tensor):
+                    dw = g.t() @ xq.to(g.dtype)
+                else:
+                    dw = C.gemm_wgrad(g, xq, w_dtype)[0]
+                dw = dw.to(w_dtype)
+            dws.append(dw)
+            dbs.append(db)
+        dx = None
+        if need_dgrad:
+            if dxs:
+                dx2 = torch.cat(dxs) if len(dxs) > 1 else dxs[0]
+            else:
+                dx2 = dy2.new_empty(0, self.in_features)
+            dx = dx2.to(dtype).view(*lead, self.in_features)
+        return dx, dws + (dbs if self.use_bias else []), []
+
+
+def check_splits(m_splits: Any, num_gemms: int, owner: str = "GroupedLinear") -> tuple[Any, ...]:
+    """``m_splits`` as a tuple of ``num_gemms`` ints >= 0 (see :class:`GroupedLinear`); raises
+    ``TypeError`` / ``ValueError`` naming ``owner``, the argument and what was expected."""
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.is_complex():
+            raise TypeError(
+                f"{owner}: m_splits as a tensor must be 1-D of an integer dtype, got shape "
+                f"{tuple(m_splits.shape)} and dtype {m_splits.dtype}"
+            )
+        m_splits = m_splits.tolist()  # a host sync for a device tensor (documented)
+    if not isinstance(m_splits, (list, tuple)):
+        raise TypeError(
+            f"{owner}: m_splits must be a list or tuple of {num_gemms} ints (or a 1-D integer "
+            f"tensor), got {type(m_splits).__name__}"
+        )
+    out: list[Any] = []
+    for i, v in enumerate(m_splits):
+        if isinstance(v, bool):
+            raise TypeError(f"{owner}: m_splits[{i}] must be an int, got {v!r}")
+        if isinstance(v, (int, torch.SymInt)):
+            out.append(v)
+            continue
+        try:
+            out.append(operator.index(v))
+        except TypeError:
+            raise TypeError(
+                f"{owner}: m_splits[{i}] must be an int, got {type(v).__name__} {v!r}"
+            ) from None
+    if len(out) != num_gemms:
+        raise ValueError(
+            f"{owner}: m_splits must have num_gemms={num_gemms} entries (one token count per "
+            f"GEMM), got {len(out)}: {out}"
+        )
+    neg = [(i, v) for i, v in enumerate(out) if v < 0]
+    if neg:
+        raise ValueError(
+            f"{owner}: m_splits entries must be >= 0, got m_splits[{neg[0][0]}]={neg[0][1]}"
+        )
+    return tuple(out)
