@@ -1,6 +1,7 @@
-"""The main job: train a small stack of transformer MLP blocks (LayerNorm -> Linear -> GELU ->
-Linear, with residuals) on a learnable synthetic regression task, under an FP8 recipe chosen on
-the command line, next to the same model trained in BF16 from the same initialisation.
+"""A second example (the main job is train_gpt.py): train a small stack of transformer MLP
+blocks (LayerNorm -> Linear -> GELU -> Linear, with residuals) on a learnable synthetic
+regression task, under an FP8 recipe chosen on the command line, next to the same model trained
+in BF16 from the same initialisation.
 
     python examples/train_block.py --recipe current [--steps 200] [--device cpu|cuda]
 

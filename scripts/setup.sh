@@ -18,7 +18,8 @@ import importlib.util as u
 need = {"scikit_build_core": "scikit-build-core>=0.10",
         "pytest": "pytest>=8", "hypothesis": "hypothesis>=6", "numpy": "numpy",
         "ruff": "ruff>=0.6", "mypy": "mypy>=1.10", "tqdm": "tqdm",
-        "clang_format": "clang-format==23.1.5"}
+        "clang_format": "clang-format==23.1.5",
+        "matplotlib": "matplotlib", "safetensors": "safetensors"}  # the last two: examples
 print(" ".join(v for k, v in need.items() if u.find_spec(k) is None))
 PYEOF
 )

@@ -3,15 +3,23 @@
 ``fusible.ops`` (ops, Sequential, fusion registry), ``fusible.recipe`` (recipes),
 ``fusible.autocast`` (the quantization context), ``fusible.quantization`` (roles, quantizers,
 RecipeState), the modules ``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``
-(MoE experts), and FP8 weights: ``fusible.quantized_model_init`` (build Linear weights
-quantized) with ``fusible.optim`` (``MasterWeightOptimizer``: fp32 master weights on the
-optimizer side).
+(MoE experts), ``MultiheadAttention``, ``TransformerLayer`` (with ``RotaryPositionEmbedding``),
+and FP8 weights: ``fusible.quantized_model_init`` (build Linear weights quantized) with
+``fusible.optim`` (``MasterWeightOptimizer``: fp32 master weights on the optimizer side).
 """
 
 __version__ = "0.1.0"
 
 from fusible import ops, optim, quantization, recipe
-from fusible.modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
+from fusible.modules import (
+    GroupedLinear,
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+    MultiheadAttention,
+    RotaryPositionEmbedding,
+    TransformerLayer,
+)
 from fusible.quantization.autocast import autocast
 from fusible.quantization.model_init import quantized_model_init
 from fusible.quantization.recompute import checkpoint
@@ -21,6 +29,9 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "MultiheadAttention",
+    "RotaryPositionEmbedding",
+    "TransformerLayer",
     "__version__",
     "autocast",
     "checkpoint",

@@ -1,4 +1,5 @@
-"""The README's main job and the quantize demo run end to end (a few steps, every recipe)."""
+"""The second example (train_block.py) and the quantize demo run end to end (a few steps, every
+recipe; the main job, train_gpt.py, is tested in test_train_gpt.py)."""
 
 from __future__ import annotations
 

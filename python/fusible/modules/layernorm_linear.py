@@ -55,4 +55,5 @@ class LayerNormLinear(NormFirst):
 
     @property
     def bias(self) -> torch.nn.Parameter | None:
-        return self[2].bias if len(self) > 2 else None  # type: ignore[return-value]
+        # isinstance, not a length check: ops may be appended after the Linear.
+        return self[2].bias if len(self) > 2 and isinstance(self[2], Bias) else None  # type: ignore[return-value]

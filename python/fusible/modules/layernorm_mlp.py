@@ -103,7 +103,8 @@ class LayerNormMLP(NormFirst):
     @property
     def fc2_bias(self) -> torch.nn.Parameter | None:
         i = self._fc2_index + 1
-        return self[i].bias if i < len(self) else None  # type: ignore[return-value]
+        # isinstance, not a length check: ops appended after fc2 (a residual add) are not a bias.
+        return self[i].bias if i < len(self) and isinstance(self[i], Bias) else None  # type: ignore[return-value]
 
     def extra_repr(self) -> str:
         return (

@@ -586,5 +586,22 @@ def run_plan(
     return outs[0], list(outs[1:n_out])
 
 
+def distinct_inputs(
+    x: torch.Tensor, extra_inputs: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """``extra_inputs`` with each tensor that is also ``x`` or an earlier extra input replaced by
+    a view of it: dynamo cannot trace ``autograd.Function.apply`` given one tensor as two inputs
+    (``block(x, x)``, a residual add of the block's own input). Gradients are the same: autograd
+    sums them into the tensor either way. Called under ``torch.compile`` only (eagerly the
+    function takes duplicates as they are)."""
+    # Identity tests, not id(): dynamo guards on the ids of the tensors it is given (a
+    # recompilation at every step).
+    out: list[torch.Tensor] = []
+    for i, t in enumerate(extra_inputs):
+        dup = t is x or any(t is u for u in extra_inputs[:i])
+        out.append(t.view_as(t) if dup else t)
+    return tuple(out)
+
+
 def params_of(ops: Sequence[BasicOperation]) -> list[torch.Tensor]:
     return [p for op in ops for p in op._parameters.values() if p is not None]

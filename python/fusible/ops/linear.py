@@ -38,4 +38,5 @@ class Linear(Sequential):
 
     @property
     def bias(self) -> torch.nn.Parameter | None:
-        return self[1].bias if len(self) > 1 else None  # type: ignore[return-value]
+        # isinstance, not a length check: ops may be appended (a residual add, a dropout).
+        return self[1].bias if len(self) > 1 and isinstance(self[1], Bias) else None  # type: ignore[return-value]

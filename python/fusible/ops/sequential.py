@@ -328,6 +328,8 @@ class Sequential(torch.nn.Module):
             if traced:
                 key = self._traced_key(index, x, extra, run_params, run)
                 plan = fuser.plan_by_id(_traced_plan_id(self._seq_uid, key, rkey))
+                if extra:  # block(x, x): dynamo wants distinct autograd.Function inputs
+                    extra = fuser.distinct_inputs(x, extra)
             else:
                 key = self._eager_key(index, rkey, x, extra, run_params, run)
                 plan = self._plans.get(key) or self._plan(key, recipe)

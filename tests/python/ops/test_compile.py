@@ -273,6 +273,26 @@ def test_compiled_cache_sees_inplace_update():
     _assert_match(got, want, "after an in-place update")
 
 
+def test_residual_of_the_blocks_own_input_compiles():
+    """``block(x, x)`` (AddExtraInput of the block's own input, as a pre-norm residual) traces:
+    dynamo refuses one tensor given twice to ``autograd.Function.apply``, so the fuser hands it
+    a view (issue 16). Matches eager bit for bit, gradients summed into ``x``."""
+    torch.manual_seed(0)
+    model = MODELS["sequential"]()
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(lambda m, x: m(x, x), backend="aot_eager", fullgraph=True)
+    ((x, _, g),) = _data("sequential", "cpu", 1)
+    outs = []
+    for f, m in ((compiled, model), (None, twin)):
+        xa = x.clone().requires_grad_(True)
+        with fusible.autocast(recipe=RECIPES["current"]):
+            y = f(m, xa) if f is not None else m(xa, xa)
+        y.backward(g)
+        outs.append([y.detach(), xa.grad, *(p.grad for p in m.parameters())])
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
 # ---- GroupedLinear: split sizes under torch.compile ------------------------------------------
 
 # (m_splits, is_first_microbatch, compiles so far with a recipe, without one). The first call
