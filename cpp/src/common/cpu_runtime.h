@@ -37,6 +37,13 @@ namespace fusible {
 #define FUS_ALWAYS_INLINE inline
 #endif
 
+// On a lambda whose body with_cpu_isa compiles once per instruction set.
+#if defined(__GNUC__) || defined(__clang__)
+#define FUS_INLINE_LAMBDA __attribute__((always_inline))
+#else
+#define FUS_INLINE_LAMBDA
+#endif
+
 enum class CpuIsa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // The instruction set the kernels use: the best this processor supports, capped by the
@@ -57,8 +64,36 @@ bool cpu_force_split();
 void set_cpu_force_split(bool on);
 
 namespace detail {
+template <typename F>
+void invoke_baseline(F& f) {
+  f();
+}
+#if FUS_CPU_X86
+template <typename F>
+FUS_TARGET_AVX2 void invoke_avx2(F& f) {
+  f();
+}
+template <typename F>
+FUS_TARGET_AVX512 void invoke_avx512(F& f) {
+  f();
+}
+#endif
 void run_tasks(int64_t n, void (*fn)(void*, int64_t), void* ctx, int max_threads);
 }  // namespace detail
+
+// Runs f() compiled for the instruction set cpu_isa() (f: a lambda marked FUS_INLINE_LAMBDA, so
+// that its body, and the inline functions it calls, are compiled into each variant).
+template <typename F>
+void with_cpu_isa(F&& f) {
+#if FUS_CPU_X86
+  switch (cpu_isa()) {
+    case CpuIsa::kAvx512: return detail::invoke_avx512(f);
+    case CpuIsa::kAvx2: return detail::invoke_avx2(f);
+    case CpuIsa::kBaseline: break;
+  }
+#endif
+  detail::invoke_baseline(f);
+}
 
 // f(t) for every t in [0, n), on up to min(cpu_threads(), max_threads) threads.
 template <typename F>

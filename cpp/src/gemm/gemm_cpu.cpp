@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "common/activation_math.h"
+#include "common/cpu_rows.h"
 #include "common/cpu_runtime.h"
 #include "common/dispatch.h"
 #include "common/fp32_ops.h"
@@ -70,7 +71,7 @@ struct LoadF32 {
 };
 struct LoadHalf {
   const uint16_t* p;
-  FUS_ALWAYS_INLINE float operator()(int64_t i) const { return half_to_float(p[i]); }
+  FUS_ALWAYS_INLINE float operator()(int64_t i) const { return half_to_float_sel(p[i]); }
 };
 struct LoadBf16 {
   const uint16_t* p;
@@ -371,14 +372,14 @@ struct Hp<float> {
 template <>
 struct Hp<Half> {
   using S = uint16_t;
-  static FUS_ALWAYS_INLINE float load(const S* p, int64_t i) { return half_to_float(p[i]); }
-  static FUS_ALWAYS_INLINE void store(S* p, int64_t i, float v) { p[i] = float_to_half(v); }
+  static FUS_ALWAYS_INLINE float load(const S* p, int64_t i) { return half_to_float_sel(p[i]); }
+  static FUS_ALWAYS_INLINE void store(S* p, int64_t i, float v) { p[i] = float_to_half_sel(v); }
 };
 template <>
 struct Hp<Bf16> {
   using S = uint16_t;
   static FUS_ALWAYS_INLINE float load(const S* p, int64_t i) { return bf16_to_float(p[i]); }
-  static FUS_ALWAYS_INLINE void store(S* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
+  static FUS_ALWAYS_INLINE void store(S* p, int64_t i, float v) { p[i] = float_to_bf16_sel(v); }
 };
 
 template <typename F>
@@ -415,7 +416,7 @@ template <Fp8Format F>
 FUS_ALWAYS_INLINE uint32_t ep_store_fp8(const float* v, int64_t n, float scale, uint8_t* out,
                                         uint32_t amax) {
   for (int64_t j = 0; j < n; ++j) {
-    out[j] = float_to_fp8<F>(v[j] * scale);
+    out[j] = float_to_fp8_sel<F>(v[j] * scale);
     amax = std::max(amax, abs_bits(v[j]));
   }
   return amax;
