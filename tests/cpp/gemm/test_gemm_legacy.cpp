@@ -3,7 +3,9 @@
 // specification's loop as of 703b091): every output byte (d, aux, dbias, amax) must be equal, for
 // every instruction set this processor runs (baseline, AVX2, AVX-512) and 1, 2 and 3 threads, with
 // small problems split into tasks as large ones are, at odd sizes, every dtype mix, epilogue and
-// accumulation, values with few significant bits (the fused multiply-add path) and special values.
+// accumulation, values with few significant bits (the fused multiply-add path) and special values
+// (where a NaN matches any NaN: which NaN a two-NaN operation returns is the compiler's operand
+// order, see legacy_test_utils.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -20,6 +22,7 @@
 #include "common/fp32_ops.h"
 #include "fusible/gemm.h"
 #include "gemm/gemm_impl.h"
+#include "legacy_test_utils.h"
 
 // ---- legacy: cpp/src/gemm/gemm_cpu.cpp at 703b091, verbatim -------------------------------------
 
@@ -225,7 +228,7 @@ void gemm_cpu(const fus_gemm_args& args, const GemmShape& s) {
 
 namespace {
 
-using fusible::CpuIsa;
+using legacy_test::CpuIsa;
 
 constexpr fus_dtype kF32 = FUS_FLOAT32, kF16 = FUS_FLOAT16, kBF16 = FUS_BFLOAT16,
                     kE4M3 = FUS_FLOAT8_E4M3, kE5M2 = FUS_FLOAT8_E5M2;
@@ -376,91 +379,28 @@ struct Problem {
   }
 };
 
-bool is_nan(fus_dtype dt, const uint8_t* e) {
-  switch (dt) {
-    case kF32: {
-      uint32_t u;
-      std::memcpy(&u, e, 4);
-      return (u & 0x7fffffffu) > 0x7f800000u;
-    }
-    case kBF16:
-    case kF16: {
-      uint16_t h;
-      std::memcpy(&h, e, 2);
-      return dt == kBF16 ? (h & 0x7fffu) > 0x7f80u : (h & 0x7fffu) > 0x7c00u;
-    }
-    case kE4M3: return (e[0] & 0x7f) == 0x7f;
-    case kE5M2: return (e[0] & 0x7f) > 0x7c;
-    default: return false;
-  }
-}
-
-// Every element equal byte for byte, except that a NaN matches any NaN: which NaN an operation
-// on two NaN operands returns is the compiler's choice of operand order (the legacy build already
-// differs between the rows of its vectorised loop), so neither implementation defines it.
-::testing::AssertionResult same_values(const char* what, fus_dtype dt,
-                                       const std::vector<uint8_t>& want,
-                                       const std::vector<uint8_t>& got) {
-  if (want.size() != got.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
-  const size_t es = fus_dtype_size(dt);
-  for (size_t e = 0; e * es < want.size(); ++e) {
-    const uint8_t* w = &want[e * es];
-    const uint8_t* g = &got[e * es];
-    if (std::memcmp(w, g, es) == 0 || (is_nan(dt, w) && is_nan(dt, g))) continue;
-    uint32_t wv = 0, gv = 0;
-    std::memcpy(&wv, w, es);
-    std::memcpy(&gv, g, es);
-    std::ostringstream o;
-    o << what << " differs first at element " << e << ": want 0x" << std::hex << wv << ", got 0x"
-      << gv;
-    return ::testing::AssertionFailure() << o.str();
-  }
-  return ::testing::AssertionSuccess();
-}
-
-std::vector<CpuIsa> isas() {
-  std::vector<CpuIsa> v{CpuIsa::kBaseline};
-#if FUS_CPU_X86
-  if (fusible::cpu_isa_detected() >= CpuIsa::kAvx2) v.push_back(CpuIsa::kAvx2);
-  if (fusible::cpu_isa_detected() >= CpuIsa::kAvx512) v.push_back(CpuIsa::kAvx512);
-#endif
-  return v;
-}
-
-// Restores the default threads, instruction set and splitting at the end of a test.
-struct RuntimeGuard {
-  ~RuntimeGuard() {
-    fusible::set_cpu_threads(0);
-    fusible::set_cpu_isa_cap(CpuIsa::kAvx512);
-    fusible::set_cpu_force_split(false);
-  }
-};
-
 // Runs the legacy implementation once and fus_gemm for every instruction set and 1, 2, 3 threads
-// (small problems split into tasks as large ones are), comparing every output byte.
+// (small problems split into tasks as large ones are), comparing every output byte (a NaN
+// matches any NaN: legacy_test::same_values).
 void check(const Config& cfg, uint32_t seed, std::initializer_list<int> threads = {1, 2, 3}) {
-  RuntimeGuard guard;
   Problem want(cfg, seed);
   {
     fus_gemm_args args = want.args();
     legacy::gemm_cpu(args, want.shape());
   }
   const fus_context ctx{FUS_DEVICE_CPU, 0, nullptr};
-  for (CpuIsa isa : isas()) {
+  for (CpuIsa isa : legacy_test::isas()) {
     for (int t : threads) {
-      fusible::set_cpu_isa_cap(isa);
-      fusible::set_cpu_threads(t);
-      fusible::set_cpu_force_split(true);
+      legacy_test::Runtime rt(isa, t);
       Problem got(cfg, seed);
       fus_gemm_args args = got.args();
       ASSERT_EQ(fus_gemm(&args, &ctx), FUS_SUCCESS) << cfg.str() << ": " << fus_last_error();
-      const std::string where =
-          cfg.str() + " isa=" + fusible::cpu_isa_name(isa) + " threads=" + std::to_string(t);
-      EXPECT_TRUE(same_values("d", cfg.dt, want.d, got.d)) << where;
-      EXPECT_TRUE(same_values("aux", want.vec_dtype(), want.aux, got.aux)) << where;
-      EXPECT_TRUE(same_values("dbias", want.vec_dtype(), want.dbias, got.dbias)) << where;
-      const uint32_t wa = fusible::float_as_bits(want.amax), ga = fusible::float_as_bits(got.amax);
-      EXPECT_TRUE(wa == ga || (fusible::is_nan_bits(wa) && fusible::is_nan_bits(ga))) << where;
+      const std::string where = cfg.str() + legacy_test::Runtime::name(isa, t);
+      EXPECT_TRUE(legacy_test::same_values("d", cfg.dt, want.d, got.d)) << where;
+      EXPECT_TRUE(legacy_test::same_values("aux", want.vec_dtype(), want.aux, got.aux)) << where;
+      EXPECT_TRUE(legacy_test::same_values("dbias", want.vec_dtype(), want.dbias, got.dbias))
+          << where;
+      EXPECT_TRUE(legacy_test::same_float(want.amax, got.amax)) << where;
     }
   }
 }
