@@ -22,7 +22,15 @@ from typing import Any
 
 import torch
 
-from _common import TorchBlock, environment, fusible_block, fusible_step, print_table, write_json
+from _common import (
+    TorchBlock,
+    environment,
+    fusible_block,
+    fusible_step,
+    print_table,
+    time_ms,
+    write_json,
+)
 from fusible import _kernels as K
 from fusible import recipe
 
@@ -33,17 +41,6 @@ RECIPES: dict[str, Any] = {
 }
 E4M3 = torch.float8_e4m3fn
 F32 = torch.float32
-
-
-def _median_ms(fn: Callable[[], Any], warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def steps(n: int, h: int, f: int, rounds: int, profile: str | None) -> list[dict[str, Any]]:
@@ -86,12 +83,12 @@ def kernels(n: int, h: int, f: int, iters: int) -> list[dict[str, Any]]:
 
     def add(name: str, shape: str, fn: Callable[[], Any], *, flops: int = 0, nbytes: int = 0,
             torch_fn: Callable[[], Any] | None = None) -> None:  # fmt: skip
-        ms = _median_ms(fn, 2, iters)
+        ms = time_ms(fn, 2, iters)
         row: dict[str, Any] = {"kernel": name, "shape": shape, "ms": ms}
         row["GFLOP/s"] = flops / ms / 1e6 if flops else None
         row["GB/s"] = nbytes / ms / 1e6 if nbytes else None
         if torch_fn is not None:
-            tms = _median_ms(torch_fn, 2, iters)
+            tms = time_ms(torch_fn, 2, iters)
             row["torch_ms"] = tms
             row["ratio_vs_torch"] = ms / tms
         rows.append(row)

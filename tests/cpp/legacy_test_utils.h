@@ -12,6 +12,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/cpu_runtime.h"
@@ -116,6 +117,57 @@ inline bool same_float(float want, float got) {
   const uint32_t w = fusible::float_as_bits(want), g = fusible::float_as_bits(got);
   return w == g || (fusible::is_nan_bits(w) && fusible::is_nan_bits(g));
 }
+
+// The buffers of a quantized output (fusible/common.h's fus_quantized), prefilled with a pattern.
+struct QuantOut {
+  std::vector<uint8_t> row, col, rs, cs;
+  float scale = 0, amax = -1.0f;
+  fus_quantized q{};
+  QuantOut(fus_scaling_mode mode, fus_dtype fp8, int64_t rows, int64_t cols, bool rowwise,
+           bool colwise, float sc) {
+    const size_t n = static_cast<size_t>(rows * cols);
+    scale = sc;
+    q.mode = mode;
+    q.dtype = fp8;
+    q.rows = rows;
+    q.cols = cols;
+    if (rowwise) row.assign(n, 0xcd);
+    if (colwise) col.assign(n, 0xcd);
+    if (mode == FUS_SCALING_PER_TENSOR) {
+      rs.assign(4, 0xcd);
+    } else {
+      if (rowwise) rs.assign(static_cast<size_t>(rows * ((cols + 31) / 32)), 0xcd);
+      if (colwise) cs.assign(static_cast<size_t>(((rows + 31) / 32) * cols), 0xcd);
+    }
+    q.rowwise_data = row.empty() ? nullptr : row.data();
+    q.columnwise_data = col.empty() ? nullptr : col.data();
+    q.rowwise_scale_inv = rs.empty() ? nullptr : rs.data();
+    q.columnwise_scale_inv = cs.empty() ? nullptr : cs.data();
+    q.scale = &scale;
+    q.amax = &amax;
+  }
+  QuantOut(const QuantOut&) = delete;
+  QuantOut& operator=(const QuantOut&) = delete;
+
+  // The FP8 data byte for byte, or (nan_equal) with a NaN matching any NaN; scales and amax
+  // exactly (amax: any NaN with nan_equal).
+  ::testing::AssertionResult same(const QuantOut& w, bool nan_equal = false) const {
+    for (auto [name, a, b] : {std::make_tuple("q rowwise data", &w.row, &row),
+                              std::make_tuple("q columnwise data", &w.col, &col)}) {
+      auto r = nan_equal ? same_values(name, q.dtype, *a, *b) : same_bytes(name, *a, *b);
+      if (!r) return r;
+    }
+    for (auto [name, a, b] : {std::make_tuple("q rowwise scale", &w.rs, &rs),
+                              std::make_tuple("q columnwise scale", &w.cs, &cs)}) {
+      auto r = same_bytes(name, *a, *b);
+      if (!r) return r;
+    }
+    const bool ok = nan_equal ? same_float(w.amax, amax)
+                              : fusible::float_as_bits(w.amax) == fusible::float_as_bits(amax);
+    if (!ok) return ::testing::AssertionFailure() << "amax differs";
+    return ::testing::AssertionSuccess();
+  }
+};
 
 // Value sets of the inputs: normals, or normals mixed with zeros of both signs, fp32 subnormals,
 // huge values, infinities and NaNs of both signs.

@@ -291,47 +291,6 @@ struct Sizes {
 const Sizes kSizes[] = {{1, 1},    {1, 7},     {7, 1},    {31, 33},   {63, 65},  {64, 64},
                         {65, 127}, {127, 255}, {33, 513}, {97, 2049}, {257, 31}, {1024, 4096}};
 
-struct QBufs {
-  std::vector<uint8_t> row, col, rs, cs;
-  float scale = 0, amax = -1.0f;
-  fus_quantized q{};
-  QBufs(fus_scaling_mode mode, fus_dtype fp8, int64_t rows, int64_t cols, bool rowwise,
-        bool colwise, float sc) {
-    const size_t n = static_cast<size_t>(rows * cols);
-    scale = sc;
-    q.mode = mode;
-    q.dtype = fp8;
-    q.rows = rows;
-    q.cols = cols;
-    if (rowwise) row.assign(n, 0xcd);
-    if (colwise) col.assign(n, 0xcd);
-    if (mode == FUS_SCALING_PER_TENSOR) {
-      rs.assign(4, 0xcd);
-    } else {
-      if (rowwise) rs.assign(static_cast<size_t>(rows * ((cols + 31) / 32)), 0xcd);
-      if (colwise) cs.assign(static_cast<size_t>(((rows + 31) / 32) * cols), 0xcd);
-    }
-    q.rowwise_data = row.empty() ? nullptr : row.data();
-    q.columnwise_data = col.empty() ? nullptr : col.data();
-    q.rowwise_scale_inv = rs.empty() ? nullptr : rs.data();
-    q.columnwise_scale_inv = cs.empty() ? nullptr : cs.data();
-    q.scale = &scale;
-    q.amax = &amax;
-  }
-  ::testing::AssertionResult same(const QBufs& w) const {
-    for (auto [name, a, b] : {std::make_tuple("rowwise_data", &w.row, &row),
-                              std::make_tuple("columnwise_data", &w.col, &col),
-                              std::make_tuple("rowwise_scale_inv", &w.rs, &rs),
-                              std::make_tuple("columnwise_scale_inv", &w.cs, &cs)}) {
-      auto r = legacy_test::same_bytes(name, *a, *b);
-      if (!r) return r;
-    }
-    if (fusible::float_as_bits(w.amax) != fusible::float_as_bits(amax))
-      return ::testing::AssertionFailure() << "amax differs";
-    return ::testing::AssertionSuccess();
-  }
-};
-
 }  // namespace
 
 TEST(QuantizeCpuLegacy, PerTensorAndMxfp8EveryCopyDtypeAndSize) {
@@ -351,12 +310,12 @@ TEST(QuantizeCpuLegacy, PerTensorAndMxfp8EveryCopyDtypeAndSize) {
           std::mt19937 g(seed++);
           std::vector<uint8_t> x = legacy_test::random_hp(in, sz.rows * sz.cols, v, g, 3.0f);
           const fus_tensor t{x.data(), in, sz.rows, sz.cols};
-          QBufs want(mode, fp8, sz.rows, sz.cols, copies & 1, copies & 2, sc);
+          legacy_test::QuantOut want(mode, fp8, sz.rows, sz.cols, copies & 1, copies & 2, sc);
           legacy::quantize_cpu(t, want.q);
           for (CpuIsa isa : legacy_test::isas()) {
             for (int threads : {1, 2, 3}) {
               Runtime rt(isa, threads);
-              QBufs got(mode, fp8, sz.rows, sz.cols, copies & 1, copies & 2, sc);
+              legacy_test::QuantOut got(mode, fp8, sz.rows, sz.cols, copies & 1, copies & 2, sc);
               fusible::quantize_cpu(t, got.q);
               EXPECT_TRUE(got.same(want))
                   << sz.rows << "x" << sz.cols << " in=" << in << " fp8=" << fp8 << " mode=" << mode
@@ -374,6 +333,7 @@ TEST(QuantizeCpuLegacy, AmaxDequantizeAndTranspose) {
   for (const Sizes& sz : kSizes) {
     const size_t n = static_cast<size_t>(sz.rows * sz.cols);
     for (fus_dtype hp : {kF32, kBF16, kF16}) {
+      if (n > 100000 && hp != kF32) continue;  // the block size in fp32 only
       std::mt19937 g(seed++);
       const Values v = seed % 2 ? Values::kSpecial : Values::kNormal;
       std::vector<uint8_t> x = legacy_test::random_hp(hp, sz.rows * sz.cols, v, g, 3.0f);
