@@ -82,11 +82,15 @@ class Pool {
   void run(int64_t n, void (*fn)(void*, int64_t), void* ctx, int threads) {
     std::unique_lock<std::mutex> job(run_mutex_, std::try_to_lock);
     if (!job.owns_lock()) return run_serial(n, fn, ctx);  // another thread's job is running
-    const int helpers = static_cast<int>(std::min<int64_t>(threads - 1, n - 1));
+    int helpers = static_cast<int>(std::min<int64_t>(threads - 1, n - 1));
     {
       std::lock_guard<std::mutex> lk(m_);
-      while (static_cast<int>(workers_.size()) < helpers)
-        workers_.emplace_back([this] { worker(); });
+      try {
+        while (static_cast<int>(workers_.size()) < helpers)
+          workers_.emplace_back([this] { worker(); });
+      } catch (const std::exception&) {  // no more threads: run with those there are
+        helpers = static_cast<int>(workers_.size());
+      }
       fn_ = fn;
       ctx_ = ctx;
       n_ = n;

@@ -2,9 +2,10 @@
 //
 // Summation order (the specification): every output element has one fp32 accumulator that starts
 // at +0 and receives its products op(A)[m, k] * op(B)[k, n] one at a time in ascending k, each
-// product and each addition rounded separately (no FMA; the library is built with
-// -ffp-contract=off, CMakeLists.txt, and the vector kernels below use separate multiply and add
-// instructions). Everything else is memory order, which never changes a bit:
+// product and each addition rounded separately (the library is built with -ffp-contract=off,
+// CMakeLists.txt, and the vector kernels use separate multiply and add instructions; a fused
+// multiply-add only for panels whose products are all exact, where it rounds identically, see
+// exact_products). Everything else is memory order, which never changes a bit:
 //
 //  - Blocking for cache (GotoBLAS / BLIS): a task owns a block of output columns [j0, j0 + nc) and
 //    rows [r0, r1). For each K panel of kKc, it packs op(B)[k0:k0+kc, j0:j0+nc] into column strips
@@ -21,7 +22,8 @@
 //    columns over all rows (in ascending row blocks), so every dbias[n] is summed in ascending m
 //    by one task.
 //  - Micro-kernels: AVX-512 (8 x 32), AVX2 (6 x 16) and a portable one (4 x 8, auto-vectorised);
-//    cpu_isa() picks one. All perform the same per-element operations in the same order.
+//    cpu_isa() picks one. All perform the same per-element operations in the same order
+//    (tests/cpp/gemm/test_gemm_legacy.cpp compares them with the scalar loop they replaced).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
