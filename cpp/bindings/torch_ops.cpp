@@ -1,11 +1,13 @@
 // Helpers shared by the torch operator layer (torch_ops.h).
 #include "torch_ops.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
 
 namespace fusible_torch {
@@ -146,7 +148,13 @@ std::pair<int64_t, int64_t> matrix_shape(const char* op, const Tensor& x, const 
 }
 
 fus_context context_of(const Tensor& t) {
-  if (!t.is_cuda()) return fus_context{FUS_DEVICE_CPU, 0, nullptr};
+  if (!t.is_cuda()) {
+    // CPU kernels use as many threads as torch's intra-op pool (torch.set_num_threads; one
+    // inside a torch parallel region), unless FUSIBLE_NUM_THREADS sets the count.
+    static const bool follow_torch = std::getenv("FUSIBLE_NUM_THREADS") == nullptr;
+    if (follow_torch) fus_cpu_set_num_threads(at::get_num_threads());
+    return fus_context{FUS_DEVICE_CPU, 0, nullptr};
+  }
   const c10::Device dev = t.device();
   // The current stream through the CUDA guard that torch registers at run time: no link against
   // torch's CUDA libraries, and the same stream torch.cuda.current_stream() names (CUDA graph

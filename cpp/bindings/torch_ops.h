@@ -81,7 +81,8 @@ inline fus_tensor mat(const Tensor& t, int64_t rows, int64_t cols) {
 }
 inline constexpr fus_tensor kAbsent{nullptr, FUS_FLOAT32, 0, 0};
 
-// The C API's context for `t`'s device: the current CUDA stream for a CUDA tensor.
+// The C API's context for `t`'s device: the current CUDA stream for a CUDA tensor; for a CPU
+// tensor it also sets the CPU backend's thread count to torch's (fus_cpu_set_num_threads).
 fus_context context_of(const Tensor& t);
 
 // A failed C status becomes ValueError (bad argument), TypeError (unsupported) or RuntimeError,

@@ -7,7 +7,9 @@
  *  - Every entry point returns a fus_status. On failure, fus_last_error() returns a message that
  *    names the function, the argument and what was expected (thread-local; valid until the next call
  *    on the same thread). No entry point aborts the process.
- *  - fus_context selects the backend. FUS_DEVICE_CPU runs synchronously on the calling thread.
+ *  - fus_context selects the backend. FUS_DEVICE_CPU runs synchronously: the call returns when
+ *    the results are written, computed on the calling thread and up to fus_cpu_num_threads() - 1
+ *    worker threads of the library (the results do not depend on the thread count).
  *    FUS_DEVICE_CUDA enqueues on ctx->stream (a cudaStream_t; NULL is the legacy default stream) and
  *    returns without synchronising; pointers must then be device pointers.
  */
@@ -109,6 +111,12 @@ float fus_fp8_max(fus_dtype dtype);
 
 /* Size of one element in bytes, or 0 for an unknown dtype. */
 size_t fus_dtype_size(fus_dtype dtype);
+
+/* Threads the CPU backend may use per call: n > 0 sets it, n <= 0 restores the default (the
+ * environment variable FUSIBLE_NUM_THREADS, else the processors the process may run on). The
+ * results of every kernel are the same bits for any thread count. */
+void fus_cpu_set_num_threads(int n);
+int fus_cpu_num_threads(void);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -58,6 +58,8 @@
  *    when beta != 0, plus bias[n]; each step one fp32 operation, in that order.
  *  - The epilogue works on fp32 values; D, aux and dbias are rounded once to their dtype (RNE).
  *  - dbias[n] sums the fp32 results r[m, n] (before D's rounding) in ascending m, in fp32.
+ *  - Blocking, threads and vector instructions change none of this (gemm_cpu.cpp): the results
+ *    are the same bits for any thread count and instruction set.
  *
  * CUDA backend (cuBLASLt, cpp/src/gemm/gemm.cu). Results agree with the CPU within a tolerance,
  * not bit for bit: cuBLASLt sums in another order; Hopper's FP8 tensor cores add products with
