@@ -70,17 +70,17 @@ class Config:
 
 
 # MXFP8 needs the hidden, QKV (3 * hidden) and FFN sizes and the tokens per batch to be
-# multiples of 32. CPU: about a minute per run on 2 cores.
+# multiples of 32. CPU: about a minute per run on 2 idle cores.
 CPU = Config(
-    layers=2,
+    layers=4,
     hidden=128,
     heads=4,
     ffn=512,
     seq=64,
     batch=16,
-    steps=250,
+    steps=600,
     lr=6e-3,
-    eval_every=50,
+    eval_every=100,
     eval_batches=8,
     max_bytes=16 << 20,
 )
