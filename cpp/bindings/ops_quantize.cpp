@@ -14,6 +14,22 @@ std::pair<Tensor, Tensor> fp8_outputs(const Tensor& x, int64_t rows, int64_t col
           columnwise ? empty({cols, rows}, fp8_dtype, x) : nothing(fp8_dtype, x)};
 }
 
+// The fus_quantized view of a per-tensor FP8 cast's outputs.
+fus_quantized per_tensor_view(at::ScalarType fp8_dtype, int64_t rows, int64_t cols,
+                              const Tensor& data, const Tensor& data_t, const Tensor& scale_inv,
+                              const Tensor& scale, const Tensor& amax) {
+  return fus_quantized{FUS_SCALING_PER_TENSOR,
+                       code_of(fp8_dtype),
+                       rows,
+                       cols,
+                       ptr(data),
+                       ptr(data_t),
+                       ptr(scale_inv),
+                       nullptr,
+                       fptr(scale),
+                       fptr(amax)};
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, const Tensor& scale,
                                                         at::ScalarType fp8_dtype, bool rowwise,
                                                         bool columnwise) {
@@ -27,16 +43,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, const T
   Tensor scale_inv = empty({1}, at::kFloat, x);
   Tensor amax = empty({1}, at::kFloat, x);
   if (!shapes_only(x)) {
-    fus_quantized q{FUS_SCALING_PER_TENSOR,
-                    code_of(fp8_dtype),
-                    rows,
-                    cols,
-                    ptr(data),
-                    ptr(data_t),
-                    ptr(scale_inv),
-                    nullptr,
-                    fptr(scale),
-                    fptr(amax)};
+    fus_quantized q = per_tensor_view(fp8_dtype, rows, cols, data, data_t, scale_inv, scale, amax);
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize(&in, &q, &ctx));
@@ -58,16 +65,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quantize_fp8_current(
   Tensor scale_inv = empty({1}, at::kFloat, x);
   Tensor amax = empty({1}, at::kFloat, x);
   if (!shapes_only(x)) {
-    fus_quantized q{FUS_SCALING_PER_TENSOR,
-                    code_of(fp8_dtype),
-                    rows,
-                    cols,
-                    ptr(data),
-                    ptr(data_t),
-                    ptr(scale_inv),
-                    nullptr,
-                    fptr(scale),
-                    fptr(amax)};
+    fus_quantized q = per_tensor_view(fp8_dtype, rows, cols, data, data_t, scale_inv, scale, amax);
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize_current_scaling(&in, &q, static_cast<int>(margin), &ctx));
