@@ -55,7 +55,8 @@ from torch import nn
 
 from _common import dynamo_graphs, environment, error_cell, print_table, time_ms, write_json
 
-FUSIBLE = ("bf16", "delayed", "current", "mxfp8")
+# "tl-<recipe>": the layers are fusible.TransformerLayer instead of the hand-wired Layer below.
+FUSIBLE = ("bf16", "delayed", "current", "mxfp8", "tl-bf16", "tl-delayed", "tl-current")
 ALL_VARIANTS = ("torch", *FUSIBLE, "torchao")
 MIB = 2**20
 FULL = {"layers": 8, "hidden": 2048, "heads": 16, "seq": 1024, "batch": 8, "vocab": 32768,
@@ -73,7 +74,7 @@ def recipe_of(variant: str) -> Any:
         "delayed": recipe.DelayedScaling(),
         "current": recipe.Float8CurrentScaling(),
         "mxfp8": recipe.MXFP8BlockScaling(),
-    }[variant]
+    }[variant.removeprefix("tl-")]
 
 
 def have_torchao() -> bool:
@@ -120,16 +121,23 @@ class Layer(nn.Module):
 
 class GPT(nn.Module):
     def __init__(
-        self, cfg: dict[str, int], use_fusible: bool, device: str, dt: torch.dtype
-    ) -> None:
+        self, cfg: dict[str, int], use_fusible: bool, device: str, dt: torch.dtype,
+        transformer_layer: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         h, v = cfg["hidden"], cfg["vocab"]
         kw: dict[str, Any] = {"device": device, "dtype": dt}
         self.embed = nn.Embedding(v, h, **kw)
         self.pos = nn.Embedding(cfg["seq"], h, **kw)
-        self.layers = nn.ModuleList(
-            Layer(h, cfg["heads"], use_fusible, device, dt) for _ in range(cfg["layers"])
-        )
+        layers: list[nn.Module]
+        if transformer_layer:
+            import fusible
+
+            layers = [fusible.TransformerLayer(h, 4 * h, cfg["heads"], activation="gelu", **kw)
+                      for _ in range(cfg["layers"])]  # fmt: skip
+        else:
+            layers = [Layer(h, cfg["heads"], use_fusible, device, dt) for _ in range(cfg["layers"])]
+        self.layers = nn.ModuleList(layers)
         self.norm = nn.LayerNorm(h, **kw)
         self.lm_head = nn.Linear(h, v, bias=False, **kw)
 
@@ -144,7 +152,7 @@ class GPT(nn.Module):
 
 def build(variant: str, cfg: dict[str, int], device: str, dt: torch.dtype) -> GPT:
     torch.manual_seed(0)
-    model = GPT(cfg, variant in FUSIBLE, device, dt)
+    model = GPT(cfg, variant in FUSIBLE, device, dt, variant.startswith("tl-"))
     if variant == "torchao":
         from torchao.float8 import convert_to_float8_training
 
