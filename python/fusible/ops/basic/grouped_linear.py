@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os as _os
 import operator
 import re
 from collections.abc import Mapping
@@ -359,6 +360,8 @@ def check_splits(m_splits: Any, num_gemms: int, owner: str = "GroupedLinear") ->
         if isinstance(v, bool):
             raise TypeError(f"{owner}: m_splits[{i}] must be an int, got {v!r}")
         if isinstance(v, (int, torch.SymInt)):
+            if _os.environ.get("FUSIBLE_PROBE_SPECIALIZE") and isinstance(v, torch.SymInt):
+                v = int(v)
             out.append(v)
             continue
         try:
