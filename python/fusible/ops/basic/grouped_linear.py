@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os as _os
 import operator
 import re
 from collections.abc import Mapping
@@ -271,7 +270,11 @@ class GroupedLinear(BasicOperation):
             saved_x.append(C.keep_columnwise(xq) if need_wgrad[i] else None)
             saved_w.append(C.keep_columnwise(wq) if need_dgrad else None)
         if ys:
-            y = torch.cat(ys) if len(ys) > 1 else ys[0]
+            # Traced, one non-empty expert's output goes through a cat too: torch 2.11's dynamo
+            # asserts on the autograd function's output when it is that GEMM's output directly
+            # (m_splits=[96, 0, 0] after [32, 0, 64]; torch 2.13 traces either).
+            one = len(ys) == 1 and not torch.compiler.is_compiling()
+            y = ys[0] if one else torch.cat(ys)
         else:
             y = x2.new_empty(0, self.out_features)
         y = y.view(*x.shape[:-1], self.out_features)
@@ -360,8 +363,6 @@ def check_splits(m_splits: Any, num_gemms: int, owner: str = "GroupedLinear") ->
         if isinstance(v, bool):
             raise TypeError(f"{owner}: m_splits[{i}] must be an int, got {v!r}")
         if isinstance(v, (int, torch.SymInt)):
-            if _os.environ.get("FUSIBLE_PROBE_SPECIALIZE") and isinstance(v, torch.SymInt):
-                v = int(v)
             out.append(v)
             continue
         try:
