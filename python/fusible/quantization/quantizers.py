@@ -521,13 +521,17 @@ class Float8Quantizer(Quantizer):
         ``buffers.amax_history``, made once per buffer tensor (the buffers are read at every
         call: a moved or reloaded state has new tensors, and new views)."""
         buf = getattr(self.buffers, name)
+        row = buf if name == "scale" else buf[0]
+        if torch.compiler.is_compiling():
+            # Made in the graph from the buffer: a view cached by eager steps would be a second
+            # graph input aliasing the buffer, and AOTAutograd then rebuilds such inputs from a
+            # synthetic base at every call (host time). Traced: no state changes either.
+            return row[self.slot : self.slot + 1]
         cached = self._views.get(name)
         if cached is not None and cached[0] is buf:
             return cached[1]
-        row = buf if name == "scale" else buf[0]
         view = row[self.slot : self.slot + 1]
-        if not torch.compiler.is_compiling():  # traced: no state changes
-            self._views[name] = (buf, view)
+        self._views[name] = (buf, view)
         return view
 
     def _repr_extra(self) -> str:
