@@ -50,6 +50,14 @@ def test_overhead_calls_only(tmp_path):
     assert len(list((tmp_path / "prof").glob("overhead_*.json"))) == 5  # torch + 4 recipes
 
 
+def test_host_breakdown_cpu(tmp_path):
+    out = _run("host_breakdown.py", "--device", "cpu", "--iters", "2", "--out", str(tmp_path))
+    for variant in ("torch", "none", "delayed", "current"):
+        assert f"--- {variant}: the operators" in out, out
+    assert "fusible.gemm.default" in out, out
+    assert list(tmp_path.glob("host_breakdown_*.json"))
+
+
 def test_grouped_tiny(tmp_path):
     out = _run("grouped.py", "--tiny", "--out", str(tmp_path))
     for variant in ("torch eager", "fusible bf16", "fusible delayed", "fusible mxfp8"):

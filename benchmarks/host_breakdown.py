@@ -1,0 +1,145 @@
+"""Where a step's host time goes (issue 11): the dispatched operators against everything else.
+
+The block of ``benchmarks/overhead.py`` (LayerNorm(256) -> Linear(256, 1024) -> GELU ->
+Linear(1024, 256), 16 tokens, bf16, SGD) runs one step under a ``TorchDispatchMode`` that
+records every operator the step dispatches (aten and ``torch.ops.fusible``) with its arguments.
+Each recorded call is then replayed alone, N times back to back with no synchronize inside, to
+give its host cost per call. The step's own host time (N steps back to back, one synchronize)
+minus the sum of its replayed operators is what the step spends outside them: Python (the
+module, the executor, the ops), the autograd engine and the optimizer's own code.
+
+    python benchmarks/host_breakdown.py            # CUDA if present; JSON with --out DIR
+    python benchmarks/host_breakdown.py --device cpu   # CPU: operator times include compute
+
+On CPU the operators do their arithmetic on the host, so only the GPU's table says what the
+host pays to issue work. Replayed alone, an operator runs with warm caches: the sum is a lower
+bound of what the same calls cost inside the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _common import environment, write_json
+
+H, F, T = 256, 1024, 16
+RECIPES = ("none", "delayed", "current")
+
+
+class _Record(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _step(variant: str, device: str) -> Callable[[], None]:
+    import fusible
+    from fusible import ops, recipe
+
+    torch.manual_seed(0)
+    kw: dict[str, Any] = {"device": device, "dtype": torch.bfloat16}
+    x = torch.randn(T, H, requires_grad=True, **kw)
+    if variant == "torch":
+        m: torch.nn.Module = torch.nn.Sequential(
+            torch.nn.LayerNorm(H, **kw), torch.nn.Linear(H, F, **kw),
+            torch.nn.GELU(approximate="tanh"), torch.nn.Linear(F, H, **kw),
+        )  # fmt: skip
+        rec = None
+    else:
+        m = ops.Sequential(ops.LayerNorm(H, **kw), ops.Linear(H, F, **kw), ops.GELU(),
+                           ops.Linear(F, H, **kw))  # fmt: skip
+        rec = {"none": None, "delayed": recipe.DelayedScaling(),
+               "current": recipe.Float8CurrentScaling()}[variant]  # fmt: skip
+    opt = torch.optim.SGD(m.parameters(), lr=1e-6, foreach=True)
+
+    def step() -> None:
+        with fusible.autocast(enabled=rec is not None, recipe=rec):
+            y = m(x)
+        y.float().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def measure(variant: str, device: str, iters: int) -> dict[str, Any]:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    step = _step(variant, device)
+    for _ in range(30):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    sync()
+    step_us = (time.perf_counter() - t0) / iters * 1e6
+    rec = _Record()
+    with rec:
+        step()
+    per_op: dict[str, float] = collections.defaultdict(float)
+    count: collections.Counter[str] = collections.Counter()
+    for func, args, kwargs in rec.calls:
+        name = str(func)
+        count[name] += 1
+        try:
+            for _ in range(3):
+                func(*args, **kwargs)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                func(*args, **kwargs)
+            per_op[name] += (time.perf_counter() - t0) / iters * 1e6
+            sync()
+        except Exception:  # e.g. a foreach op whose replay is refused: not counted
+            per_op[name] += float("nan")
+    ops_us = sum(v for v in per_op.values() if v == v)
+    rows = sorted(
+        ({"op": k, "calls": count[k], "us_per_call": v / count[k], "us": v}
+         for k, v in per_op.items()),
+        key=lambda r: -r["us"] if r["us"] == r["us"] else 0.0,
+    )  # fmt: skip
+    return {"variant": variant, "step_us": step_us, "dispatched": len(rec.calls),
+            "ops_us": ops_us, "outside_ops_us": step_us - ops_us, "ops": rows}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--out", default=None, help="write host_breakdown_<gpu>.json into this folder")
+    args = ap.parse_args()
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = [measure(v, device, args.iters) for v in ("torch", *RECIPES)]
+    print(
+        f"host time per step, {T} tokens, hidden {H}, {device}: the step against its "
+        "dispatched operators replayed alone"
+    )
+    print(f"{'variant':10} {'step_us':>9} {'ops':>5} {'ops_us':>8} {'outside_us':>11}")
+    for r in results:
+        print(f"{r['variant']:10} {r['step_us']:9.0f} {r['dispatched']:5d} {r['ops_us']:8.0f} "
+              f"{r['outside_ops_us']:11.0f}")  # fmt: skip
+    for r in results:
+        print(f"--- {r['variant']}: the operators")
+        for o in r["ops"][:12]:
+            print(f"  {o['calls']:3d} x {o['us_per_call']:6.1f} us = {o['us']:7.1f}  {o['op']}")
+    if args.out:
+        payload = {"env": environment(), "device": device, "tokens": T, "results": results}
+        print("wrote", write_json("host_breakdown", payload, args.out))
+
+
+if __name__ == "__main__":
+    main()
