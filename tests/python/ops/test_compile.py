@@ -374,3 +374,41 @@ def test_compiled_step_has_no_synthetic_base_inputs(recipe_name):
     prof.disable()
     names = [f"{f}:{n}" for f, _, n in pstats.Stats(prof).stats]  # type: ignore[attr-defined]
     assert not [n for n in names if "synthetic_base" in n]
+
+
+# ---- ordinary use: the first call of a fresh model may be a compiled one -------------------------
+
+
+@pytest.mark.parametrize("recipe_name", ["none", "delayed", "current", "mxfp8"])
+@pytest.mark.parametrize("model_name", ["LayerNormMLP", "TransformerLayer"])
+def test_fresh_model_compiled_first(model_name, recipe_name):
+    """No eager step before torch.compile: the plans are built while dynamo traces. The result
+    equals an eager twin's (outputs and gradients); for TransformerLayer torch's attention and
+    the residual adds may be fused differently by inductor, so within rounding."""
+    rec = RECIPES[recipe_name]
+    torch.manual_seed(0)
+    if model_name == "LayerNormMLP":
+        model: torch.nn.Module = fusible.LayerNormMLP(HIDDEN, FFN)
+        shape: tuple[int, ...] = (TOKENS, HIDDEN)
+    else:
+        model = fusible.TransformerLayer(HIDDEN, FFN, 4)
+        shape = (2, TOKENS // 2, HIDDEN)
+    twin = copy.deepcopy(model)
+
+    def fwd(m, x):
+        with fusible.autocast(enabled=rec is not None, recipe=rec):
+            return m(x)
+
+    compiled = torch.compile(fwd, fullgraph=True)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    got, want = [], []
+    for f, m, out in ((compiled, model, got), (fwd, twin, want)):
+        xx = x.clone().requires_grad_(True)
+        y = f(m, xx)
+        y.sum().backward()
+        out.extend([y.detach(), xx.grad, *(p.grad for p in m.parameters())])
+    for a, b in zip(got, want, strict=True):
+        if model_name == "LayerNormMLP":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
