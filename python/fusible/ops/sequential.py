@@ -338,7 +338,7 @@ class Sequential(torch.nn.Module):
             if outs:
                 extra_outputs.extend(outs)
             if plan.forward_states:
-                _autocast.end_forward_pass(plan.forward_states)
+                _autocast.end_forward_pass_of_plan(plan.forward_states)
         if pending:
             self._too_many_extra_inputs(extra_inputs, pending)
         if not traced:

@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode as _get_proxy_mode
 
 from fusible.quantization.quantizers import replaying_scales
 from fusible.quantization.recipe import DelayedScaling, Recipe
@@ -147,9 +148,19 @@ def _check_states(
 def _tracing() -> bool:
     if torch.compiler.is_compiling():
         return True
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    return _get_proxy_mode() is not None
 
-    return get_proxy_mode() is not None
+
+def end_forward_pass_of_plan(states: Sequence[RecipeState]) -> None:
+    """:func:`end_forward_pass` for a plan's forward states (RecipeStates, no None: checked when
+    the plan was built) with the default group, without re-validating them at every step."""
+    if replaying_scales():
+        return
+    group = _state.amax_reduction_group if _state.enabled else None
+    if _state.depth > 0 and not _tracing():
+        _pending_forward.add(states, group)
+    else:
+        update_delayed_scaling(states, group)
 
 
 def end_forward_pass(

@@ -98,6 +98,24 @@ class Float8Data:
                     f"Float8Data: '{name}' has dtype {t.dtype}, expected fp8_dtype {self.fp8_dtype}"
                 )
 
+    @classmethod
+    def _trusted(
+        cls,
+        data: torch.Tensor | None,
+        data_t: torch.Tensor | None,
+        scale_inv: torch.Tensor,
+        fp8_dtype: torch.dtype,
+        shape: torch.Size,
+    ) -> Float8Data:
+        """A container of a quantize kernel's own outputs, which hold by construction what
+        ``__post_init__`` checks (``shape`` a ``torch.Size``, the copies of ``fp8_dtype``):
+        built without the dataclass machinery, on every cast of the hot path."""
+        obj = object.__new__(cls)
+        obj.__dict__.update(
+            data=data, data_t=data_t, scale_inv=scale_inv, fp8_dtype=fp8_dtype, shape=shape
+        )
+        return obj
+
     @property
     def device(self) -> torch.device:
         return self.scale_inv.device
@@ -379,6 +397,7 @@ class ScaleLog:
 #: Active logs, outermost first, each (log, replaying). Nested checkpoints stack: the innermost
 #: replaying log supplies scales; every recording log above records what was used.
 _log_stack: list[tuple[ScaleLog, bool]] = []
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 class scale_log:
@@ -399,7 +418,7 @@ class scale_log:
 
 def replaying_scales() -> bool:
     """True inside a checkpoint recomputation (no amax recording, no state updates)."""
-    return any(replaying for _, replaying in _log_stack)
+    return bool(_log_stack) and any(replaying for _, replaying in _log_stack)
 
 
 class _OwnBuffers:
@@ -478,8 +497,11 @@ class Float8Quantizer(Quantizer):
         x = self._check_input(x)
         r, c = self._usage(rowwise, columnwise)
         data, data_t, scale_inv, amax = _ops.quantize_fp8(x, self.scale, self.dtype, r, c)
-        self.record_amax(amax)
-        return Float8Data(
+        if not (_log_stack and replaying_scales()):
+            # The kernel's amax: float32 (1,) on the state's device (record_amax's fast case).
+            seen = self._slot_view("amax_history")
+            torch.maximum(seen, amax, out=seen)
+        return Float8Data._trusted(
             data if r else None, data_t if c else None, scale_inv, self.dtype, x.shape
         )
 
@@ -492,7 +514,7 @@ class Float8Quantizer(Quantizer):
         has changed the state)."""
         x = self._check_input(x)
         data, data_t, scale_inv, _ = _ops.quantize_fp8(x, scale, self.dtype, rowwise, columnwise)
-        return Float8Data(
+        return Float8Data._trusted(
             data if rowwise else None, data_t if columnwise else None, scale_inv, self.dtype,
             x.shape,
         )  # fmt: skip
@@ -521,17 +543,18 @@ class Float8Quantizer(Quantizer):
         ``buffers.amax_history``, made once per buffer tensor (the buffers are read at every
         call: a moved or reloaded state has new tensors, and new views)."""
         buf = getattr(self.buffers, name)
-        row = buf if name == "scale" else buf[0]
-        if torch.compiler.is_compiling():
+        if _dynamo_compiling():
             # Made in the graph from the buffer: a view cached by eager steps would be a second
             # graph input aliasing the buffer, and AOTAutograd then rebuilds such inputs from a
-            # synthetic base at every call (host time). Traced: no state changes either.
-            return row[self.slot : self.slot + 1]
+            # synthetic base at every call (host time). (is_dynamo_compiling: one call eagerly,
+            # on every cast of the hot path.)
+            return (buf if name == "scale" else buf[0])[self.slot : self.slot + 1]
         cached = self._views.get(name)
         if cached is not None and cached[0] is buf:
             return cached[1]
-        view = row[self.slot : self.slot + 1]
-        self._views[name] = (buf, view)
+        view = (buf if name == "scale" else buf[0])[self.slot : self.slot + 1]
+        if not torch.compiler.is_compiling():  # traced (make_fx): no state changes
+            self._views[name] = (buf, view)
         return view
 
     def _repr_extra(self) -> str:
@@ -567,7 +590,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
         data, data_t, _scale, scale_inv, _amax = _ops.quantize_fp8_current(
             x, self.dtype, self.margin, r, c
         )
-        return Float8Data(
+        return Float8Data._trusted(
             data if r else None, data_t if c else None, scale_inv, self.dtype, x.shape
         )
 
