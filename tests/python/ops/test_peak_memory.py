@@ -154,9 +154,7 @@ def test_per_tensor_step_peak_is_what_the_dact_kernel_reads_and_writes(block_pea
     # when the plan's backward ends), the step's output (held by the caller) and fc1's saved
     # input (LayerNorm's output, its transposed FP8 copy). Nothing else of [T, H] size or more.
     m = block_peaks[name]
-    big = sorted(
-        (a.shape, str(a.dtype)) for a in m.at_peak if a.nbytes >= T * H
-    )
+    big = sorted((a.shape, str(a.dtype)) for a in m.at_peak if a.nbytes >= T * H)
     want = sorted([
         ((T, F), str(DT)), ((T, F), str(DT)), ((T, F), "torch.float8_e5m2"), ((H, F), str(DT)),
         ((T, H), str(DT)), ((H, T), "torch.float8_e4m3fn"),
