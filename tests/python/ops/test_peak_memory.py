@@ -139,8 +139,30 @@ def test_no_recipe_step_peak_is_plain_torchs(block_peaks):
 @pytest.mark.parametrize("name", FP8_RECIPES)
 def test_fp8_step_peak_below_no_recipe(block_peaks, name):
     # Before: 0.975x (delayed), 1.125x (current), 1.188x (mxfp8) of the no-recipe peak, which
-    # was itself 1.25x of today's; now 0.97x / 0.97x / 0.98x of today's.
-    assert block_peaks[name].peak < 0.985 * block_peaks["none"].peak
+    # was itself 1.25x of today's; then 0.97x / 0.97x / 0.98x; now 0.845x / 0.845x / 0.978x
+    # (the activation backward's per-tensor FP8 output written rowwise only, no bf16 copy).
+    # Issue 13's targets: <= 0.90x per tensor, <= 1.0x MXFP8.
+    limit = 0.985 if name == "mxfp8" else 0.86
+    assert block_peaks[name].peak < limit * block_peaks["none"].peak
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_per_tensor_step_peak_is_what_the_dact_kernel_reads_and_writes(block_peaks, name):
+    # The peak is the GELU backward kernel: it reads the saved pre-activation and fc2's dgrad
+    # output (bf16 [T, F] each) and writes GELU's input gradient rowwise in FP8 ([T, F], one
+    # byte an element); alive next to them are fc2's weight gradient ([H, F], handed to autograd
+    # when the plan's backward ends), the step's output (held by the caller) and fc1's saved
+    # input (LayerNorm's output, its transposed FP8 copy). Nothing else of [T, H] size or more.
+    m = block_peaks[name]
+    big = sorted((a.shape, str(a.dtype)) for a in m.at_peak if a.nbytes >= T * H)
+    want = sorted([
+        ((T, F), str(DT)), ((T, F), str(DT)), ((T, F), "torch.float8_e5m2"), ((H, F), str(DT)),
+        ((T, H), str(DT)), ((H, T), "torch.float8_e4m3fn"),
+    ])  # fmt: skip
+    assert big == want, [a.describe() for a in m.at_peak]
+    small = sum(a.nbytes for a in m.at_peak if a.nbytes < T * H)
+    # LayerNorm's mean and rstd (fp32 [T]), the two bias gradients, scalars.
+    assert small <= 8 * T + 2 * (F + H) + 64, [a.describe() for a in m.at_peak]
 
 
 def test_current_scaling_forward_peak_is_delayed_scalings(block_peaks):
@@ -211,6 +233,31 @@ def test_current_scaling_high_precision_output_dies_with_its_op(block_peaks):
     assert not alive_when(m, at, phase="backward", op="act_bwd", shape=(T, F), dtype=DT)
 
 
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_dact_transposed_copy_made_after_the_saved_input_is_freed(block_peaks, name):
+    m = block_peaks[name]
+    # The activation backward writes its per-tensor FP8 output rowwise only: no transposed copy
+    # [F, T] is alive when the rowwise one is allocated ...
+    row = first(m, phase="backward", shape=(T, F), dtype=FP8)
+    assert row.op == "act_bwd"
+    assert not alive_when(m, row, phase="backward", shape=(F, T), dtype=FP8)
+    # ... and the transposed copy (fc1's wgrad operand) is the rowwise one's byte transpose,
+    # made once the saved pre-activation (bf16 [T, F], from forward) is freed.
+    col = first(m, phase="backward", shape=(F, T), dtype=FP8)
+    assert col.op == "transpose_fp8"
+    assert not alive_when(m, col, phase="forward", shape=(T, F), dtype=DT)
+    assert len(alive_when(m, col, phase="backward", shape=(T, F), dtype=FP8)) == 1
+
+
+def test_current_scaling_dact_makes_no_high_precision_gradient(block_peaks):
+    m = block_peaks["current"]
+    # The kernel runs twice (the amax of the rounded values, then the cast with its scale), and
+    # neither pass writes a bf16 GELU input gradient (before: [T, F] bf16, then its cast).
+    assert not allocs(m, phase="backward", op="act_bwd", shape=(T, F), dtype=DT)
+    assert len(allocs(m, phase="backward", op="act_bwd", shape=(T, F), dtype=FP8)) == 2
+    assert not allocs(m, phase="backward", op="quantize_fp8_current", shape=(T, F))
+
+
 @pytest.mark.parametrize("name", FP8_RECIPES)
 def test_no_weight_copy_lives_from_forward_to_backward(block_peaks, name):
     m = block_peaks[name]
@@ -260,6 +307,60 @@ def test_weight_changed_between_forward_and_backward_raises(name):
         m[0].weight.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.float().sum().backward()
+
+
+def _dact_inputs(kind: str, case: str, rows: int = 64, cols: int = 96) -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(3)
+    width = 2 * cols if kind in ("swiglu", "geglu") else cols
+    x = (torch.randn(rows, width, generator=g) * 3).to(DT)
+    dy = torch.randn(rows, cols, generator=g).to(DT)
+    if case == "zeros":
+        dy.zero_()
+    elif case == "huge":
+        dy = (dy.float() * 1e30).to(DT)
+    elif case == "nan":
+        dy[3, 5] = float("nan")
+    return x, dy
+
+
+def _bits(t: torch.Tensor | None) -> Any:
+    return None if t is None else t.contiguous().view(torch.uint8).flatten().tolist()
+
+
+@pytest.mark.parametrize("case", ["normal", "zeros", "huge", "nan"])
+@pytest.mark.parametrize("kind", ["gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu"])
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_dact_quantized_bits_are_the_two_kernel_references(scaling, kind, case):
+    """The activation backward's FP8 output (rowwise kernel + byte transpose; current scaling:
+    amax pass + cast pass) against what it was made by before: the kernel writing both copies
+    (delayed), or the bf16 dact and ``quantize_fp8_current`` of it (current) -- every byte, the
+    scale_inv, the bias gradient and the recorded amax."""
+    from fusible import _kernels as K
+    from fusible.ops.basic.activation import activation_backward
+    from fusible.ops.op import OpContext
+    from fusible.quantization.quantizers import Float8CurrentScalingQuantizer, Float8Quantizer
+
+    x, dy = _dact_inputs(kind, case)
+    e5 = torch.float8_e5m2
+    if scaling == "delayed":
+        q = Float8Quantizer.standalone(e5, scale=4.0)
+        ref_q = Float8Quantizer.standalone(e5, scale=4.0)
+        _, d, d2, s_inv, _, amax, dbias = K.act_bwd(dy, x, kind, None, "fp8", e5, ref_q.scale,
+                                                    True, True, True)  # fmt: skip
+        ref_q.record_amax(amax)
+    else:
+        q = Float8CurrentScalingQuantizer(e5, margin=1)
+        dx, *_, dbias = K.act_bwd(dy, x, kind, DT, "none", e5, None, True, False, True)
+        r = q.quantize(dx)
+        d, d2, s_inv = r.data, r.data_t, r.scale_inv
+    got, got_dbias = activation_backward(kind, OpContext(saved=[x]), dy, q, True)
+    qd = got.take()
+    assert got.dtype == DT and qd.shape == x.shape
+    assert _bits(qd.data) == _bits(d) and _bits(qd.data_t) == _bits(d2)
+    assert _bits(qd.scale_inv) == _bits(s_inv)
+    assert _bits(got_dbias) == _bits(dbias)
+    if scaling == "delayed":
+        assert _bits(q.buffers.amax_history) == _bits(ref_q.buffers.amax_history)
 
 
 # ---- no numerics changed ------------------------------------------------------------------------

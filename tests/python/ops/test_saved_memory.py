@@ -196,25 +196,38 @@ def test_frozen_weight_hand_off_makes_no_columnwise_copy(recipe_name, monkeypatc
     assert calls and not any(calls)
 
 
-@pytest.mark.parametrize("recipe_name", ["delayed", "mxfp8"])
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "mxfp8"])
 @pytest.mark.parametrize("frozen", [False, True])
 def test_backward_hand_off_usage_follows_wgrad(recipe_name, frozen, monkeypatch):
     """The activation backward writing the preceding Linear's quantized output gradient makes
-    the columnwise copy (wgrad's operand) only when that Linear's weight trains."""
+    the columnwise copy (wgrad's operand) only when that Linear's weight trains: MXFP8 in the
+    kernel; per-tensor FP8 as a byte transpose of the rowwise copy once the kernel is done
+    (docs/quantization.md, "Peak memory of a training step"), the kernel writing rowwise only
+    (current scaling: an amax pass, then the cast)."""
     rec = RECIPES[recipe_name]
     torch.manual_seed(0)
     model = ops.Sequential(ops.Linear(H, F, dtype=DT), ops.GELU(), ops.Linear(F, H, dtype=DT))
     model[0].weight.requires_grad_(not frozen)
     calls: list[bool] = []
-    real = K.act_bwd
+    transposes: list[tuple[int, ...]] = []
+    real, real_t = K.act_bwd, K.transpose_fp8
 
     def spy(*args: Any) -> Any:
         calls.append(bool(args[-2]))  # the columnwise flag
         return real(*args)
 
+    def spy_t(x: Any) -> Any:
+        transposes.append(tuple(x.shape))
+        return real_t(x)
+
     monkeypatch.setattr(K, "act_bwd", spy)
+    monkeypatch.setattr(K, "transpose_fp8", spy_t)
     saved_bytes(model, _input(H), rec)
-    assert calls == [not frozen]
+    if recipe_name == "mxfp8":
+        assert calls == [not frozen] and not transposes
+    else:
+        assert calls == [False] * (2 if recipe_name == "current" else 1)
+        assert transposes == ([] if frozen else [(_input(H).shape[0], F)])
 
 
 @pytest.mark.parametrize("kernel", ["quantize_fp8", "quantize_fp8_current", "quantize_mxfp8"])

@@ -7,7 +7,7 @@ import torch
 from fusible import _kernels as K
 from fusible.ops import _compute as C
 from fusible.ops.op import BasicOperation, OpContext
-from fusible.quantization.quantizers import Quantizer
+from fusible.quantization.quantizers import Float8CurrentScalingQuantizer, Float8Data, Quantizer
 
 __all__ = ["GEGLU", "GELU", "ReLU", "SiLU", "SwiGLU", "activation_backward"]
 
@@ -30,23 +30,63 @@ def activation_backward(
     kind: str, ctx: OpContext, dy: torch.Tensor | C.HandOff, q: Quantizer | None, with_dbias: bool
 ) -> tuple[torch.Tensor | C.HandOff, torch.Tensor | None]:
     """(dx, dbias): dact, optionally the bias gradient (column sums of dx) and dx quantized by
-    ``q`` (the preceding op's grad-output quantizer), in one kernel where the quantizer allows."""
+    ``q`` (the preceding op's grad-output quantizer), in one kernel where the quantizer allows.
+
+    Peak memory (this is the backward's peak in a Linear -> act -> Linear block): the kernel
+    reads the saved input and ``dy`` (both high precision), so what it writes next to them is
+    kept small. A per-tensor FP8 ``dx`` is written rowwise only; its transposed copy (the
+    preceding Linear's wgrad operand) is a byte transpose of it made once the saved input is
+    freed (the same bits: one per-tensor scale for both copies). Current scaling writes no
+    high-precision ``dx`` at all: a first pass of the kernel takes the amax of the rounded values
+    (its FP8 output, cast with a placeholder scale, is dropped), then the second casts with the
+    scale of that amax -- bit for bit ``quantize_fp8_current`` of the high-precision ``dx``
+    (activation.h: the quantized output is the cast of the rounded value; amax is max |rounded
+    value|; both passes compute the same values)."""
     (x,) = ctx.saved
     ctx.saved = []  # the saved input is freed as soon as the kernel has read it
     dy = C.dequantize(dy).contiguous()
+    shape, dtype = x.shape, x.dtype
+    if isinstance(q, Float8CurrentScalingQuantizer) and dy.dtype == dtype:
+        d, scale_inv, dbias = _dact_current_scaling(kind, dy, x, q, with_dbias)
+        del x, dy
+        data_t = K.transpose_fp8(C.as_2d(d)) if q.columnwise else None
+        qd = Float8Data(d if q.rowwise else None, data_t, scale_inv, q.dtype, shape)
+        return C.HandOff(qd, dtype), (dbias if with_dbias else None)
     fused = C.fused_quant_args(q)
     if fused is None:
-        dx, *_, dbias = K.act_bwd(dy, x, kind, x.dtype, "none", torch.float8_e4m3fn, None, True,
+        dx, *_, dbias = K.act_bwd(dy, x, kind, dtype, "none", torch.float8_e4m3fn, None, True,
                                   False, with_dbias)  # fmt: skip
         del x
         return (dx if q is None else C.handoff_after(q, dx)), (dbias if with_dbias else None)
     assert q is not None
     quant, fp8_dtype, scale = fused
     colwise = q.columnwise
+    late_t = colwise and quant == "fp8"  # the transposed copy after the kernel, from the rowwise
     _, d, d2, s, s2, amax, dbias = K.act_bwd(dy, x, kind, None, quant, fp8_dtype, scale, True,
-                                             colwise, with_dbias)  # fmt: skip
-    dx = C.wrap_quantized(q, (d, d2, s, s2, amax), x.shape, x.dtype)
+                                             colwise and not late_t, with_dbias)  # fmt: skip
+    del x, dy
+    if late_t:
+        d2 = K.transpose_fp8(C.as_2d(d))
+    dx = C.wrap_quantized(q, (d, d2, s, s2, amax), shape, dtype)
     return dx, (dbias if with_dbias else None)
+
+
+def _dact_current_scaling(
+    kind: str,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    q: Float8CurrentScalingQuantizer,
+    with_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(data, scale_inv, dbias)``: :func:`activation_backward`'s rowwise FP8 ``dx`` under
+    current scaling, without a high-precision ``dx`` (``dy`` and ``x`` of one dtype, the one
+    ``dx`` is rounded to either way)."""
+    placeholder = torch.ones(1, dtype=torch.float32, device=x.device)
+    amax = K.act_bwd(dy, x, kind, None, "fp8", q.dtype, placeholder, True, False, False)[5]
+    scale, _ = K.compute_scale(amax, q.dtype, q.margin)
+    _, d, _, scale_inv, _, _, dbias = K.act_bwd(dy, x, kind, None, "fp8", q.dtype, scale, True,
+                                                False, with_dbias)  # fmt: skip
+    return d, scale_inv, dbias
 
 
 class _Activation(BasicOperation):
