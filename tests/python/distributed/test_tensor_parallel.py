@@ -49,7 +49,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for r in range(WORLD)
     ]
     logs = []
