@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fusible.modules._common import NormFirst, make_norm, use_te_state_dict_names
+from fusible.modules._tp import TensorParallel, reduce_grad_over
 from fusible.ops import BasicLinear, Bias
 
 __all__ = ["LayerNormLinear"]
@@ -17,6 +20,13 @@ class LayerNormLinear(NormFirst):
     (LayerNorm only), ``weight``, ``bias`` and ``_extra_state`` (the Linear's recipe state, and a
     quantized weight's exact data); ``load_state_dict()`` also accepts the positional keys
     (``0.weight``, ``1.weight``, ...). ``named_parameters()`` stays positional.
+
+    Tensor parallelism: ``tp_group``, ``parallel_mode="column"`` (``weight`` is
+    ``[out_features / tp_size, in_features]``; the norm is replicated) or None, and
+    ``sequence_parallel`` (the norm runs on this rank's tokens, then the normalised input is
+    all-gathered; the norm's parameter gradients are summed over ``tp_group``), as
+    :class:`fusible.Linear`. ``parallel_mode="row"`` is refused: the norm needs whole rows of
+    features, which a row-parallel input splits.
     """
 
     def __init__(
@@ -31,29 +41,48 @@ class LayerNormLinear(NormFirst):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         name: str | None = None,
+        tp_group: Any = None,
+        parallel_mode: str | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
+        tp = TensorParallel.resolve("LayerNormLinear", tp_group, parallel_mode, sequence_parallel)
+        if tp.mode == "row":
+            raise ValueError(
+                "LayerNormLinear: parallel_mode must be 'column' or None, got 'row' (the norm "
+                "needs whole rows of features, which a row-parallel input splits)"
+            )
         norm = make_norm(normalization, in_features, eps, zero_centered_gamma, device, dtype,
                          "LayerNormLinear")  # fmt: skip
-        linear = BasicLinear(in_features, out_features, device=device, dtype=dtype, name=name,
+        n = tp.local("out_features", out_features) if tp.active else out_features
+        linear = BasicLinear(in_features, n, device=device, dtype=dtype, name=name,
                              scope="layernorm_linear")  # fmt: skip
-        ops: list[torch.nn.Module] = [norm, linear]
+        pre = tp.before_column()
+        ops: list[torch.nn.Module] = [norm, *pre, linear]
         if bias:
-            ops.append(Bias(out_features, device=device, dtype=dtype))
+            ops.append(Bias(n, device=device, dtype=dtype))
+        if tp.sequence_parallel:
+            for p in norm.parameters():
+                reduce_grad_over(p, tp.group)  # the norm saw this rank's tokens only
         super().__init__(*ops)
         self.in_features, self.out_features = in_features, out_features
+        self.tp = tp
+        self.tp_size, self.parallel_mode = tp.size, tp.mode
+        self.sequence_parallel = sequence_parallel
+        i = self._linear_index = 1 + len(pre)
         names = {"0.weight": "layer_norm_weight"}
         if normalization == "LayerNorm":
             names["0.bias"] = "layer_norm_bias"
-        names["1.weight"] = "weight"
+        names[f"{i}.weight"] = "weight"
         if bias:
-            names["2.bias"] = "bias"
-        use_te_state_dict_names(self, {**names, "1._extra_state": "_extra_state"})
+            names[f"{i + 1}.bias"] = "bias"
+        use_te_state_dict_names(self, {**names, f"{i}._extra_state": "_extra_state"})
 
     @property
     def weight(self) -> torch.nn.Parameter:
-        return self[1].weight  # type: ignore[return-value]
+        return self[self._linear_index].weight  # type: ignore[return-value]
 
     @property
     def bias(self) -> torch.nn.Parameter | None:
         # isinstance, not a length check: ops may be appended after the Linear.
-        return self[2].bias if len(self) > 2 and isinstance(self[2], Bias) else None  # type: ignore[return-value]
+        j = self._linear_index + 1
+        return self[j].bias if len(self) > j and isinstance(self[j], Bias) else None  # type: ignore[return-value]

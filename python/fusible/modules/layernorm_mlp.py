@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fusible.modules._common import (
@@ -11,6 +13,7 @@ from fusible.modules._common import (
     make_norm,
     use_te_state_dict_names,
 )
+from fusible.modules._tp import TensorParallel, reduce_grad_over
 from fusible.ops import BasicLinear, Bias
 
 __all__ = ["LayerNormMLP"]
@@ -28,6 +31,14 @@ class LayerNormMLP(NormFirst):
     ``fc2._extra_state``; ``load_state_dict()`` also accepts the positional keys (``0.weight``,
     ``1.weight``, ``4.weight``, ...). ``named_parameters()`` stays positional. The TE names are
     also attributes (``m.fc1_weight is m.fc1.weight``).
+
+    Tensor parallelism (``tp_group``, ``sequence_parallel``; see docs/distributed.md): fc1 is
+    column-parallel (``fc1_weight`` ``[fc1_out / tp_size, hidden_size]``; for a gated activation
+    each rank holds its block of both halves, as TransformerEngine), fc2 row-parallel
+    (``fc2_weight`` ``[hidden_size, ffn_hidden_size / tp_size]``): one all-gather (or, without
+    sequence parallelism, a backward all-reduce) before fc1 and one reduce-scatter (all-reduce)
+    after fc2. With sequence parallelism the norm's parameters and fc2's bias see this rank's
+    tokens only; their gradients are summed over ``tp_group``.
     """
 
     def __init__(
@@ -42,29 +53,45 @@ class LayerNormMLP(NormFirst):
         zero_centered_gamma: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        tp_group: Any = None,
+        sequence_parallel: bool = False,
     ) -> None:
+        mode = None if tp_group is None else "column"  # fc1's; fc2 is row-parallel
+        tp = TensorParallel.resolve("LayerNormMLP", tp_group, mode, sequence_parallel)
         norm = make_norm(normalization, hidden_size, eps, zero_centered_gamma, device, dtype,
                          "LayerNormMLP")  # fmt: skip
         act = make_activation(activation, "LayerNormMLP")
         fc1_out = 2 * ffn_hidden_size if activation in GLU else ffn_hidden_size
         # Scope and name at construction: a weight built inside quantized_model_init is
         # quantized with its final role.
+        ffn_local = tp.local("ffn_hidden_size", ffn_hidden_size) if tp.active else ffn_hidden_size
+        fc1_out = fc1_out // ffn_hidden_size * ffn_local
         fc1 = BasicLinear(hidden_size, fc1_out, device=device, dtype=dtype, name="fc1",
                           scope="layernorm_mlp")  # fmt: skip
-        fc2 = BasicLinear(ffn_hidden_size, hidden_size, device=device, dtype=dtype, name="fc2",
+        fc2 = BasicLinear(ffn_local, hidden_size, device=device, dtype=dtype, name="fc2",
                           scope="layernorm_mlp")  # fmt: skip
-        ops: list[torch.nn.Module] = [norm, fc1]
+        pre, post = tp.before_column(), tp.after_row()
+        ops: list[torch.nn.Module] = [norm, *pre, fc1]
         if bias:
             ops.append(Bias(fc1_out, device=device, dtype=dtype))
-        ops += [act, fc2]
+        ops += [act, fc2, *post]
         if bias:
             ops.append(Bias(hidden_size, device=device, dtype=dtype))
+        if tp.sequence_parallel:
+            # Replicated parameters applied to this rank's tokens only.
+            sp_params = [*norm.parameters(), *(ops[-1].parameters() if bias else ())]
+            for p in sp_params:
+                reduce_grad_over(p, tp.group)
         super().__init__(*ops)
+        self.tp = tp
+        self.tp_size, self.sequence_parallel = tp.size, sequence_parallel
         self.hidden_size, self.ffn_hidden_size, self.activation = (
             hidden_size, ffn_hidden_size, activation,
         )  # fmt: skip
         # Indices, not attributes: assigning a module attribute would register it twice.
-        self._fc1_index, self._fc2_index = 1, len(ops) - (2 if bias else 1)
+        self._fc1_index = 1 + len(pre)
+        self._fc2_index = len(ops) - len(post) - (2 if bias else 1)
+        self._fc2_bias_index = self._fc2_index + 1 + len(post)
         i1, i2 = self._fc1_index, self._fc2_index
         names = {"0.weight": "layer_norm_weight"}
         if normalization == "LayerNorm":
@@ -74,7 +101,7 @@ class LayerNormMLP(NormFirst):
             names[f"{i1 + 1}.bias"] = "fc1_bias"
         names[f"{i2}.weight"] = "fc2_weight"
         if bias:
-            names[f"{i2 + 1}.bias"] = "fc2_bias"
+            names[f"{self._fc2_bias_index}.bias"] = "fc2_bias"
         names[f"{i1}._extra_state"] = "fc1._extra_state"
         names[f"{i2}._extra_state"] = "fc2._extra_state"
         use_te_state_dict_names(self, names)
@@ -102,7 +129,7 @@ class LayerNormMLP(NormFirst):
 
     @property
     def fc2_bias(self) -> torch.nn.Parameter | None:
-        i = self._fc2_index + 1
+        i = self._fc2_bias_index
         # isinstance, not a length check: ops appended after fc2 (a residual add) are not a bias.
         return self[i].bias if i < len(self) and isinstance(self[i], Bias) else None  # type: ignore[return-value]
 

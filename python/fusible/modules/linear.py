@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fusible.modules._common import use_te_state_dict_names
+from fusible.modules._tp import TensorParallel, reduce_grad_over
+from fusible.ops import BasicLinear, Bias
 from fusible.ops.linear import Linear as _OpsLinear
+from fusible.ops.sequential import Sequential
 
 __all__ = ["Linear"]
 
@@ -15,10 +20,20 @@ class Linear(_OpsLinear):
     ``{input,weight,output,grad_output,grad_input}:linear``. Call as ``m(x)`` or
     ``m(x, is_first_microbatch=True|False|None)`` to use the quantized weight cache.
 
+    Tensor parallelism (TransformerEngine's arguments, see docs/distributed.md): ``tp_group``
+    (a ``torch.distributed`` process group; its size is ``tp_size``), ``parallel_mode``
+    (``"column"``: ``weight`` is ``[out_features / tp_size, in_features]``, the output is this
+    rank's features; ``"row"``: ``weight`` is ``[out_features, in_features / tp_size]``, the
+    input is this rank's features and the partial outputs are summed; None: no split) and
+    ``sequence_parallel`` (the input of a column-parallel / output of a row-parallel Linear is
+    split along its first dimension: all-gathered before / reduce-scattered after the GEMM). The
+    layer is then a Sequential of communication ops and the Linear's ops.
+
     ``state_dict()`` keys are TransformerEngine's: ``weight``, ``bias`` and ``_extra_state`` (the
     Linear's recipe state, and a quantized weight's exact data); ``load_state_dict()`` also
     accepts the positional keys (``0.weight``, ``1.bias``, ``0._extra_state``).
-    ``named_parameters()`` stays positional (``0.weight``, ``1.bias``)."""
+    ``named_parameters()`` stays positional (``0.weight``, ``1.bias``; shifted by the
+    communication ops of a tensor-parallel layer)."""
 
     def __init__(
         self,
@@ -29,9 +44,45 @@ class Linear(_OpsLinear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         name: str | None = None,
+        tp_group: Any = None,
+        parallel_mode: str | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
-        super().__init__(in_features, out_features, bias, device=device, dtype=dtype, name=name)
-        names = {"0.weight": "weight"}
+        tp = TensorParallel.resolve("Linear", tp_group, parallel_mode, sequence_parallel)
+        self._linear_index, self._bias_index = 0, 1
+        if not tp.active:
+            super().__init__(in_features, out_features, bias, device=device, dtype=dtype,
+                             name=name)  # fmt: skip
+        else:
+            col = tp.mode == "column"
+            k = in_features if col else tp.local("in_features", in_features)
+            n = tp.local("out_features", out_features) if col else out_features
+            lin = BasicLinear(k, n, device=device, dtype=dtype, name=name)
+            pre, post = (tp.before_column(), []) if col else ([], tp.after_row())
+            ops: list[torch.nn.Module] = [*pre, lin, *post]
+            self._linear_index = len(pre)
+            self._bias_index = len(ops)
+            if bias:
+                b = Bias(n, device=device, dtype=dtype, name=name)
+                if not col and tp.sequence_parallel:
+                    reduce_grad_over(b.bias, tp.group)  # added to this rank's tokens only
+                ops.append(b)
+            Sequential.__init__(self, *ops)
+            self.in_features, self.out_features = in_features, out_features
+        self.tp = tp
+        self.tp_size, self.parallel_mode = tp.size, tp.mode
+        self.sequence_parallel = sequence_parallel
+        i, j = self._linear_index, self._bias_index
+        names = {f"{i}.weight": "weight"}
         if bias:
-            names["1.bias"] = "bias"
-        use_te_state_dict_names(self, {**names, "0._extra_state": "_extra_state"})
+            names[f"{j}.bias"] = "bias"
+        use_te_state_dict_names(self, {**names, f"{i}._extra_state": "_extra_state"})
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self[self._linear_index].weight  # type: ignore[return-value]
+
+    @property
+    def bias(self) -> torch.nn.Parameter | None:
+        j = self._bias_index
+        return self[j].bias if len(self) > j and isinstance(self[j], Bias) else None  # type: ignore[return-value]

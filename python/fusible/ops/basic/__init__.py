@@ -1,6 +1,7 @@
 """Basic operations."""
 
 from fusible.ops.basic.activation import GEGLU, GELU, ReLU, SiLU, SwiGLU
+from fusible.ops.basic.comm import AllGather, AllReduce, ReduceScatter
 from fusible.ops.basic.grouped_linear import GroupedLinear
 from fusible.ops.basic.linear import BasicLinear, Bias
 from fusible.ops.basic.misc import (
@@ -18,6 +19,8 @@ __all__ = [
     "GEGLU",
     "GELU",
     "AddExtraInput",
+    "AllGather",
+    "AllReduce",
     "BasicLinear",
     "Bias",
     "ConstantScale",
@@ -29,6 +32,7 @@ __all__ = [
     "Quantize",
     "RMSNorm",
     "ReLU",
+    "ReduceScatter",
     "Reshape",
     "SiLU",
     "SwiGLU",

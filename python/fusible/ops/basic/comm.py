@@ -1,0 +1,193 @@
+"""Communication ops over a ``torch.distributed`` process group: AllGather, ReduceScatter,
+AllReduce.
+
+They are basic ops of the graph, like LayerNorm or Linear, so tensor- and sequence-parallel
+layers are plain ``Sequential``\\ s of them and the fuser (and ``explain()``) sees the whole
+chain. The collectives are torch.distributed's own (gloo on CPU, NCCL on CUDA): no other
+communication layer. The sequence dimension is the first one (``[tokens, ...]`` or
+``[seq, batch, ...]``), as in TransformerEngine's sequence parallelism: a tensor split along it
+holds ``dim0 / group_size`` rows per rank, rank ``r`` the ``r``-th block.
+
+Autograd (each rank holds its own loss term; a tensor replicated on every rank carries the same
+gradient on every rank, the Megatron-LM convention):
+
+========================  ===============================  ===================================
+op                        forward                          backward
+========================  ===============================  ===================================
+``AllGather``             concatenate the ranks' blocks     reduce-scatter (sum): each rank gets
+                          along dim 0                       the summed gradient of its block
+``ReduceScatter``         sum over ranks, keep this rank's  all-gather along dim 0
+                          block of dim 0
+``AllReduce()``           sum over ranks                    identity (the output is replicated:
+                                                            every rank holds its full gradient)
+``AllReduce("backward")`` identity (the input is            sum over ranks (each rank's gradient
+                          replicated)                       is a partial sum)
+========================  ===============================  ===================================
+
+Quantized hand-offs are not offered (``input_quantizer()`` is None): the values travel in their
+high-precision dtype and the next op quantizes the whole gathered tensor (FP8 all-gather is not
+implemented yet, see docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fusible.ops import _compute as C
+from fusible.ops.op import BasicOperation
+
+__all__ = ["AllGather", "AllReduce", "ReduceScatter"]
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def _check_group(op: str, group: Any) -> None:
+    dist = _dist()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{op}: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() before building communication ops"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{op}: 'group' must be a torch.distributed.ProcessGroup or None (the default "
+            f"group), got {type(group).__name__}"
+        )
+
+
+# torch >= 2.12 names the single-tensor collectives *_single (the *_tensor spellings warn).
+def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    dist = _dist()
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
+def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    dist = _dist()
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x, op=dist.ReduceOp.SUM, group=group)
+
+
+class _Collective(BasicOperation):
+    """A collective over ``group`` (a ``torch.distributed.ProcessGroup``; None: the default
+    group). The group's size is read once, at construction."""
+
+    def __init__(self, group: Any = None, *, name: str | None = None) -> None:
+        super().__init__(name=name)
+        _check_group(type(self).__name__, group)
+        self.group = group
+        self.group_size = int(_dist().get_world_size(group))
+
+    def extra_repr(self) -> str:
+        return f"group_size={self.group_size}"
+
+    def _backend(self) -> str:
+        return str(_dist().get_backend(self.group))
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        if self.group_size == 1:
+            return x
+        if x.dim() == 0:
+            raise ValueError(
+                f"{type(self).__name__}: expected at least one dimension, got a scalar"
+            )
+        out = x.new_empty((x.shape[0] * self.group_size, *x.shape[1:]))
+        _all_gather(out, x, self.group)
+        return out
+
+    def _scatter(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        x = x.contiguous()
+        if self.group_size == 1:
+            return x
+        n = x.shape[0] if x.dim() else 0
+        if n % self.group_size:
+            raise ValueError(
+                f"{type(self).__name__}: the {what}'s first (sequence) dimension, {n}, must be "
+                f"divisible by the group size {self.group_size} (shape {tuple(x.shape)})"
+            )
+        out = x.new_empty((n // self.group_size, *x.shape[1:]))
+        _reduce_scatter(out, x, self.group)
+        return out
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group_size == 1:
+            return x
+        out = x.contiguous().clone()  # never reduce into a tensor another op may hold
+        _dist().all_reduce(out, op=_dist().ReduceOp.SUM, group=self.group)
+        return out
+
+
+class AllGather(_Collective):
+    """Gather the ranks' blocks along the first (sequence) dimension: ``[n, ...]`` on each rank
+    becomes ``[group_size * n, ...]``, rank ``r``'s block at rows ``r*n:(r+1)*n``. Backward:
+    reduce-scatter (sum) of the gradient. The sequence-parallel input of a column-parallel
+    Linear."""
+
+    def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
+        return self._gather(C.dequantize(x)), []
+
+    def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
+        return self._scatter(C.dequantize(dy), "gradient"), [], []
+
+    def kernels(self, fwd: bool) -> list[str]:
+        what = "all_gather(dim 0)" if fwd else "reduce_scatter(sum, dim 0)"
+        return [f"{what} over {self.group_size} ranks [{self._backend()}]"]
+
+
+class ReduceScatter(_Collective):
+    """Sum over the ranks and keep this rank's block of the first (sequence) dimension:
+    ``[m, ...]`` becomes ``[m / group_size, ...]`` (``m`` must be divisible by the group size).
+    Backward: all-gather of the gradient. The sequence-parallel output of a row-parallel
+    Linear."""
+
+    def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
+        return self._scatter(C.dequantize(x), "input"), []
+
+    def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
+        return self._gather(C.dequantize(dy)), [], []
+
+    def kernels(self, fwd: bool) -> list[str]:
+        what = "reduce_scatter(sum, dim 0)" if fwd else "all_gather(dim 0)"
+        return [f"{what} over {self.group_size} ranks [{self._backend()}]"]
+
+
+class AllReduce(_Collective):
+    """Sum over the ranks in one pass, identity in the other.
+
+    ``direction="forward"`` (default): ``y = sum_r x_r``, backward identity -- the output of a
+    row-parallel Linear (its consumers are replicated, so each rank holds the full gradient).
+    ``direction="backward"``: forward identity, backward ``dx = sum_r dy_r`` -- the replicated
+    input of a column-parallel Linear (each rank's gradient is its columns' share)."""
+
+    def __init__(
+        self, group: Any = None, direction: str = "forward", *, name: str | None = None
+    ) -> None:
+        if direction not in ("forward", "backward"):
+            raise ValueError(
+                f"AllReduce: 'direction' must be 'forward' or 'backward', got {direction!r}"
+            )
+        super().__init__(group, name=name)
+        self.direction = direction
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, direction={self.direction!r}"
+
+    def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
+        x = C.dequantize(x)
+        return (self._all_reduce(x) if self.direction == "forward" else x), []
+
+    def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
+        dy = C.dequantize(dy)
+        return (self._all_reduce(dy) if self.direction == "backward" else dy), [], []
+
+    def kernels(self, fwd: bool) -> list[str]:
+        if fwd != (self.direction == "forward"):
+            return ["(identity)"]
+        return [f"all_reduce(sum) over {self.group_size} ranks [{self._backend()}]"]
