@@ -11,5 +11,6 @@ void register_recipe(torch::Library& m);
 void register_gemm(torch::Library& m);
 void register_normalization(torch::Library& m);
 void register_activation(torch::Library& m);
+void register_grouped(torch::Library& m);
 
 }  // namespace fusible_torch

@@ -51,6 +51,14 @@ static const char* const kSchemas[] = {
     "act_bwd(Tensor grad, Tensor x, str kind, ScalarType? out_dtype, str quant,"
     " ScalarType fp8_dtype, Tensor? scale, bool rowwise, bool columnwise, bool with_dbias)"
     " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    // grouped (MoE experts: one call for every group)
+    "grouped_quantize_fp8(Tensor[] x, SymInt[] m_splits, Tensor? scales, ScalarType fp8_dtype,"
+    " SymInt margin, bool rowwise, bool columnwise)"
+    " -> (Tensor[], Tensor[], Tensor[], Tensor, Tensor)",
+    "grouped_gemm(Tensor[] a, Tensor[] b, SymInt[] m_splits, Tensor[]? a_scale_inv,"
+    " Tensor[]? b_scale_inv, ScalarType out_dtype, Tensor[]? bias, bool fast_accum,"
+    " bool packed_out) -> Tensor[]",
+    "grouped_bias_grad(Tensor dy, SymInt[] m_splits, ScalarType out_dtype) -> Tensor[]",
 };
 
 static void register_all(torch::Library& m) {
@@ -59,6 +67,7 @@ static void register_all(torch::Library& m) {
   fusible_torch::register_gemm(m);
   fusible_torch::register_normalization(m);
   fusible_torch::register_activation(m);
+  fusible_torch::register_grouped(m);
 }
 
 TORCH_LIBRARY(fusible, m) {

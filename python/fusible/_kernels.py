@@ -63,6 +63,35 @@ beta, out_scale, want_amax, fast_accum=False) -> (d, aux_out, dbias, amax)``
     FP8 accumulation (and TF32 for float32) on CUDA. ``d`` has shape ``(*a.shape[:-1], N)``
     (``(M, N)`` when ``transa``).
 
+Grouped (MoE experts; quantize.h: fus_quantize_grouped, gemm.h: fus_gemm_grouped)
+------------------------------------------------------------------------------------
+One operator call for every group, where a loop over per-tensor operators dispatches once per
+expert. Groups are a list of tensors (``m_splits`` empty) or one packed tensor whose rows
+``m_splits`` splits into consecutive groups (tokens grouped by expert); every output is its own
+tensor (no output aliases another), one per group.
+
+``grouped_quantize_fp8(x, m_splits, scales, fp8_dtype, margin, rowwise, columnwise)
+-> (data, data_t, scale_inv, amax, scale)``
+    Per-tensor FP8 casts of every group, each the bits ``quantize_fp8`` (``scales`` given: float32
+    ``[G]``, delayed scaling) or ``quantize_fp8_current`` (``scales`` None, with ``margin``) makes
+    for that group: lists ``data`` (the group's shape), ``data_t`` (``[k, rows_g]``) and
+    ``scale_inv`` (``(1,)`` each); ``amax`` float32 ``[G]``; ``scale`` ``[G]`` (current scaling;
+    empty for delayed). On CUDA a constant number of launches for all groups.
+``grouped_gemm(a, b, m_splits, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, packed_out)
+-> list of d``
+    ``d_i = a_i @ b_i^T (+ bias_i)`` for every group (the FP8 "TN" form: ``a_i`` ``[M_i, K_i]``,
+    ``b_i`` ``[N_i, K_i]``), each the bits ``gemm`` gives for it as the per-GEMM path calls it.
+    ``a``: G tensors or one packed tensor split by ``m_splits``; FP8 operands need
+    ``a_scale_inv`` / ``b_scale_inv`` (G one-element tensors, or one ``[G]`` tensor); high
+    precision operands have ``out_dtype``. ``bias``: G tensors ``[N_i]`` of ``out_dtype``, in the
+    epilogue (an FP8 GEMM with a float32 output adds it afterwards, as ``fusible.gemm`` needs).
+    ``packed_out``: one output ``[sum M_i, N]`` (the rows in group order); else one per group.
+    A group with ``M_i == 0`` computes nothing; ``K_i == 0`` writes zeros. On CUDA: one cuBLASLt
+    call per group on the current stream from one host call, no synchronisation.
+``grouped_bias_grad(dy, m_splits, out_dtype) -> list of dbias``
+    Per group ``dy_i.sum(0, dtype=torch.float32).to(out_dtype)`` (zeros for an empty group), the
+    bits of that torch expression.
+
 Normalization and activations (normalization.h, activation.h)
 -------------------------------------------------------------
 fp32 math, a fixed reduction order (CPU and CUDA agree bit for bit), and a quantized output that
@@ -132,6 +161,9 @@ __all__ = [
     "gemm",
     "gemm_epilogue_supported",
     "gemm_has_cublaslt",
+    "grouped_bias_grad",
+    "grouped_gemm",
+    "grouped_quantize_fp8",
     "has_cuda",
     "norm_bwd",
     "norm_fwd",
@@ -161,6 +193,9 @@ norm_fwd: Any = _ops.norm_fwd.default
 norm_bwd: Any = _ops.norm_bwd.default
 act_fwd: Any = _ops.act_fwd.default
 act_bwd: Any = _ops.act_bwd.default
+grouped_quantize_fp8: Any = _ops.grouped_quantize_fp8.default
+grouped_gemm: Any = _ops.grouped_gemm.default
+grouped_bias_grad: Any = _ops.grouped_bias_grad.default
 
 # Choices of the string arguments, in the C enums' order (cpp/bindings/ops_<family>.cpp reads them
 # from the same lists there).
@@ -653,3 +688,108 @@ def _act_bwd_fake(
     _check_choice("act_bwd", "kind", kind, ACTIVATIONS)
     _check_choice("act_bwd", "quant", quant, QUANT_MODES)
     return _act_bwd_outputs(grad, x, out_dtype, quant, fp8_dtype, rowwise, columnwise, with_dbias)
+
+
+# ---- grouped operators --------------------------------------------------------------------------
+
+
+def _group_mats(
+    op: str, name: str, x: Sequence[torch.Tensor], m_splits: Sequence[Any]
+) -> list[tuple[Any, Any]]:
+    """(rows, cols) of each group of ``x`` (see ``grouped_quantize_fp8``), with the C++ checks a
+    fake tensor can make: counts, devices, dtypes, the packed rows."""
+    if len(x) == 0:
+        raise ValueError(f"fusible.{op}: argument '{name}' must hold at least one tensor, got none")
+    dev = x[0].device
+    if len(m_splits) == 0:
+        out = []
+        for i, t in enumerate(x):
+            _check_same_device(op, f"{name}[{i}]", t, dev)
+            if t.dtype != x[0].dtype:
+                raise TypeError(
+                    f"fusible.{op}: argument '{name}[{i}]' has dtype {t.dtype}, expected "
+                    f"{name}[0]'s {x[0].dtype} (one dtype per group)"
+                )
+            out.append(_matrix_shape(op, t, f"{name}[{i}]"))
+        return out
+    if len(x) != 1:
+        raise ValueError(
+            f"fusible.{op}: argument '{name}' must be one packed tensor when m_splits is given "
+            f"({len(m_splits)} groups), got {len(x)} tensors"
+        )
+    rows, cols = _matrix_shape(op, x[0], f"{name}[0]")
+    torch._check(
+        sum(m_splits) == rows,
+        lambda: f"fusible.{op}: argument 'm_splits' must sum to the rows of {name}[0] ({rows})",
+    )
+    return [(m, cols) for m in m_splits]
+
+
+@_fake("grouped_quantize_fp8")
+def _grouped_quantize_fp8_fake(x, m_splits, scales, fp8_dtype, margin, rowwise, columnwise):
+    op = "grouped_quantize_fp8"
+    mats = _group_mats(op, "x", x, m_splits)
+    dev = x[0].device
+    if scales is not None:
+        _check_same_device(op, "scales", scales, dev)
+    if fp8_dtype not in FP8_DTYPES:
+        raise TypeError(
+            f"fusible.{op}: argument 'fp8_dtype' must be torch.float8_e4m3fn or "
+            f"torch.float8_e5m2, got {fp8_dtype}"
+        )
+    if not (rowwise or columnwise):
+        raise ValueError(f"fusible.{op}: at least one of 'rowwise' and 'columnwise' must be True")
+    g = len(mats)
+    data, data_t, scale_inv = [], [], []
+    for i, (rows, cols) in enumerate(mats):
+        shape = (rows, cols) if len(m_splits) else tuple(x[i].shape)
+        data.append(torch.empty(shape, dtype=fp8_dtype, device=dev) if rowwise else
+                    _nothing(fp8_dtype, dev))  # fmt: skip
+        data_t.append(torch.empty((cols, rows), dtype=fp8_dtype, device=dev) if columnwise else
+                      _nothing(fp8_dtype, dev))  # fmt: skip
+        scale_inv.append(torch.empty(1, dtype=torch.float32, device=dev))
+    f32 = torch.float32
+    amax = torch.empty(g, dtype=f32, device=dev)
+    scale = torch.empty(g if scales is None else 0, dtype=f32, device=dev)
+    return data, data_t, scale_inv, amax, scale
+
+
+@_fake("grouped_gemm")
+def _grouped_gemm_fake(
+    a, b, m_splits, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, packed_out
+):
+    op = "grouped_gemm"
+    mats = _group_mats(op, "a", a, m_splits)
+    dev = a[0].device
+    if len(b) != len(mats):
+        raise ValueError(
+            f"fusible.{op}: argument 'b' has {len(b)} tensors, expected {len(mats)} (one per "
+            "GEMM, as 'a')"
+        )
+    if out_dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"fusible.{op}: argument 'out_dtype' must be float32, float16 or bfloat16, got "
+            f"{out_dtype}"
+        )
+    for name, ts in (("b", b), ("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv),
+                     ("bias", bias)):  # fmt: skip
+        for i, t in enumerate(ts or ()):
+            _check_same_device(op, f"{name}[{i}]", t, dev)
+    if bias is not None and len(bias) != len(mats):
+        raise ValueError(
+            f"fusible.{op}: argument 'bias' has {len(bias)} tensors, expected {len(mats)} (one "
+            "per GEMM)"
+        )
+    if packed_out:
+        rows = sum(m for m, _ in mats)
+        return [torch.empty((rows, b[0].shape[0]), dtype=out_dtype, device=dev)]
+    return [
+        torch.empty((m, bi.shape[0]), dtype=out_dtype, device=dev)
+        for (m, _), bi in zip(mats, b, strict=True)
+    ]
+
+
+@_fake("grouped_bias_grad")
+def _grouped_bias_grad_fake(dy, m_splits, out_dtype):
+    mats = _group_mats("grouped_bias_grad", "dy", [dy], m_splits)
+    return [torch.empty(dy.shape[-1], dtype=out_dtype, device=dy.device) for _ in mats]

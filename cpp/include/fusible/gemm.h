@@ -129,6 +129,23 @@ typedef struct fus_gemm_args {
 /* Runs the GEMM described by args on ctx's backend (see above). */
 fus_status fus_gemm(const fus_gemm_args* args, const fus_context* ctx);
 
+/*
+ * Grouped GEMM: the count problems args[0 .. count) (each exactly as for fus_gemm) run in order on
+ * ctx's backend, with the numerics of fus_gemm for each (so a group gives the bits of count
+ * fus_gemm calls). Every args[i] is validated before any GEMM runs; an invalid one fails the whole
+ * call (FUS_ERROR_INVALID_ARGUMENT / FUS_ERROR_UNSUPPORTED, the message naming args[i]) and
+ * nothing is written. Problems with M or N == 0 write nothing but dbias / d_amax; K == 0 writes
+ * beta * C through the epilogue (zeros for beta = 0: the weight gradient of an expert that got no
+ * tokens). count == 0 is a no-op.
+ *
+ * CUDA: one cublasLtMatmul after another on ctx->stream, from one host call, with no host
+ * synchronisation (the per-problem host work is the heuristic-cache lookup and descriptor set-up of
+ * fus_gemm). cuBLASLt 13.0, the version this build targets, has no grouped matmul; NVIDIA's own
+ * grouped GEMM on top of cuBLASLt (TransformerEngine, common/gemm/cublaslt_grouped_gemm.cu) needs
+ * cuBLAS 13.3 (BF16), 13.4 (Hopper) and 13.5 (per-tensor FP8 on Hopper).
+ */
+fus_status fus_gemm_grouped(const fus_gemm_args* args, int64_t count, const fus_context* ctx);
+
 /* 1 if CUDA GEMMs are available in this build (CUDA backend built with cuBLASLt), else 0. */
 int fus_gemm_has_cublaslt(void);
 

@@ -54,6 +54,23 @@ fus_status fus_quantize_current_scaling(const fus_tensor* input, fus_quantized* 
                                         const fus_context* ctx);
 
 /*
+ * Grouped per-tensor FP8 cast: count independent casts, inputs[g] -> outs[g], each with the
+ * numerics (and so the bits) of the per-tensor call it stands for, in one call (on CUDA a constant
+ * number of launches for the whole group, not one per tensor: an amax reset, for current scaling
+ * an amax pass over every tensor, and one cast kernel whose blocks each take one tensor's tiles).
+ *  - current_scaling == 0 (delayed scaling): as fus_quantize for each g: outs[g].scale given
+ *    (float[1]), scale_inv written, outs[g].amax written when non-NULL.
+ *  - current_scaling != 0: as fus_quantize_current_scaling(inputs + g, outs + g, margin) for each
+ *    g: outs[g].amax and outs[g].scale required (written), then the cast.
+ * Every outs[g] must have mode FUS_SCALING_PER_TENSOR; the inputs share one dtype and the outputs
+ * one FP8 dtype; each output's copies (rowwise and/or columnwise) are its own. Empty
+ * tensors (rows * cols == 0, e.g. an expert that got no tokens) are allowed: amax 0 and
+ * scale_inv = 1 / scale. Buffers of different groups must not overlap. count == 0 is a no-op.
+ */
+fus_status fus_quantize_grouped(const fus_tensor* inputs, fus_quantized* outs, int64_t count,
+                                int current_scaling, int margin, const fus_context* ctx);
+
+/*
  * Dequantize one copy of in into output. columnwise = 0 reads rowwise_data and writes output
  * [rows, cols]; columnwise = 1 reads columnwise_data and writes it in its stored layout:
  * [cols, rows] for per-tensor scaling (the transpose), [rows, cols] for MXFP8.

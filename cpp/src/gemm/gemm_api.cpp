@@ -3,6 +3,7 @@
 // alignment rules of cuBLASLt are checked here too (for CUDA contexts only).
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/validate.h"
 #include "fusible/gemm.h"
@@ -260,6 +261,38 @@ fus_status fus_gemm(const fus_gemm_args* args, const fus_context* ctx) {
 #endif
     } else {
       gemm_cpu(*args, shape);
+    }
+    return FUS_SUCCESS;
+  });
+}
+
+fus_status fus_gemm_grouped(const fus_gemm_args* args, int64_t count, const fus_context* ctx) {
+  constexpr const char* fn = "fus_gemm_grouped";
+  return guarded(fn, [&] {
+    if (count < 0)
+      throw Error(FUS_ERROR_INVALID_ARGUMENT,
+                  std::string(fn) + ": count must be >= 0, got " + std::to_string(count));
+    if (count == 0) return FUS_SUCCESS;
+    if (args == nullptr)
+      throw Error(FUS_ERROR_INVALID_ARGUMENT, std::string(fn) + ": args is NULL");
+    // Everything is checked before the first GEMM runs.
+    std::vector<GemmShape> shapes(static_cast<size_t>(count));
+    for (int64_t i = 0; i < count; ++i) {
+      try {
+        shapes[static_cast<size_t>(i)] = validate(args + i, ctx);
+      } catch (const Error& e) {
+        throw Error(e.code, std::string(fn) + ": args[" + std::to_string(i) + "]: " + e.message);
+      }
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      const auto& s = shapes[static_cast<size_t>(i)];
+      if (is_cuda(ctx)) {
+#if defined(FUSIBLE_WITH_CUDA)
+        gemm_cuda(args[i], s, *ctx);
+#endif
+      } else {
+        gemm_cpu(args[i], s);
+      }
     }
     return FUS_SUCCESS;
   });

@@ -276,8 +276,10 @@ __device__ __forceinline__ void store_transposed16(ByteAt byte_at, int row0, int
   }
 }
 
+// The per-tensor cast of p with `scale` (the body of cast_transpose_kernel and of one group of
+// grouped_cast_transpose_kernel).
 template <typename T, Fp8Format F>
-__global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const CastParams p) {
+__device__ __forceinline__ void cast_transpose_body(const CastParams& p, const float scale) {
   constexpr int N = kVec<T>;
   using S = PtShape<T>;
   constexpr int kStages = kPtStages<T>, kTr = S::kRows, kTc = S::kTileCols;
@@ -297,7 +299,6 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const CastPara
   // Gather: 4 tile columns (4 * cg ...) x 16 rows (group j) per thread; the lanes of one j % 4
   // quad store 64 contiguous bytes of one transposed row.
   const int cg = (warp & 1) * 8 + (lane >> 2), j = (warp >> 1) * 4 + (lane & 3);
-  const float scale = *p.scale;
   float s[N];
 #pragma unroll
   for (int i = 0; i < N; ++i) s[i] = scale;
@@ -354,6 +355,42 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const CastPara
   if (p.amax) fused::block_amax(amax, p.amax);
   // Same division as the CPU backend (IEEE, no fast math).
   if (p.scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *p.scale_inv = 1.0f / scale;
+}
+
+template <typename T, Fp8Format F>
+__global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const CastParams p) {
+  cast_transpose_body<T, F>(p, *p.scale);
+}
+
+// ---- grouped per-tensor casts (fus_quantize_grouped) ---------------------------------------------
+// One launch casts up to kMaxGroups tensors: blockIdx.y is the group, whose blocks walk its tiles
+// with a stride of gridDim.x (a block past its group's tiles only writes its share of nothing). For
+// current scaling every block derives the group's scale from the amax of the preceding amax pass
+// with the shared numerics (compute_scale, fallback 1, as compute_scale_kernel), and block 0
+// writes it out; so a grouped cast is the per-tensor cast of each group, bit for bit.
+constexpr int kMaxGroups = 32;
+
+struct GroupedCastParams {
+  CastParams p[kMaxGroups];
+  const float* amax_in[kMaxGroups];  // current scaling: the group's amax (already reduced)
+  float* scale_out[kMaxGroups];      // current scaling: where the group's scale goes
+  float fp8_max;
+  int margin;
+  bool current;
+};
+
+template <typename T, Fp8Format F>
+__global__ void __launch_bounds__(kThreads) grouped_cast_transpose_kernel(const GroupedCastParams g) {
+  const unsigned gi = blockIdx.y;
+  const CastParams p = g.p[gi];
+  float scale;
+  if (g.current) {
+    scale = compute_scale(*g.amax_in[gi], g.fp8_max, g.margin, 1.0f);
+    if (blockIdx.x == 0 && threadIdx.x == 0) *g.scale_out[gi] = scale;
+  } else {
+    scale = *p.scale;
+  }
+  cast_transpose_body<T, F>(p, scale);
 }
 
 template <typename T, Fp8Format F>
@@ -465,8 +502,8 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const CastParams p) {
 // amax over x[0, n). x + head is 16-byte aligned; [head, head + nv * N) is read as vectors, four
 // per thread per iteration to keep enough bytes in flight.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    amax_kernel(const T* __restrict__ x, int64_t n, int64_t head, float* amax) {
+__device__ __forceinline__ void amax_body(const T* __restrict__ x, int64_t n, int64_t head,
+                                          float* amax) {
   constexpr int N = kVec<T>, kUnroll = 4;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -487,6 +524,35 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t j = head + nv * N + tid; j < n; j += stride)
     m = max(m, abs_bits(Element<T>::load(x, j)));
   fused::block_amax(m, amax);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    amax_kernel(const T* __restrict__ x, int64_t n, int64_t head, float* amax) {
+  amax_body<T>(x, n, head, amax);
+}
+
+// Grouped amax pass (blockIdx.y is the group) and the reset of the groups' amaxes before it.
+struct GroupedAmaxParams {
+  const void* x[kMaxGroups];
+  int64_t n[kMaxGroups], head[kMaxGroups];
+  float* amax[kMaxGroups];
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) grouped_amax_kernel(const GroupedAmaxParams g) {
+  const unsigned gi = blockIdx.y;
+  if (g.n[gi] == 0) return;
+  amax_body<T>(static_cast<const T*>(g.x[gi]), g.n[gi], g.head[gi], g.amax[gi]);
+}
+
+struct AmaxPointers {
+  float* amax[kMaxGroups];
+  int count;
+};
+
+__global__ void zero_amax_kernel(const AmaxPointers z) {
+  if (static_cast<int>(threadIdx.x) < z.count && z.amax[threadIdx.x]) *z.amax[threadIdx.x] = 0.0f;
 }
 
 enum class DqMode { kPerTensor, kMxRow, kMxCol };
@@ -744,6 +810,117 @@ void quantize_cuda(const fus_tensor& input, const fus_quantized& out, const fus_
       FUS_CUDA_CHECK_LAUNCH(per_tensor ? "cast_transpose_kernel" : "mxfp8_kernel");
     });
   });
+}
+
+namespace {
+
+// Elements before the first 16-byte boundary of x, read one by one by the amax kernels.
+template <typename T>
+int64_t amax_head(const void* x, int64_t n) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(x);
+  int64_t head = addr % sizeof(T) ? n : static_cast<int64_t>((16 - addr % 16) % 16 / sizeof(T));
+  return head > n ? n : head;
+}
+
+// Groups [first, first + count) of a grouped cast (count <= kMaxGroups): amax reset, amax pass
+// (current scaling), cast.
+void quantize_group_chunk(const fus_tensor* inputs, const fus_quantized* outs, int64_t count,
+                          bool current, int margin, cudaStream_t stream) {
+  AmaxPointers z{};
+  z.count = static_cast<int>(count);
+  bool any_amax = false;
+  for (int64_t g = 0; g < count; ++g) {
+    z.amax[g] = outs[g].amax;
+    any_amax = any_amax || outs[g].amax != nullptr;
+  }
+  if (any_amax) {
+    zero_amax_kernel<<<1, kMaxGroups, 0, stream>>>(z);
+    FUS_CUDA_CHECK_LAUNCH("zero_amax_kernel");
+  }
+  dispatch_hp(inputs[0].dtype, [&](auto t) {
+    using T = decltype(t);
+    constexpr int N = kVec<T>;
+    using S = PtShape<T>;
+    const auto count_u = static_cast<unsigned>(count);
+    if (current) {
+      GroupedAmaxParams a{};
+      int64_t most = 0;
+      for (int64_t g = 0; g < count; ++g) {
+        const int64_t n = inputs[g].rows * inputs[g].cols;
+        a.x[g] = inputs[g].data;
+        a.n[g] = n;
+        a.head[g] = n ? amax_head<T>(inputs[g].data, n) : 0;
+        a.amax[g] = outs[g].amax;
+        const int64_t work = ceil_div((n - a.head[g]) / N / 4 + a.head[g], kThreads);
+        most = work > most ? work : most;
+      }
+      if (most > 0) {
+        // A wave of blocks shared by the groups; each group's blocks stride over its elements.
+        const int64_t resident = persistent_blocks(grouped_amax_kernel<T>, kThreads, INT_MAX);
+        int64_t gx = ceil_div(resident, count);
+        gx = gx < most ? gx : most;
+        const dim3 grid(static_cast<unsigned>(gx < 1 ? 1 : gx), count_u);
+        grouped_amax_kernel<T><<<grid, kThreads, 0, stream>>>(a);
+        FUS_CUDA_CHECK_LAUNCH("grouped_amax_kernel");
+      }
+    }
+    GroupedCastParams gp{};
+    gp.current = current;
+    gp.margin = margin;
+    gp.fp8_max = fus_fp8_max(outs[0].dtype);
+    int64_t most_tiles = 0;
+    for (int64_t g = 0; g < count; ++g) {
+      const fus_tensor& in = inputs[g];
+      const fus_quantized& out = outs[g];
+      CastParams& p = gp.p[g];
+      const int64_t rows = in.rows, cols = in.cols;
+      p.x = in.data;
+      p.row = static_cast<uint8_t*>(out.rowwise_data);
+      p.col = static_cast<uint8_t*>(out.columnwise_data);
+      p.scale = out.scale;
+      p.scale_inv = static_cast<float*>(out.rowwise_scale_inv);
+      // Current scaling: the amax was reduced by the pass above; the cast records none.
+      p.amax = current ? nullptr : out.amax;
+      p.rows = rows;
+      p.cols = cols;
+      const int64_t tiles_r = rows * cols ? ceil_div(rows, S::kRows) : 0;
+      const int64_t tiles_c = rows * cols ? ceil_div(cols, S::kTileCols) : 1;
+      if (tiles_r * tiles_c > INT_MAX)
+        throw Error(FUS_ERROR_UNSUPPORTED,
+                    "fus_quantize_grouped: matrix too large for the CUDA backend");
+      p.tiles_r = static_cast<unsigned>(tiles_r);
+      p.tiles_c = static_cast<unsigned>(tiles_c);
+      const bool cols_vec = cols % N == 0;
+      p.vec_in = cols_vec && is_aligned(p.x, 16);
+      p.vec_row = cols_vec && is_aligned(p.row, N);
+      p.vec_col = rows % 16 == 0 && is_aligned(p.col, 16);
+      gp.amax_in[g] = out.amax;
+      gp.scale_out[g] = out.scale;
+      most_tiles = tiles_r * tiles_c > most_tiles ? tiles_r * tiles_c : most_tiles;
+    }
+    dispatch_fp8(outs[0].dtype, [&](auto f) {
+      constexpr Fp8Format F = decltype(f)::value;
+      // Blocks of about four tiles of the largest group each; the hardware schedules the groups'
+      // blocks as others finish, so uneven groups share the device.
+      int64_t gx = ceil_div(most_tiles, 4);
+      gx = gx < 1 ? 1 : (gx > 65535 ? 65535 : gx);
+      const dim3 grid(static_cast<unsigned>(gx), count_u);
+      grouped_cast_transpose_kernel<T, F><<<grid, kThreads, 0, stream>>>(gp);
+      FUS_CUDA_CHECK_LAUNCH("grouped_cast_transpose_kernel");
+    });
+  });
+}
+
+}  // namespace
+
+void quantize_grouped_cuda(const fus_tensor* inputs, const fus_quantized* outs, int64_t count,
+                           bool current_scaling, int margin, const fus_context& ctx) {
+  CudaDeviceGuard guard(ctx.device_index);
+  const cudaStream_t stream = stream_of(ctx);
+  for (int64_t first = 0; first < count; first += kMaxGroups) {
+    const int64_t n = count - first < kMaxGroups ? count - first : kMaxGroups;
+    quantize_group_chunk(inputs + first, outs + first, n, current_scaling, margin, stream);
+  }
 }
 
 void amax_cuda(const fus_tensor& input, float* amax, const fus_context& ctx) {

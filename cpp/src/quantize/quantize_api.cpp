@@ -5,6 +5,7 @@
 #include "fusible/quantize.h"
 #include "fusible/recipe.h"
 #include "quantize/quantize_impl.h"
+#include "recipe/recipe_impl.h"
 
 namespace fusible {
 namespace {
@@ -76,6 +77,62 @@ fus_status fus_quantize_current_scaling(const fus_tensor* input, fus_quantized* 
     fus_quantized cast = *out;
     cast.amax = nullptr;
     return fus_quantize(input, &cast, ctx);
+  });
+}
+
+fus_status fus_quantize_grouped(const fus_tensor* inputs, fus_quantized* outs, int64_t count,
+                                int current_scaling, int margin, const fus_context* ctx) {
+  constexpr const char* fn = "fus_quantize_grouped";
+  return guarded(fn, [&] {
+    check_context(fn, ctx);
+    require(count >= 0, fn, "count must be >= 0, got " + std::to_string(count));
+    if (count == 0) return FUS_SUCCESS;
+    require(inputs != nullptr && outs != nullptr, fn, "inputs and outs must not be NULL");
+    require(margin >= 0, fn, "margin must be >= 0, got " + std::to_string(margin));
+    for (int64_t g = 0; g < count; ++g) {
+      const std::string in_name = "inputs[" + std::to_string(g) + "]";
+      const std::string out_name = "outs[" + std::to_string(g) + "]";
+      const fus_tensor* in = inputs + g;
+      fus_quantized* out = outs + g;
+      check_matrix(fn, in_name.c_str(), in, kHighPrecision);
+      check_quantized(fn, out_name.c_str(), out, in->rows, in->cols);
+      require(out->mode == FUS_SCALING_PER_TENSOR, fn,
+              out_name + ".mode must be FUS_SCALING_PER_TENSOR (grouped casts are per tensor)");
+      require(in->dtype == inputs[0].dtype, fn,
+              in_name + " has dtype " + dtype_name(in->dtype) + ", expected inputs[0]'s " +
+                  dtype_name(inputs[0].dtype) + " (one input dtype per group)");
+      require(out->dtype == outs[0].dtype, fn,
+              out_name + ".dtype is " + dtype_name(out->dtype) + ", expected outs[0]'s " +
+                  dtype_name(outs[0].dtype) + " (one FP8 dtype per group)");
+      require(out->rowwise_scale_inv != nullptr, fn, out_name + ".rowwise_scale_inv is NULL");
+      if (current_scaling) {
+        require(out->amax != nullptr && out->scale != nullptr, fn,
+                out_name + ".amax and " + out_name + ".scale must both be float[1]");
+      } else {
+        require(out->scale != nullptr, fn,
+                out_name + ".scale is NULL; delayed scaling casts with a given float[1] scale");
+      }
+    }
+    if (is_cuda(ctx)) {
+#if defined(FUSIBLE_WITH_CUDA)
+      quantize_grouped_cuda(inputs, outs, count, current_scaling != 0, margin, *ctx);
+#endif
+    } else {
+      // The per-tensor calls themselves, one after another: the same bits by construction.
+      const float fp8_max = fus_fp8_max(outs[0].dtype);
+      for (int64_t g = 0; g < count; ++g) {
+        if (current_scaling) {
+          amax_cpu(inputs[g], outs[g].amax);
+          compute_scale_cpu(outs[g].amax, outs[g].scale, nullptr, fp8_max, margin, false);
+          fus_quantized cast = outs[g];
+          cast.amax = nullptr;
+          quantize_cpu(inputs[g], cast);
+        } else {
+          quantize_cpu(inputs[g], outs[g]);
+        }
+      }
+    }
+    return FUS_SUCCESS;
   });
 }
 

@@ -16,6 +16,9 @@ void quantize_cuda(const fus_tensor& input, const fus_quantized& out, const fus_
 void amax_cuda(const fus_tensor& input, float* amax, const fus_context& ctx);
 void dequantize_cuda(const fus_quantized& in, bool columnwise, const fus_tensor& output,
                      const fus_context& ctx);
+// Grouped per-tensor casts (fus_quantize_grouped; arguments validated).
+void quantize_grouped_cuda(const fus_tensor* inputs, const fus_quantized* outs, int64_t count,
+                           bool current_scaling, int margin, const fus_context& ctx);
 void transpose_fp8_cuda(const fus_tensor& input, const fus_tensor& output, const fus_context& ctx);
 #endif
 
