@@ -15,6 +15,7 @@ from ops_helpers import E4M3, E5M2, RECIPES, prequantized, rel_err, tol
 
 import fusible
 from fusible import ops, recipe
+from fusible.ops.basic import grouped_linear as GL
 from fusible.ops.basic.grouped_linear import gemm_index
 from fusible.quantization import Float8CurrentScalingQuantizer, QuantizerRole
 from fusible.quantization import quantizers as Q
@@ -432,7 +433,7 @@ def test_saves_per_expert_what_backward_reads(recipe_name):
 
 # ---- weight workspaces: one per expert ----------------------------------------------------
 
-QUANTIZE_OPS = ("quantize_fp8", "quantize_fp8_current", "quantize_mxfp8")
+QUANTIZE_OPS = ("quantize_fp8", "quantize_fp8_current", "quantize_mxfp8", "grouped_quantize_fp8")
 
 
 class _CountingOps:
@@ -448,9 +449,10 @@ class _CountingOps:
             return fn
 
         def counted(x, *args, **kwargs):
-            for i, w in enumerate(self._weights()):
-                if x.data_ptr() == w.data_ptr() and x.shape == w.shape:
-                    self.calls.append(i)
+            for t in x if isinstance(x, list) else [x]:  # the grouped cast takes a list
+                for i, w in enumerate(self._weights()):
+                    if t.data_ptr() == w.data_ptr() and t.shape == w.shape:
+                        self.calls.append(i)
             return fn(x, *args, **kwargs)
 
         return counted
@@ -460,6 +462,16 @@ class _CountingOps:
         return out
 
 
+class _Both:
+    """The weight casts of the per-GEMM quantizers and of the grouped path together."""
+
+    def __init__(self, *counts):
+        self.counts = counts
+
+    def take(self):
+        return sorted(i for c in self.counts for i in c.take())
+
+
 @pytest.mark.parametrize("recipe_name", FP8_RECIPES)
 def test_workspaces_per_expert(recipe_name, monkeypatch):
     rec = RECIPES[recipe_name]
@@ -467,6 +479,8 @@ def test_workspaces_per_expert(recipe_name, monkeypatch):
     model = ops.Sequential(op)
     count = _CountingOps(Q._ops, op.weights)
     monkeypatch.setattr(Q, "_ops", count)
+    monkeypatch.setattr(GL, "K", _CountingOps(GL.K, op.weights))
+    count = _Both(count, GL.K)
     splits = (32, 0, 64)  # expert 1 empty: its weight is still cached on a True step
     x, g = torch.randn(96, 32), torch.randn(96, 32)
     op.ensure_recipe_state(rec)
@@ -530,7 +544,7 @@ def test_roles():
         assert all(q is not None for q in state.quantizers)
         assert len({id(q) for q in state.quantizers}) == 6  # a quantizer per slot
     text = seq.explain()
-    assert "weight:grouped_linear:experts_gemm1" in text and "per expert (x2" in text
+    assert "weight:grouped_linear:experts_gemm1" in text and "(x2" in text
 
 
 # ---- bad input ------------------------------------------------------------------------------

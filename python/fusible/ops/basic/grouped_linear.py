@@ -10,13 +10,22 @@ from typing import Any
 
 import torch
 
+from fusible import _kernels as K
 from fusible.ops import _compute as C
 from fusible.ops.basic.linear import _inference
 from fusible.ops.op import BasicOperation
 from fusible.ops.workspace import WorkspaceCache, quantize_weight
 from fusible.quantization import QuantizerRole
 from fusible.quantization.model_init import get_quantized_model_init_recipe
-from fusible.quantization.quantizers import MXFP8Quantizer, QuantizedTensor, Quantizer
+from fusible.quantization.quantizers import (
+    Float8CurrentScalingQuantizer,
+    Float8Data,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    QuantizedTensor,
+    Quantizer,
+    replaying_scales,
+)
 from fusible.quantization.roles import BACKWARD_BUCKETS, FORWARD_BUCKETS
 
 __all__ = ["GroupedLinear", "gemm_index"]
@@ -64,10 +73,21 @@ class GroupedLinear(BasicOperation):
     order, ``input``, ``weight``, ``output``; backward, per GEMM, ``grad_output``,
     ``grad_input``. So every expert has its own quantizers and scaling state under every
     recipe (a ``CustomRecipe`` factory can route by expert, see :func:`gemm_index`). Each
-    expert's input and output gradient are quantized separately (one quantize and one GEMM per
-    expert and pass, the per-GEMM kernels in a loop; no grouped GEMM kernel), so the op offers
-    no quantizer to its neighbours (no hand-off: one tensor cannot carry per-expert scales).
+    expert's input and output gradient are quantized with its own scale, so the op offers no
+    quantizer to its neighbours (no hand-off: one tensor cannot carry per-expert scales).
     MXFP8 needs ``in_features``, ``out_features`` and every split divisible by 32.
+
+    **Kernels.** Under delayed and current scaling (every expert's quantizers of one kind) a
+    pass runs grouped operators, a fixed number of operator calls whatever ``num_gemms`` is:
+    one ``grouped_quantize_fp8`` for the inputs (and one for the weights that are not cached),
+    one ``grouped_gemm`` for the forward GEMMs, and in backward one ``grouped_quantize_fp8`` for
+    the output gradient, one ``grouped_gemm`` each for dgrad and wgrad and one
+    ``grouped_bias_grad``; without a recipe the forward GEMMs with bias are one
+    ``grouped_gemm`` (the backward GEMMs are torch matmuls per expert, as before). Each grouped
+    operator computes, per expert, the bits of the per-expert kernel it replaces, so the
+    results equal the per-expert loop's bit for bit; the loop still runs for MXFP8, custom
+    recipes and mixed quantizers (and, on CUDA, for the weight gradient of an expert whose
+    token count is not a multiple of 16, which cuBLASLt's FP8 GEMM cannot take).
 
     **Weight workspaces**: one per expert (``workspace_caches[i]``), each looked up, stored and
     invalidated on its own (an in-place update of ``weight3`` re-quantizes expert 3 only); see
@@ -79,6 +99,9 @@ class GroupedLinear(BasicOperation):
 
     role_scope = "grouped_linear"
     call_kwargs = ("m_splits",)
+    #: Private switch: False runs every pass as the per-expert loop (the grouped path's tests
+    #: compare the two bit for bit).
+    _grouped = True
 
     def __init__(
         self,
@@ -171,6 +194,13 @@ class GroupedLinear(BasicOperation):
         qw = self.gemm_quantizers(True, "weight")[0]
         how = " on dequantized MXFP8 operands" if isinstance(qw, MXFP8Quantizer) else ""
         n = self.num_gemms
+        kind = self._fp8_kind(fwd)
+        if kind is not None:
+            if fwd:
+                return [f"grouped (x{n}, empty experts skipped): grouped_quantize_fp8(input), "
+                        "grouped_quantize_fp8(weight), grouped_gemm(fprop)"]  # fmt: skip
+            return [f"grouped (x{n}): grouped_quantize_fp8(grad_output), grouped_gemm(dgrad), "
+                    "grouped_gemm(wgrad), grouped_bias_grad"]  # fmt: skip
         if fwd:
             quant = "quantize(input, weight), " if qw is not None else ""
             return [f"per expert (x{n}, empty experts skipped): {quant}gemm(fprop){how}"]
@@ -214,6 +244,16 @@ class GroupedLinear(BasicOperation):
     # ---- execution ----------------------------------------------------------------------------
 
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
+        if self._grouped:
+            out = self._forward_grouped(ctx, x, params)
+            if out is not None:
+                return out
+        ctx.attrs["grouped"] = False
+        return self._forward_loop(ctx, x, params)
+
+    def _forward_loop(self, ctx, x, params):
+        """The per-expert loop: per expert a quantize and a GEMM (kept for the recipes the
+        grouped kernels do not serve, and as the reference of the grouped path's tests)."""
         splits: tuple[int, ...] = ctx.call
         x = C.dequantize(x)
         self._check_input(x, splits)
@@ -287,6 +327,13 @@ class GroupedLinear(BasicOperation):
         return y, []
 
     def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
+        if ctx.attrs.get("grouped") == "fp8":
+            out = self._backward_grouped(ctx, dy)
+            if out is not None:
+                return out
+        return self._backward_loop(ctx, dy)
+
+    def _backward_loop(self, ctx, dy):
         n = self.num_gemms
         a = ctx.attrs
         splits, need_dgrad, need_wgrad = a["splits"], a["need_dgrad"], a["need_wgrad"]
@@ -343,6 +390,231 @@ class GroupedLinear(BasicOperation):
         return dx, dws + (dbs if self.use_bias else []), []
 
 
+    # ---- the grouped path ---------------------------------------------------------------------
+
+    def _fp8_kind(self, fwd: bool) -> type[Quantizer] | None:
+        """The quantizer class every quantizer of the pass ``fwd`` has, when the grouped kernels
+        serve it: all delayed (``Float8Quantizer``) or all current scaling, one FP8 dtype per
+        bucket (and one margin); else None (MXFP8, custom recipes, mixed quantizers, no
+        recipe, or the private switch off)."""
+        if not self._grouped:
+            return None
+        buckets = ("input", "weight") if fwd else ("grad_output",)
+        qs = [q for b in buckets for q in self.gemm_quantizers(fwd, b)]
+        if not qs or any(q is None for q in qs):
+            return None
+        kind = type(qs[0])
+        if kind not in (Float8Quantizer, Float8CurrentScalingQuantizer):
+            return None
+        for b in buckets:
+            bq = self.gemm_quantizers(fwd, b)
+            first: Any = bq[0]
+            for q in bq:
+                if type(q) is not kind or q.dtype != first.dtype:
+                    return None
+                if kind is Float8CurrentScalingQuantizer and q.margin != first.margin:  # type: ignore[attr-defined]
+                    return None
+        return kind
+
+    def _grouped_cast(
+        self, qs: list[Any], x: list[torch.Tensor], splits: Any, rowwise: bool, columnwise: bool
+    ) -> list[Float8Data]:
+        """``x`` (G tensors, or one packed tensor with ``splits``) cast by the quantizers ``qs``
+        (one per group, all delayed or all current scaling) in one operator call: per group the
+        container ``q.quantize`` makes, and for delayed scaling each amax folded into its
+        quantizer's running max as ``q.quantize`` does."""
+        q0 = qs[0]
+        delayed = isinstance(q0, Float8Quantizer)
+        scales = torch.cat([q.scale for q in qs]) if delayed else None
+        margin = 0 if delayed else q0.margin
+        data, data_t, scale_inv, amax, _ = K.grouped_quantize_fp8(
+            x, list(splits), scales, q0.dtype, margin, rowwise, columnwise
+        )
+        if delayed:
+            _record_amaxes(qs, amax)
+        out = []
+        for i in range(len(qs)):
+            shape = data[i].shape if rowwise else torch.Size((data_t[i].shape[1], data_t[i].shape[0]))
+            if not splits:
+                shape = x[i].shape
+            out.append(Float8Data._trusted(data[i] if rowwise else None,
+                                           data_t[i] if columnwise else None, scale_inv[i],
+                                           q0.dtype, shape))  # fmt: skip
+        return out
+
+    def _aligned(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
+        """cuBLASLt's FP8 alignment for the forward and dgrad GEMMs of every expert (they depend
+        on the feature sizes only; see ``_compute._fp8_gemm_aligned``); the CPU takes any."""
+        if not x.is_cuda:
+            return True
+        size = torch.empty(0, dtype=dtype).element_size()
+        return all(k % 16 == 0 and (n * size) % 16 == 0 and n % 8 == 0
+                   for k, n in ((self.in_features, self.out_features),
+                                (self.out_features, self.in_features)))  # fmt: skip
+
+    def _forward_grouped(self, ctx, x, params):
+        """The forward pass as grouped operators, or None where the loop runs it."""
+        splits: tuple[int, ...] = ctx.call
+        if not isinstance(x, torch.Tensor):
+            return None
+        n = self.num_gemms
+        ws, bs = list(params[:n]), list(params[n:])
+        dtype = x.dtype
+        if any(isinstance(w, QuantizedTensor) or w.dtype != ws[0].dtype for w in ws):
+            return None  # the loop raises for quantized weights, and takes mixed dtypes
+        kind = self._fp8_kind(True)
+        qxs = self.gemm_quantizers(True, "input")
+        if kind is None:
+            if any(q is not None for q in qxs) or not bs or not self._grouped:
+                return None
+            # No recipe: the forward GEMMs with bias (the loop's fusible.gemm calls; without a
+            # bias the loop runs torch's linear, whose bits another GEMM would not reproduce).
+            if ws[0].dtype != dtype or any(b.dtype != bs[0].dtype for b in bs):
+                return None
+            return self._forward_hp(ctx, x, ws, bs, splits)
+        if not self._aligned(x, dtype) or any(b.dtype != bs[0].dtype for b in bs):
+            return None
+        self._check_input(x, splits)
+        prg = ctx.params_requires_grad or (False,) * len(params)
+        grad = not _inference()
+        need_dgrad = grad and ctx.input_requires_grad
+        need_wgrad = tuple(grad and bool(r) for r in prg[:n])
+        qws = self.gemm_quantizers(True, "weight")
+        keyed = isinstance(ctx.cache_weight, dict)
+        cache = ctx.cache_weight if keyed else {}
+        given = ctx.workspace if keyed else {}
+        # Weights: cache hits as they are; the others cast in one call (an empty expert's weight
+        # only to fill its cache, as in the loop).
+        wqs: list[Any] = list(ws)
+        todo = []
+        for i in range(n):
+            update = cache.get(i, False)
+            if not (splits[i] or update):
+                continue
+            if given.get(i) is not None and not update:
+                wqs[i] = given[i]
+            else:
+                todo.append(i)
+        if todo:
+            col = need_dgrad or any(cache.get(i, False) for i in todo)
+            made = self._grouped_cast([qws[i] for i in todo], [ws[i].contiguous() for i in todo],
+                                      (), True, col)  # fmt: skip
+            for i, q in zip(todo, made, strict=True):
+                wqs[i] = q
+                if cache.get(i, False):
+                    ctx.new_workspace[i] = q
+        x2 = C.as_2d(x).contiguous()
+        xqs = self._grouped_cast(qxs, [x2], splits, True, any(need_wgrad))
+        idx = [i for i in range(n) if splits[i]]
+        if idx:
+            y = K.grouped_gemm(
+                [xqs[i].data for i in idx], [wqs[i].data for i in idx], [],
+                [xqs[i].scale_inv for i in idx], [wqs[i].scale_inv for i in idx], dtype,
+                [bs[i].to(dtype) for i in idx] if bs else None, True, True,
+            )[0]  # fmt: skip
+        else:
+            y = x2.new_empty(0, self.out_features)
+        y = y.view(*x.shape[:-1], self.out_features)
+        # What the loop saves: columnwise copies, nothing for an empty expert.
+        saved_x = [C.keep_columnwise(xqs[i]) if need_wgrad[i] and splits[i] else None
+                   for i in range(n)]  # fmt: skip
+        saved_w = [C.keep_columnwise(wqs[i]) if need_dgrad and splits[i] else None
+                   for i in range(n)]  # fmt: skip
+        ctx.saved = saved_x + saved_w
+        ctx.attrs.update(
+            splits=splits, need_dgrad=need_dgrad, need_wgrad=need_wgrad, dtype=dtype,
+            w_dtypes=tuple(w.dtype for w in ws), b_dtypes=tuple(b.dtype for b in bs),
+            need_bgrad=tuple(grad and bool(r) for r in prg[n:]), grouped="fp8",
+        )  # fmt: skip
+        return y, []
+
+    def _forward_hp(self, ctx, x, ws, bs, splits):
+        """No recipe, with bias: the forward GEMMs in one ``grouped_gemm`` (per expert the
+        loop's ``fusible.gemm`` call with the bias epilogue); backward is the loop's."""
+        n = self.num_gemms
+        self._check_input(x, splits)
+        dtype = x.dtype
+        params_rg = ctx.params_requires_grad or (False,) * (2 * n)
+        grad = not _inference()
+        need_dgrad = grad and ctx.input_requires_grad
+        need_wgrad = tuple(grad and bool(r) for r in params_rg[:n])
+        x2 = C.as_2d(x).contiguous()
+        y = K.grouped_gemm([x2], [w.contiguous() for w in ws], list(splits), None, None, dtype,
+                           [b.to(dtype) for b in bs], False, True)[0]  # fmt: skip
+        y = y.view(*x.shape[:-1], self.out_features)
+        xs = torch.split(x2, list(splits)) if n > 1 else (x2,)
+        saved_x = [xs[i] if need_wgrad[i] and splits[i] else None for i in range(n)]
+        saved_w = [ws[i] if need_dgrad and splits[i] else None for i in range(n)]
+        ctx.saved = saved_x + saved_w
+        ctx.attrs.update(
+            splits=splits, need_dgrad=need_dgrad, need_wgrad=need_wgrad, dtype=dtype,
+            w_dtypes=tuple(w.dtype for w in ws), b_dtypes=tuple(b.dtype for b in bs),
+            need_bgrad=tuple(grad and bool(r) for r in params_rg[n:]), grouped="hp",
+        )  # fmt: skip
+        return y, []
+
+    def _backward_grouped(self, ctx, dy):
+        """The backward pass as grouped operators, or None where the loop runs it."""
+        if self._fp8_kind(False) is None or not isinstance(dy, torch.Tensor):
+            return None
+        n = self.num_gemms
+        a = ctx.attrs
+        splits, need_dgrad, need_wgrad = a["splits"], a["need_dgrad"], a["need_wgrad"]
+        need_bgrad, dtype = a["need_bgrad"], a["dtype"]
+        w_dtypes, b_dtypes = a["w_dtypes"], a["b_dtypes"]
+        if len(set(w_dtypes)) > 1 or len(set(b_dtypes)) > 1:
+            return None
+        saved_x, saved_w = ctx.saved[:n], ctx.saved[n:]
+        lead = dy.shape[:-1]
+        dy2 = C.as_2d(dy)
+        if not dy2.is_contiguous():
+            return None  # the loop's per-expert reductions read the strided view itself
+        wgrad = any(need_wgrad)
+        qgs = self.gemm_quantizers(False, "grad_output")
+        gs = self._grouped_cast(qgs, [dy2], splits, need_dgrad, wgrad) if need_dgrad or wgrad else []
+        idx = [i for i in range(n) if splits[i]]
+        dx = None
+        if need_dgrad:
+            if idx:
+                dx2 = K.grouped_gemm(
+                    [gs[i].data for i in idx], [saved_w[i].data_t for i in idx], [],
+                    [gs[i].scale_inv for i in idx], [saved_w[i].scale_inv for i in idx], dtype,
+                    None, False, True,
+                )[0]  # fmt: skip
+            else:
+                dx2 = dy2.new_empty(0, self.in_features)
+            dx = dx2.to(dtype).view(*lead, self.in_features)
+        dws: list[torch.Tensor | None] = [None] * n
+        if wgrad:
+            w_dtype = w_dtypes[0]
+            # cuBLASLt's FP8 GEMM needs K = the expert's token count % 16 == 0: others (CUDA
+            # only) run the loop's GEMM on dequantized operands.
+            one = [i for i in range(n) if need_wgrad[i] and dy2.is_cuda and splits[i] % 16]
+            grp = [i for i in range(n) if need_wgrad[i] and i not in one]
+            if grp:
+                # An empty expert is a GEMM with K = 0, which writes its zeros: its B is one
+                # shared [in_features, 0] matrix (its input saved nothing).
+                none = None
+                if not all(splits[i] for i in grp):
+                    x_fp8 = self.gemm_quantizers(True, "input")[0].dtype  # type: ignore[union-attr]
+                    none = dy2.new_empty((self.in_features, 0), dtype=x_fp8)
+                xb = [saved_x[i].data_t if splits[i] else none for i in grp]
+                xs = [saved_x[i].scale_inv if splits[i] else gs[i].scale_inv for i in grp]
+                got = K.grouped_gemm(
+                    [gs[i].data_t for i in grp], xb, [],
+                    [gs[i].scale_inv for i in grp], xs, w_dtype, None, False, False,
+                )  # fmt: skip
+                for i, dw in zip(grp, got, strict=True):
+                    dws[i] = dw
+            for i in one:
+                dws[i] = C.gemm_wgrad(gs[i], saved_x[i], w_dtype)[0].to(w_dtype)
+        dbs: list[torch.Tensor | None] = [None] * n
+        if need_bgrad and any(need_bgrad):
+            got = K.grouped_bias_grad(dy2, list(splits), b_dtypes[0])
+            dbs = [db if need_bgrad[i] else None for i, db in enumerate(got)]
+        return dx, dws + (dbs if self.use_bias else []), []
+
+
 def check_splits(m_splits: Any, num_gemms: int, owner: str = "GroupedLinear") -> tuple[Any, ...]:
     """``m_splits`` as a tuple of ``num_gemms`` ints >= 0 (see :class:`GroupedLinear`); raises
     ``TypeError`` / ``ValueError`` naming ``owner``, the argument and what was expected."""
@@ -382,3 +654,24 @@ def check_splits(m_splits: Any, num_gemms: int, owner: str = "GroupedLinear") ->
             f"{owner}: m_splits entries must be >= 0, got m_splits[{neg[0][0]}]={neg[0][1]}"
         )
     return tuple(out)
+
+
+def _record_amaxes(qs: list[Any], amax: torch.Tensor) -> None:
+    """Fold ``amax[i]`` into delayed-scaling quantizer ``qs[i]``'s running max, as
+    ``Float8Quantizer.quantize`` does with its kernel's amax (NaN propagates): one in-place
+    maximum over a strided view when the quantizers are evenly spaced slots of one state (the
+    usual layout: a GroupedLinear's slots repeat every few roles), else one per quantizer. A
+    checkpoint recomputation records nothing (its forward did)."""
+    if replaying_scales():
+        return
+    q0 = qs[0]
+    buf = q0.buffers
+    step = qs[1].slot - q0.slot if len(qs) > 1 else 1
+    if step > 0 and all(q.buffers is buf and q.slot == q0.slot + i * step
+                        for i, q in enumerate(qs)):  # fmt: skip
+        row = buf.amax_history[0]
+        seen = row[q0.slot : q0.slot + step * (len(qs) - 1) + 1 : step]
+        torch.maximum(seen, amax, out=seen)
+        return
+    for i, q in enumerate(qs):
+        q.record_amax(amax[i : i + 1])
