@@ -31,7 +31,10 @@ Groups split_groups(const char* op, const char* name, at::TensorList x, at::IntA
   Groups g;
   FUS_VALUE_CHECK(!x.empty(), op, "argument '", name, "' must hold at least one tensor, got none");
   const c10::Device dev = x[0].device();
-  if (m_splits.empty()) {
+  // A list of G > 1 tensors with m_splits: group g is x[g] (m_splits[g] == its rows) or skipped
+  // (m_splits[g] == 0: an empty group).
+  const bool listed = m_splits.empty() || (x.size() > 1 && x.size() == m_splits.size());
+  if (listed) {
     for (size_t i = 0; i < x.size(); ++i) {
       const std::string n = nth(name, i);
       check_tensor(op, n.c_str(), x[i], dtypes, dev);
@@ -39,7 +42,15 @@ Groups split_groups(const char* op, const char* name, at::TensorList x, at::IntA
                      "' has dtype ", dtype_name(x[i].scalar_type()), ", expected ", name,
                      "[0]'s ", dtype_name(x[0].scalar_type()), " (one dtype per group)");
       auto [rows, cols] = matrix_shape(op, x[i], n.c_str());
-      g.mats.push_back(x[i].view({rows, cols}));
+      const Tensor m = x[i].view({rows, cols});
+      if (m_splits.empty()) {
+        g.mats.push_back(m);
+        continue;
+      }
+      FUS_VALUE_CHECK(m_splits[i] == rows || m_splits[i] == 0, op, "argument 'm_splits[", i,
+                      "]' must be the rows of ", n, " (", rows, ") or 0 (skip it), got ",
+                      m_splits[i]);
+      g.mats.push_back(m_splits[i] ? m : m.narrow(0, 0, 0));
     }
     return g;
   }
@@ -94,7 +105,8 @@ grouped_quantize_fp8(at::TensorList x, at::IntArrayRef m_splits, const OptTensor
     const Tensor& m = g.mats[i];
     const int64_t rows = m.size(0), cols = m.size(1);
     // The rowwise copy has the group's shape: x[i]'s own, or [m_i, cols] of the packed input.
-    data.push_back(rowwise ? empty(g.packed ? m.sizes() : x[i].sizes(), fp8_dtype, like)
+    const bool whole = !g.packed && rows == matrix_shape(op, x[i]).first;
+    data.push_back(rowwise ? empty(whole ? x[i].sizes() : m.sizes(), fp8_dtype, like)
                            : nothing(fp8_dtype, like));
     data_t.push_back(columnwise ? empty({cols, rows}, fp8_dtype, like) : nothing(fp8_dtype, like));
     scale_inv.push_back(empty({1}, at::kFloat, like));

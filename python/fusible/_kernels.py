@@ -66,9 +66,10 @@ beta, out_scale, want_amax, fast_accum=False) -> (d, aux_out, dbias, amax)``
 Grouped (MoE experts; quantize.h: fus_quantize_grouped, gemm.h: fus_gemm_grouped)
 ------------------------------------------------------------------------------------
 One operator call for every group, where a loop over per-tensor operators dispatches once per
-expert. Groups are a list of tensors (``m_splits`` empty) or one packed tensor whose rows
-``m_splits`` splits into consecutive groups (tokens grouped by expert); every output is its own
-tensor (no output aliases another), one per group.
+expert. Groups are a list of tensors (``m_splits`` empty; or, for G > 1 tensors, ``m_splits[g]``
+their rows or 0 to skip tensor ``g``: an empty group) or one packed tensor whose rows ``m_splits``
+splits into consecutive groups (tokens grouped by expert); every output is its own tensor (no
+output aliases another), one per group.
 
 ``grouped_quantize_fp8(x, m_splits, scales, fp8_dtype, margin, rowwise, columnwise)
 -> (data, data_t, scale_inv, amax, scale)``
@@ -701,7 +702,7 @@ def _group_mats(
     if len(x) == 0:
         raise ValueError(f"fusible.{op}: argument '{name}' must hold at least one tensor, got none")
     dev = x[0].device
-    if len(m_splits) == 0:
+    if len(m_splits) == 0 or (len(x) > 1 and len(x) == len(m_splits)):
         out = []
         for i, t in enumerate(x):
             _check_same_device(op, f"{name}[{i}]", t, dev)
@@ -710,7 +711,8 @@ def _group_mats(
                     f"fusible.{op}: argument '{name}[{i}]' has dtype {t.dtype}, expected "
                     f"{name}[0]'s {x[0].dtype} (one dtype per group)"
                 )
-            out.append(_matrix_shape(op, t, f"{name}[{i}]"))
+            rows, cols = _matrix_shape(op, t, f"{name}[{i}]")
+            out.append((rows, cols) if len(m_splits) == 0 or m_splits[i] else (0, cols))
         return out
     if len(x) != 1:
         raise ValueError(
@@ -742,7 +744,8 @@ def _grouped_quantize_fp8_fake(x, m_splits, scales, fp8_dtype, margin, rowwise, 
     g = len(mats)
     data, data_t, scale_inv = [], [], []
     for i, (rows, cols) in enumerate(mats):
-        shape = (rows, cols) if len(m_splits) else tuple(x[i].shape)
+        listed = len(m_splits) == 0 or len(x) > 1
+        shape = tuple(x[i].shape) if listed and rows == _matrix_shape(op, x[i])[0] else (rows, cols)
         data.append(torch.empty(shape, dtype=fp8_dtype, device=dev) if rowwise else
                     _nothing(fp8_dtype, dev))  # fmt: skip
         data_t.append(torch.empty((cols, rows), dtype=fp8_dtype, device=dev) if columnwise else

@@ -434,9 +434,10 @@ class GroupedLinear(BasicOperation):
             _record_amaxes(qs, amax)
         out = []
         for i in range(len(qs)):
-            shape = data[i].shape if rowwise else torch.Size((data_t[i].shape[1], data_t[i].shape[0]))
-            if not splits:
+            if len(x) == len(qs):  # listed: each tensor's own shape
                 shape = x[i].shape
+            else:
+                shape = torch.Size((splits[i], x[0].shape[-1]))
             out.append(Float8Data._trusted(data[i] if rowwise else None,
                                            data_t[i] if columnwise else None, scale_inv[i],
                                            q0.dtype, shape))  # fmt: skip
@@ -496,13 +497,18 @@ class GroupedLinear(BasicOperation):
             else:
                 todo.append(i)
         if todo:
+            # Every weight goes in (evenly spaced quantizer slots: one amax fold), the others
+            # skipped (m_splits 0: no cast, amax 0, which leaves a running max as it is).
             col = need_dgrad or any(cache.get(i, False) for i in todo)
-            made = self._grouped_cast([qws[i] for i in todo], [ws[i].contiguous() for i in todo],
-                                      (), True, col)  # fmt: skip
-            for i, q in zip(todo, made, strict=True):
-                wqs[i] = q
+            rows = [self.out_features if i in todo else 0 for i in range(n)]
+            if n == 1:
+                made = self._grouped_cast(qws, [ws[0].contiguous()], (), True, col)
+            else:
+                made = self._grouped_cast(qws, [w.contiguous() for w in ws], rows, True, col)
+            for i in todo:
+                wqs[i] = made[i]
                 if cache.get(i, False):
-                    ctx.new_workspace[i] = q
+                    ctx.new_workspace[i] = made[i]
         x2 = C.as_2d(x).contiguous()
         xqs = self._grouped_cast(qxs, [x2], splits, True, any(need_wgrad))
         idx = [i for i in range(n) if splits[i]]
@@ -671,7 +677,10 @@ def _record_amaxes(qs: list[Any], amax: torch.Tensor) -> None:
                         for i, q in enumerate(qs)):  # fmt: skip
         row = buf.amax_history[0]
         seen = row[q0.slot : q0.slot + step * (len(qs) - 1) + 1 : step]
-        torch.maximum(seen, amax, out=seen)
+        if torch.compiler.is_compiling():  # dynamo takes no strided out= tensor
+            seen.copy_(torch.maximum(seen, amax))
+        else:
+            torch.maximum(seen, amax, out=seen)
         return
     for i, q in enumerate(qs):
         q.record_amax(amax[i : i + 1])
