@@ -214,7 +214,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8_block(const Tensor& x,
   auto [rows, cols] = matrix_shape(op, x);
   const auto f32 = at::kFloat;
   Tensor data = rowwise ? empty(x.sizes(), fp8_dtype, x) : nothing(fp8_dtype, x);
-  Tensor scale = rowwise ? empty(block_scale_shape(block_dim, rows, cols), f32, x) : nothing(f32, x);
+  Tensor scale =
+      rowwise ? empty(block_scale_shape(block_dim, rows, cols), f32, x) : nothing(f32, x);
   Tensor data_t = columnwise ? empty({cols, rows}, fp8_dtype, x) : nothing(fp8_dtype, x);
   Tensor col_scale =
       columnwise ? empty(block_scale_shape(block_dim, cols, rows), f32, x) : nothing(f32, x);

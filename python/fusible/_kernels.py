@@ -42,10 +42,11 @@ MXFP8 (OCP MX, 32-element blocks)
 
 Blockwise FP8 (1x128 / 128x128 blocks, fp32 scales; cpp/include/fusible/quantize.h)
 ------------------------------------------------------------------------------------
-Each copy is a matrix ``[R, C]`` scaled in blocks along its rows (``C`` is its GEMM's K): the rowwise
-copy ``data`` (``x``'s shape, ``[rows, k]``) and the columnwise copy ``data_t`` (``[k, rows]``, the
-transpose). Scales of a copy ``[R, C]``: ``block_dim=1`` (1x128) ``[ceil(C/128), R]`` (R contiguous,
-cuBLASLt's layout); ``block_dim=2`` (128x128) ``[ceil(R/128), ceil(C/128)]``.
+Each copy is a matrix ``[R, C]`` scaled in blocks along its rows (``C`` is its GEMM's K): the
+rowwise copy ``data`` (``x``'s shape, ``[rows, k]``) and the columnwise copy ``data_t``
+(``[k, rows]``, the transpose). Scales of a copy ``[R, C]``: ``block_dim=1`` (1x128)
+``[ceil(C/128), R]`` (R contiguous, cuBLASLt's layout); ``block_dim=2`` (128x128)
+``[ceil(R/128), ceil(C/128)]``.
 
 ``quantize_fp8_block(x, fp8_dtype, block_dim, power_2_scale, amax_epsilon, rowwise, columnwise)
 -> (data, scale_inv, data_t, col_scale_inv)``
@@ -132,9 +133,9 @@ _ops = _load_operators()
 
 __all__ = [
     "ACTIVATIONS",
+    "FP8_BLOCK",
     "FP8_DTYPES",
     "GEMM_EPILOGUES",
-    "FP8_BLOCK",
     "HIGH_PRECISION_DTYPES",
     "MXFP8_BLOCK",
     "NORM_KINDS",
@@ -594,7 +595,8 @@ def _quantize_fp8_block_fake(x, fp8_dtype, block_dim, power_2_scale, amax_epsilo
                              columnwise):  # fmt: skip
     rows, cols = _matrix_shape("quantize_fp8_block", x)
     dev, f32 = x.device, torch.float32
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=dev) if rowwise else _nothing(fp8_dtype, dev)
+    e8 = _nothing(fp8_dtype, dev)
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=dev) if rowwise else e8
     scale = (
         torch.empty(block_scale_shape(block_dim, rows, cols), dtype=f32, device=dev)
         if rowwise

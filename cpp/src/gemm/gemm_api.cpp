@@ -91,8 +91,10 @@ void check_cuda_alignment(const fus_gemm_args& a, const GemmShape& s) {
     require(aligned16(a.d.data), "d.data must be 16-byte aligned for FP8 GEMMs on CUDA");
   }
   if (s.blockwise) {
-    require(aligned16(a.a_scale_inv), "a_scale_inv must be 16-byte aligned for block scales on CUDA");
-    require(aligned16(a.b_scale_inv), "b_scale_inv must be 16-byte aligned for block scales on CUDA");
+    require(aligned16(a.a_scale_inv),
+            "a_scale_inv must be 16-byte aligned for block scales on CUDA");
+    require(aligned16(a.b_scale_inv),
+            "b_scale_inv must be 16-byte aligned for block scales on CUDA");
   }
   if (s.writes_aux || s.dgelu) {
     // cublasLt.h, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: the GELU input matrix leading dimension
@@ -151,8 +153,10 @@ GemmShape validate(const fus_gemm_args* args, const fus_context* ctx) {
   }
 
   // Blockwise scaling (gemm.h).
-  const bool valid_a = a.a_scaling >= FUS_GEMM_SCALING_TENSOR && a.a_scaling <= FUS_GEMM_SCALING_BLOCK_2D;
-  const bool valid_b = a.b_scaling >= FUS_GEMM_SCALING_TENSOR && a.b_scaling <= FUS_GEMM_SCALING_BLOCK_2D;
+  const bool valid_a =
+      a.a_scaling >= FUS_GEMM_SCALING_TENSOR && a.a_scaling <= FUS_GEMM_SCALING_BLOCK_2D;
+  const bool valid_b =
+      a.b_scaling >= FUS_GEMM_SCALING_TENSOR && a.b_scaling <= FUS_GEMM_SCALING_BLOCK_2D;
   require(valid_a, "a_scaling must be a fus_gemm_scaling value, got " +
                        std::to_string(static_cast<int>(a.a_scaling)));
   require(valid_b, "b_scaling must be a fus_gemm_scaling value, got " +
@@ -181,9 +185,10 @@ GemmShape validate(const fus_gemm_args* args, const fus_context* ctx) {
               "blockwise FP8 GEMMs need M and N multiples of 4 (cuBLASLt block scale layout), got "
               "M = " +
                   std::to_string(s.m) + ", N = " + std::to_string(s.n));
-      require(s.k % 16 == 0, "blockwise FP8 GEMMs need K (a.cols and b.cols) a multiple of 16 "
-                             "(cuBLASLt 16-byte leading dimensions), got K = " +
-                                 std::to_string(s.k));
+      require(s.k % 16 == 0,
+              "blockwise FP8 GEMMs need K (a.cols and b.cols) a multiple of 16 "
+              "(cuBLASLt 16-byte leading dimensions), got K = " +
+                  std::to_string(s.k));
     }
   }
 

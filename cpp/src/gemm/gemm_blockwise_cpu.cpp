@@ -24,9 +24,8 @@ void dequantize_operand(const fus_tensor& x, const float* s, fus_gemm_scaling sc
                   [&](int64_t r0, int64_t r1) {
                     for (int64_t r = r0; r < r1; ++r)
                       for (int64_t k = 0; k < K; ++k) {
-                        const float si =
-                            two_d ? s[(r / FUS_FP8_BLOCK) * stride + k / FUS_FP8_BLOCK]
-                                  : s[(k / FUS_FP8_BLOCK) * R + r];
+                        const float si = two_d ? s[(r / FUS_FP8_BLOCK) * stride + k / FUS_FP8_BLOCK]
+                                               : s[(k / FUS_FP8_BLOCK) * R + r];
                         out[static_cast<size_t>(r * K + k)] =
                             scale_element(fp8_to_float<F>(q[r * K + k]), si);
                       }

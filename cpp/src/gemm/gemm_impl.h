@@ -14,8 +14,8 @@ struct GemmShape {
   bool uses_bias = false;  // BIAS, BIAS_GELU, BIAS_GELU_AUX
   bool gelu = false;       // GELU, GELU_AUX, BIAS_GELU, BIAS_GELU_AUX
   bool writes_aux = false;
-  bool dgelu = false;  // DGELU, DGELU_BGRAD (aux is read)
-  bool bgrad = false;  // DGELU_BGRAD
+  bool dgelu = false;      // DGELU, DGELU_BGRAD (aux is read)
+  bool bgrad = false;      // DGELU_BGRAD
   bool blockwise = false;  // blockwise FP8 operands (a_scaling / b_scaling)
 };
 

@@ -17,10 +17,10 @@ namespace fusible {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kTile = FUS_FP8_BLOCK;      // 128
-constexpr int kWarps = kThreads / 32;     // 8
+constexpr int kTile = FUS_FP8_BLOCK;          // 128
+constexpr int kWarps = kThreads / 32;         // 8
 constexpr int kRowsPerWarp = kTile / kWarps;  // 16
-constexpr int kColsPerLane = kTile / 32;  // 4
+constexpr int kColsPerLane = kTile / 32;      // 4
 
 struct BlockParams {
   const void* x;
@@ -84,7 +84,8 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(const BlockParams 
     uint32_t m = 0;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) m = max(m, col_max[w][c]);
-    const float s = p.two_d ? tile_mul : block_scale(bits_as_float(m), p.fp8_max, p.epsilon, p.pow2);
+    const float s =
+        p.two_d ? tile_mul : block_scale(bits_as_float(m), p.fp8_max, p.epsilon, p.pow2);
     col_mul[c] = s;
     if (!p.two_d && p.col_q && c0 + c < p.cols) p.col_s[tr * p.cols + c0 + c] = 1.0f / s;
   }
@@ -192,14 +193,14 @@ void dequantize_blockwise_cuda(const fus_quantized& in, bool columnwise, const f
   CudaDeviceGuard guard(ctx.device_index);
   cudaStream_t stream = stream_of(ctx);
   if (output.rows * output.cols == 0) return;
-  DqBlockParams p{static_cast<const uint8_t*>(columnwise ? in.columnwise_data : in.rowwise_data),
-                  static_cast<const float*>(columnwise ? in.columnwise_scale_inv
-                                                       : in.rowwise_scale_inv),
-                  output.data,
-                  output.rows,
-                  output.cols,
-                  ceil_div(output.cols, kTile),
-                  in.mode == FUS_SCALING_BLOCK_2D};
+  DqBlockParams p{
+      static_cast<const uint8_t*>(columnwise ? in.columnwise_data : in.rowwise_data),
+      static_cast<const float*>(columnwise ? in.columnwise_scale_inv : in.rowwise_scale_inv),
+      output.data,
+      output.rows,
+      output.cols,
+      ceil_div(output.cols, kTile),
+      in.mode == FUS_SCALING_BLOCK_2D};
   const int64_t n = output.rows * output.cols;
   dispatch_hp(output.dtype, [&](auto t) {
     using T = decltype(t);

@@ -70,10 +70,11 @@ void quantize_band(const fus_tensor& in, const fus_quantized& out, const BlockSc
     const int64_t nbr = ceil_div(rows, B);
     for (int64_t b = 0; b < nb; ++b) {
       const float inv = 1.0f / scale_of(tmax[static_cast<size_t>(b)]);
-      if (row_q) row_s[band * nb + b] = inv;  // [ceil(rows/128), ceil(cols/128)]
+      if (row_q) row_s[band * nb + b] = inv;   // [ceil(rows/128), ceil(cols/128)]
       if (col_q) col_s[b * nbr + band] = inv;  // [ceil(cols/128), ceil(rows/128)]
     }
-    for (int64_t c = 0; c < cols; ++c) cmul[static_cast<size_t>(c)] = rmul[static_cast<size_t>(c / B)];
+    for (int64_t c = 0; c < cols; ++c)
+      cmul[static_cast<size_t>(c)] = rmul[static_cast<size_t>(c / B)];
   } else if (col_q) {
     for (int64_t c = 0; c < cols; ++c) {
       const float s = scale_of(cmax[static_cast<size_t>(c)]);
@@ -138,8 +139,9 @@ void quantize_blockwise_cpu(const fus_tensor& input, const fus_quantized& out,
   std::vector<uint32_t> amax(static_cast<size_t>(bands), 0u);
   dispatch_fp8(out.dtype, [&](auto f) {
     constexpr Fp8Format F = decltype(f)::value;
-    parallel_for(bands,
-                 [&](int64_t b) { quantize_band<F>(input, out, p, b, &amax[static_cast<size_t>(b)]); });
+    parallel_for(bands, [&](int64_t b) {
+      quantize_band<F>(input, out, p, b, &amax[static_cast<size_t>(b)]);
+    });
   });
   if (out.amax) *out.amax = bits_as_float(*std::max_element(amax.begin(), amax.end()));
 }
@@ -147,7 +149,8 @@ void quantize_blockwise_cpu(const fus_tensor& input, const fus_quantized& out,
 void dequantize_blockwise_cpu(const fus_quantized& in, bool columnwise, const fus_tensor& output) {
   if (output.rows * output.cols == 0) return;
   dispatch_hp(output.dtype, [&](auto) {});
-  dispatch_fp8(in.dtype, [&](auto f) { dequantize_copy<decltype(f)::value>(in, columnwise, output); });
+  dispatch_fp8(in.dtype,
+               [&](auto f) { dequantize_copy<decltype(f)::value>(in, columnwise, output); });
 }
 
 }  // namespace fusible

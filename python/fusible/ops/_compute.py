@@ -260,9 +260,8 @@ def _gemm_blockwise(
     it by the kernels the unfused ops use; ``c`` is accumulated by the GEMM."""
     am, sa = _block_copy(a, which[0])
     bm, sb = _block_copy(b, which[1])
-    gemm_out = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else (
-        torch.float32
-    )
+    hp = (torch.float32, torch.bfloat16, torch.float16)
+    gemm_out = out_dtype if out_dtype in hp else torch.float32
     cc = None if c is None else c.to(gemm_out).contiguous()
     d = K.gemm_block(am, sa, a.block_dim, bm, sb, b.block_dim, gemm_out, cc, 1.0,
                      0.0 if c is None else 1.0)  # fmt: skip
@@ -317,7 +316,10 @@ def can_requantize_columnwise(q: Quantizer) -> bool:
     same values with the same scale (per tensor, or per block independently of the other
     copy)."""
     return type(q) in (
-        Float8Quantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer, Float8BlockQuantizer
+        Float8Quantizer,
+        Float8CurrentScalingQuantizer,
+        MXFP8Quantizer,
+        Float8BlockQuantizer,
     )
 
 
@@ -433,6 +435,7 @@ def _dequant_copy(x: Any, which: str, dtype: torch.dtype) -> tuple[torch.Tensor,
     if isinstance(x, Float8BlockData):  # likewise; each copy with its own scales
         use_rows = x.data is not None if which == "r" else x.data_t is None
         if use_rows:
+            assert x.data is not None
             m = K.dequantize_fp8_block(as_2d(x.data), x.scale_inv, x.block_dim, dtype)
             return m, which != "r"
         m = K.dequantize_fp8_block(x.data_t, x.col_scale_inv, x.block_dim, dtype)

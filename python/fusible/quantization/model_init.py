@@ -3,7 +3,8 @@
 Inside ``with fusible.quantized_model_init(recipe):``, every Linear-bearing op built
 (``ops.BasicLinear``, hence ``ops.Linear``, ``fusible.Linear``, ``LayerNormLinear``,
 ``LayerNormMLP``) stores its weight as an ``nn.Parameter`` holding a :class:`QuantizedTensor`
-(``Float8Tensor`` / ``MXFP8Tensor`` / ``Float8BlockTensor``) whose nominal dtype is the dtype the op was built with. The
+(``Float8Tensor`` / ``MXFP8Tensor`` / ``Float8BlockTensor``) whose nominal dtype is the dtype the
+op was built with. The
 quantizer is the one ``recipe`` gives the op's *weight role* (``weight:linear``, or the module's
 role, e.g. ``weight:layernorm_mlp:fc1``), built as at run time (:meth:`RecipeState.create`).
 The high-precision weight exists only while the op initialises it.

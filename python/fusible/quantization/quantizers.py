@@ -354,7 +354,8 @@ def _flatten_block(d: Float8BlockData) -> tuple[list[Any], Any]:
 def _unflatten_block(children: Any, context: Any) -> Float8BlockData:
     data, scale_inv, data_t, col_scale_inv = children
     dtype, shape, block_dim = context
-    return Float8BlockData(data, scale_inv, data_t, col_scale_inv, dtype, torch.Size(shape), block_dim)
+    shape = torch.Size(shape)
+    return Float8BlockData(data, scale_inv, data_t, col_scale_inv, dtype, shape, block_dim)
 
 
 pytree.register_pytree_node(Float8Data, _flatten_float8, _unflatten_float8)

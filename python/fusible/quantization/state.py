@@ -26,10 +26,10 @@ from fusible import _kernels
 from fusible._kernels import fp8_max
 from fusible.quantization.quantizers import (
     Float8CurrentScalingQuantizer,
-    block_quantizer,
     Float8Quantizer,
     MXFP8Quantizer,
     Quantizer,
+    block_quantizer,
 )
 from fusible.quantization.recipe import (
     CustomRecipe,

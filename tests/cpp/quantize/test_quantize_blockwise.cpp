@@ -67,7 +67,8 @@ RefCopy ref_copy(const std::vector<float>& m, int64_t R, int64_t C, bool two_d, 
 std::vector<float> transpose(const std::vector<float>& m, int64_t R, int64_t C) {
   std::vector<float> t(m.size());
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < C; ++c) t[static_cast<size_t>(c * R + r)] = m[static_cast<size_t>(r * C + c)];
+    for (int64_t c = 0; c < C; ++c)
+      t[static_cast<size_t>(c * R + r)] = m[static_cast<size_t>(r * C + c)];
   return t;
 }
 
@@ -86,8 +87,7 @@ Buffers make_buffers(const std::vector<float>& x, int64_t rows, int64_t cols, bo
   return b;
 }
 
-ApiCall quantize_call(int64_t rows, int64_t cols, bool two_d, fus_dtype fp8, bool pow2,
-                      float eps) {
+ApiCall quantize_call(int64_t rows, int64_t cols, bool two_d, fus_dtype fp8, bool pow2, float eps) {
   return [=](const std::vector<void*>& p, const fus_context& ctx) {
     fus_tensor in{p[0], FUS_FLOAT32, rows, cols};
     fus_quantized q{two_d ? FUS_SCALING_BLOCK_2D : FUS_SCALING_BLOCK_1D,
@@ -143,9 +143,12 @@ TEST_P(BlockwiseTest, CudaEqualsCpuBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, BlockwiseTest,
-    ::testing::Combine(::testing::Values(std::pair<int64_t, int64_t>{1, 1}, std::pair<int64_t, int64_t>{7, 13},
-                                         std::pair<int64_t, int64_t>{1, 300}, std::pair<int64_t, int64_t>{128, 128},
-                                         std::pair<int64_t, int64_t>{127, 255}, std::pair<int64_t, int64_t>{130, 257},
+    ::testing::Combine(::testing::Values(std::pair<int64_t, int64_t>{1, 1},
+                                         std::pair<int64_t, int64_t>{7, 13},
+                                         std::pair<int64_t, int64_t>{1, 300},
+                                         std::pair<int64_t, int64_t>{128, 128},
+                                         std::pair<int64_t, int64_t>{127, 255},
+                                         std::pair<int64_t, int64_t>{130, 257},
                                          std::pair<int64_t, int64_t>{257, 131}),
                        ::testing::Bool(), ::testing::Values(FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2),
                        ::testing::Bool()));
@@ -201,8 +204,8 @@ TEST(Blockwise, DequantizeRoundTripsBothCopies) {
         for (int64_t j = 0; j < C; ++j) {
           const float si = two_d ? s[static_cast<size_t>((i / B) * nc + j / B)]
                                  : s[static_cast<size_t>((j / B) * R + i)];
-          const double want = ref::fp8_decode(codes[static_cast<size_t>(i * C + j)],
-                                              FUS_FLOAT8_E4M3) * si;
+          const double want =
+              ref::fp8_decode(codes[static_cast<size_t>(i * C + j)], FUS_FLOAT8_E4M3) * si;
           ASSERT_EQ(out[static_cast<size_t>(i * C + j)], static_cast<float>(want)) << i << "," << j;
         }
     }
@@ -217,20 +220,36 @@ TEST(Blockwise, RejectsBadArguments) {
   // fus_quantize has no place for the blockwise parameters.
   auto via_quantize = [](const std::vector<void*>& p, const fus_context& ctx) {
     fus_tensor in{p[0], FUS_FLOAT32, 4, 4};
-    fus_quantized q{FUS_SCALING_BLOCK_1D, FUS_FLOAT8_E4M3, 4, 4, p[1], nullptr, p[3], nullptr,
-                    nullptr, nullptr};
+    fus_quantized q{FUS_SCALING_BLOCK_1D,
+                    FUS_FLOAT8_E4M3,
+                    4,
+                    4,
+                    p[1],
+                    nullptr,
+                    p[3],
+                    nullptr,
+                    nullptr,
+                    nullptr};
     return fus_quantize(&in, &q, &ctx);
   };
   EXPECT_TRUE(is_error(run_cpu(b, via_quantize), FUS_ERROR_INVALID_ARGUMENT,
                        {"fus_quantize", "fus_quantize_blockwise"}));
   auto missing_scale = [](const std::vector<void*>& p, const fus_context& ctx) {
     fus_tensor in{p[0], FUS_FLOAT32, 4, 4};
-    fus_quantized q{FUS_SCALING_BLOCK_2D, FUS_FLOAT8_E4M3, 4, 4, p[1], nullptr, nullptr, nullptr,
-                    nullptr, nullptr};
+    fus_quantized q{FUS_SCALING_BLOCK_2D,
+                    FUS_FLOAT8_E4M3,
+                    4,
+                    4,
+                    p[1],
+                    nullptr,
+                    nullptr,
+                    nullptr,
+                    nullptr,
+                    nullptr};
     return fus_quantize_blockwise(&in, &q, 1, 0.0f, &ctx);
   };
-  EXPECT_TRUE(is_error(run_cpu(b, missing_scale), FUS_ERROR_INVALID_ARGUMENT,
-                       {"rowwise_scale_inv"}));
+  EXPECT_TRUE(
+      is_error(run_cpu(b, missing_scale), FUS_ERROR_INVALID_ARGUMENT, {"rowwise_scale_inv"}));
 }
 
 }  // namespace

@@ -35,10 +35,10 @@ from fusible.ops.basic import BasicLinear
 from fusible.optim import MasterWeightOptimizer
 from fusible.quantization import (
     Float8BlockData,
+    Float8BlockTensor,
     Float8Data,
     Float8Quantizer,
     Float8Tensor,
-    Float8BlockTensor,
     MXFP8Tensor,
     QuantizedTensor,
 )
