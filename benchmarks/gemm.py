@@ -1,6 +1,11 @@
 """FP8 GEMM benchmark: fusible.gemm (cuBLASLt) vs torch._scaled_mm at the same shapes, same run.
 
-python benchmarks/gemm.py [--sizes 8192,4096] [--out DIR]
+Per-tensor FP8 at M = N = K = each size; then blockwise FP8 (Float8BlockScaling: 1x128 x 128x128
+block scales, ``fusible.gemm_block``) at those sizes and at the MLP block's three GEMM shapes
+(``--mlp tokens,hidden,ffn``), against torch._scaled_mm with blockwise scales where the installed
+torch accepts them (else that column says so).
+
+python benchmarks/gemm.py [--sizes 8192,4096] [--mlp 16384,4096,16384] [--out DIR]
 """
 
 from __future__ import annotations
@@ -14,9 +19,47 @@ from _common import environment, print_table, time_ms, write_json
 from fusible import _kernels as K
 
 
+def _scaled_mm_blockwise(a: Any, b: Any) -> Any:
+    """torch._scaled_mm with 1x128 (a) x 128x128 (b) scales, or None when this torch has no
+    blockwise path. torch wants the 1x128 scales outer-dimension-major ([M, K/128] with stride
+    (1, M)): our stored [K/128, M] transposed, no copy."""
+    sa, sb = a.scale_inv.t(), b.scale_inv.t()  # [M, K/128] (M-major), [K/128, N/128]
+    try:
+        torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=torch.bfloat16)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):
+        return None
+    return lambda: torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=torch.bfloat16)
+
+
+def blockwise_rows(shapes: list[tuple[str, int, int, int]]) -> list[dict[str, Any]]:
+    """fusible.gemm_block (cuBLASLt VEC128 x BLK128x128) vs torch._scaled_mm blockwise and bf16."""
+    from fusible.quantization import Float8BlockQuantizer
+
+    qa = Float8BlockQuantizer(torch.float8_e4m3fn, block_dim=1)
+    qb = Float8BlockQuantizer(torch.float8_e4m3fn, block_dim=2)
+    rows: list[dict[str, Any]] = []
+    for name, m, n, k in shapes:
+        a = qa.quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), columnwise=False)
+        b = qb.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), columnwise=False)
+        flops = 2 * m * n * k
+        ours = time_ms(lambda: K.gemm_block(a.data, a.scale_inv, 1, b.data, b.scale_inv, 2,
+                                            torch.bfloat16, None, 1.0, 0.0))  # fmt: skip
+        ref_fn = _scaled_mm_blockwise(a, b)
+        ref = time_ms(ref_fn) if ref_fn is not None else float("nan")
+        ab, bb = a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16)
+        bf16 = time_ms(lambda: ab @ bb.t())
+        rows.append({"gemm": name, "MxNxK": f"{m}x{n}x{k}", "fusible_ms": ours,
+                     "fusible_TFLOP/s": flops / ours / 1e9,
+                     "scaled_mm_blockwise_TFLOP/s": flops / ref / 1e9 if ref_fn else "unsupported",
+                     "ratio_vs_scaled_mm": ref / ours if ref_fn else "n/a",
+                     "bf16_TFLOP/s": flops / bf16 / 1e9})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", default="8192,4096")
+    ap.add_argument("--mlp", default="16384,4096,16384", help="tokens,hidden,ffn of the MLP block")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -36,7 +79,14 @@ def main() -> None:
                      "scaled_mm_TFLOP/s": flops / ref / 1e9, "ratio_vs_scaled_mm": ref / ours,
                      "bf16_TFLOP/s": flops / bf16 / 1e9})  # fmt: skip
     print_table(rows, list(rows[0]))
-    print(f"wrote {write_json('gemm', {'env': environment(), 'results': rows}, args.out)}")
+    t, h, f = (int(v) for v in args.mlp.split(","))
+    shapes = [(f"square {s}", s, s, s) for s in (int(v) for v in args.sizes.split(","))]
+    shapes += [("mlp fc1 fprop", t, f, h), ("mlp fc2 fprop", t, h, f), ("mlp fc2 dgrad", t, f, h),
+               ("mlp fc1 wgrad", f, h, t)]  # fmt: skip
+    block = blockwise_rows(shapes)
+    print_table(block, list(block[0]))
+    data = {"env": environment(), "results": rows, "blockwise": block}
+    print(f"wrote {write_json('gemm', data, args.out)}")
 
 
 if __name__ == "__main__":

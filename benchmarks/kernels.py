@@ -61,6 +61,23 @@ def torch_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return q_row.view(r, c), s_row, q_col.view(r, c), s_col
 
 
+def _block_1d(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 blocks along the rows of xf [r, c] (c % 128 == 0), power-of-two scales."""
+    r, c = xf.shape
+    amax = xf.view(r, c // 128, 128).abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    s = torch.exp2(torch.floor(torch.log2(448.0 / amax)))
+    q = (xf.view(r, c // 128, 128) * s).clamp(-448, 448).to(E4M3).view(r, c)
+    return q, (1.0 / s).view(r, c // 128).t()
+
+
+def torch_block_1d(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The blockwise 1x128 cast in torch: both copies (the columnwise one transposed)."""
+    xf = x.float()
+    q, s = _block_1d(xf)
+    qt, st = _block_1d(xf.t().contiguous())
+    return q, s, qt, st
+
+
 # ---- the benchmark ------------------------------------------------------------------------------
 
 
@@ -72,6 +89,7 @@ def run(shapes: list[tuple[int, int]]) -> tuple[list[dict[str, Any]], float]:
     compiled_cur = torch.compile(torch_current_cast_transpose)
     compiled_mx = torch.compile(torch_mxfp8)
     compiled_tr = torch.compile(lambda m: m.t().contiguous())
+    compiled_blk = torch.compile(torch_block_1d)
     for r, c in shapes:
         x = torch.randn(r, c, device=dev, dtype=torch.bfloat16)
         scale = torch.tensor([2.0], device=dev)
@@ -109,9 +127,25 @@ def run(shapes: list[tuple[int, int]]) -> tuple[list[dict[str, Any]], float]:
                     "torch_compile": lambda: compiled_mx(x),
                 },
             ),
+            (
+                # Blockwise FP8 (Float8BlockScaling): both copies from one read of the input.
+                "block_1x128_rowwise_columnwise",
+                2 * n + 2 * n + 2 * 4 * (n // 128),
+                {
+                    "fusible": lambda: K.quantize_fp8_block(x, E4M3, 1, True, 0.0, True, True),
+                    "torch_eager": lambda: torch_block_1d(x),
+                    "torch_compile": lambda: compiled_blk(x),
+                },
+            ),
+            (
+                "block_128x128_rowwise_columnwise",
+                2 * n + 2 * n + 2 * 4 * (n // 128 // 128),
+                {"fusible": lambda: K.quantize_fp8_block(x, E4M3, 2, True, 0.0, True, True)},
+            ),
         ]
         q = K.quantize_fp8(x, scale, E4M3, True, False)
         mx = K.quantize_mxfp8(x, E4M3, True, False)
+        bq = K.quantize_fp8_block(x, E4M3, 1, True, 0.0, True, False)
         cases += [
             (
                 "fp8_transpose",
@@ -126,6 +160,11 @@ def run(shapes: list[tuple[int, int]]) -> tuple[list[dict[str, Any]], float]:
                 "fp8_dequantize",
                 n + 2 * n,
                 {"fusible": lambda: K.dequantize_fp8(q[0], q[2], torch.bfloat16)},
+            ),
+            (
+                "block_1x128_dequantize",
+                n + 4 * (n // 128) + 2 * n,
+                {"fusible": lambda: K.dequantize_fp8_block(bq[0], bq[1], 1, torch.bfloat16)},
             ),
             (
                 "mxfp8_dequantize",

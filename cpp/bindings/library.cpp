@@ -28,6 +28,10 @@ static const char* const kSchemas[] = {
     "quantize_mxfp8(Tensor x, ScalarType fp8_dtype, bool rowwise, bool columnwise)"
     " -> (Tensor, Tensor, Tensor, Tensor)",
     "dequantize_mxfp8(Tensor data, Tensor scale, bool columnwise, ScalarType out_dtype) -> Tensor",
+    "quantize_fp8_block(Tensor x, ScalarType fp8_dtype, SymInt block_dim, bool power_2_scale,"
+    " float amax_epsilon, bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor, Tensor)",
+    "dequantize_fp8_block(Tensor data, Tensor scale_inv, SymInt block_dim, ScalarType out_dtype)"
+    " -> Tensor",
     // recipe
     "compute_scale(Tensor amax, ScalarType fp8_dtype, SymInt margin) -> (Tensor, Tensor)",
     "delayed_scaling_update(Tensor(a0!)[] amax_histories, Tensor(a1!)[] scales,"
@@ -37,6 +41,8 @@ static const char* const kSchemas[] = {
     " Tensor? b_scale_inv, ScalarType out_dtype, Tensor? bias, str epilogue, Tensor? aux,"
     " Tensor? c, float alpha, float beta, Tensor? out_scale, bool want_amax,"
     " bool fast_accum=False) -> (Tensor, Tensor, Tensor, Tensor)",
+    "gemm_block(Tensor a, Tensor a_scale_inv, SymInt a_block_dim, Tensor b, Tensor b_scale_inv,"
+    " SymInt b_block_dim, ScalarType out_dtype, Tensor? c, float alpha, float beta) -> Tensor",
     // normalization
     "norm_fwd(Tensor x, Tensor gamma, Tensor? beta, float eps, str kind,"
     " bool zero_centered_gamma, ScalarType? out_dtype, str quant, ScalarType fp8_dtype,"

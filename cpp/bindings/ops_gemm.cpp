@@ -1,5 +1,7 @@
 // torch.ops.fusible gemm family (cpp/include/fusible/gemm.h holds the contract: numerics,
 // epilogues, dtype rules, the FP8 "TN" layout, and the CUDA backend's cuBLASLt constraints).
+#include <ATen/ops/zeros.h>
+
 #include "families.h"
 #include "fusible/gemm.h"
 #include "torch_ops.h"
@@ -156,8 +158,80 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gemm(
   return {d, aux_out, dbias, amax};
 }
 
+// D[M, N] = alpha * A[M, K] @ B[N, K]^T + beta * C with blockwise FP8 operands (gemm.h). The
+// stored scale layouts (fusible/common.h) are the GEMM's, except that a 128x128 scale matrix
+// [ceil(R/128), ceil(K/128)] gets the row stride cuBLASLt reads (a multiple of 4): padded here
+// when ceil(K/128) % 4 != 0.
+Tensor gemm_block(const Tensor& a, const Tensor& a_scale_inv, int64_t a_block_dim, const Tensor& b,
+                  const Tensor& b_scale_inv, int64_t b_block_dim, at::ScalarType out_dtype,
+                  const OptTensor& c, double alpha, double beta) {
+  const char* op = "gemm_block";
+  check_tensor(op, "a", a, fp8_dtypes());
+  const c10::Device dev = a.device();
+  check_tensor(op, "b", b, fp8_dtypes(), dev);
+  check_tensor(op, "a_scale_inv", a_scale_inv, {at::kFloat}, dev);
+  check_tensor(op, "b_scale_inv", b_scale_inv, {at::kFloat}, dev);
+  check_out_dtype(op, out_dtype);
+  FUS_VALUE_CHECK(a_block_dim == 1 || a_block_dim == 2, op,
+                  "argument 'a_block_dim' must be 1 or 2, got ", a_block_dim);
+  FUS_VALUE_CHECK(b_block_dim == 1 || b_block_dim == 2, op,
+                  "argument 'b_block_dim' must be 1 or 2, got ", b_block_dim);
+  auto [m, k] = matrix_shape(op, a, "a");
+  auto [n, kb] = matrix_shape(op, b, "b");
+  FUS_VALUE_CHECK(k == kb, op, "arguments 'a' [M, K] = [", m, ", ", k, "] and 'b' [N, K] = [", n,
+                  ", ", kb, "] disagree on K");
+  const int64_t nk = ceil_div(k, FUS_FP8_BLOCK);
+  auto expect = [&](const char* name, const Tensor& s, int64_t dim, int64_t rows) {
+    const std::vector<int64_t> want = dim == 1
+                                          ? std::vector<int64_t>{nk, rows}
+                                          : std::vector<int64_t>{ceil_div(rows, FUS_FP8_BLOCK), nk};
+    FUS_VALUE_CHECK(s.sizes() == at::IntArrayRef(want), op, "argument '", name, "' has shape ",
+                    shape_str(s.sizes()), ", expected ", shape_str(want), " (",
+                    dim == 1 ? "1x128" : "128x128", " block scales of a [", rows, ", ", k,
+                    "] operand)");
+  };
+  expect("a_scale_inv", a_scale_inv, a_block_dim, m);
+  expect("b_scale_inv", b_scale_inv, b_block_dim, n);
+  std::vector<int64_t> d_shape(a.sizes().begin(), a.sizes().end());
+  d_shape.back() = n;
+  Tensor d = empty(d_shape, out_dtype, a);
+  if (c.has_value()) {
+    check_tensor(op, "c", *c, {out_dtype}, dev);
+    check_mn("c", *c, m, n);
+  }
+  if (!shapes_only(a)) {
+    auto padded = [&](const Tensor& s, int64_t dim) {
+      if (dim == 1 || nk % 4 == 0 || s.numel() == 0) return s.contiguous();
+      Tensor p = at::zeros({s.size(0), (nk + 3) / 4 * 4}, s.options());
+      p.narrow(1, 0, nk).copy_(s);
+      return p;
+    };
+    const Tensor sa = padded(a_scale_inv, a_block_dim), sb = padded(b_scale_inv, b_block_dim);
+    fus_gemm_args args{};
+    args.a = mat(a, m, k);
+    args.b = mat(b, n, k);
+    args.transa = 0;
+    args.transb = 1;
+    args.a_scale_inv = fptr(sa);
+    args.b_scale_inv = fptr(sb);
+    args.a_scaling = a_block_dim == 1 ? FUS_GEMM_SCALING_BLOCK_1D : FUS_GEMM_SCALING_BLOCK_2D;
+    args.b_scaling = b_block_dim == 1 ? FUS_GEMM_SCALING_BLOCK_1D : FUS_GEMM_SCALING_BLOCK_2D;
+    args.d = mat(d, m, n);
+    if (c.has_value()) args.c = mat(*c, m, n);
+    args.alpha = static_cast<float>(alpha);
+    args.beta = static_cast<float>(beta);
+    args.epilogue = FUS_GEMM_EPILOGUE_NONE;
+    const fus_context ctx = context_of(a);
+    check_status(op, fus_gemm(&args, &ctx));
+  }
+  return d;
+}
+
 }  // namespace
 
-void register_gemm(torch::Library& m) { m.impl("gemm", &gemm); }
+void register_gemm(torch::Library& m) {
+  m.impl("gemm", &gemm);
+  m.impl("gemm_block", &gemm_block);
+}
 
 }  // namespace fusible_torch

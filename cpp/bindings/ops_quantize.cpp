@@ -1,5 +1,7 @@
 // torch.ops.fusible quantize family: per-tensor FP8 (delayed and current scaling), MXFP8, FP8
 // transpose, amax (cpp/include/fusible/quantize.h).
+#include <cmath>
+
 #include "families.h"
 #include "fusible/quantize.h"
 #include "torch_ops.h"
@@ -185,6 +187,90 @@ Tensor dequantize_mxfp8(const Tensor& data, const Tensor& scale, bool columnwise
   return out;
 }
 
+// Shape of a blockwise copy [R, C]'s scale_inv matrix (fusible/common.h).
+std::vector<int64_t> block_scale_shape(int64_t block_dim, int64_t R, int64_t C) {
+  if (block_dim == 1) return {ceil_div(C, FUS_FP8_BLOCK), R};
+  return {ceil_div(R, FUS_FP8_BLOCK), ceil_div(C, FUS_FP8_BLOCK)};
+}
+
+void check_block_dim(const char* op, int64_t block_dim) {
+  FUS_VALUE_CHECK(block_dim == 1 || block_dim == 2, op,
+                  "argument 'block_dim' must be 1 (1x128 blocks) or 2 (128x128 blocks), got ",
+                  block_dim);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8_block(const Tensor& x,
+                                                              at::ScalarType fp8_dtype,
+                                                              int64_t block_dim, bool power_2_scale,
+                                                              double amax_epsilon, bool rowwise,
+                                                              bool columnwise) {
+  const char* op = "quantize_fp8_block";
+  check_tensor(op, "x", x, high_precision());
+  check_fp8_dtype(op, fp8_dtype);
+  check_block_dim(op, block_dim);
+  require_a_copy(op, rowwise, columnwise);
+  FUS_VALUE_CHECK(std::isfinite(amax_epsilon) && amax_epsilon >= 0.0, op,
+                  "argument 'amax_epsilon' must be finite and >= 0, got ", amax_epsilon);
+  auto [rows, cols] = matrix_shape(op, x);
+  const auto f32 = at::kFloat;
+  Tensor data = rowwise ? empty(x.sizes(), fp8_dtype, x) : nothing(fp8_dtype, x);
+  Tensor scale =
+      rowwise ? empty(block_scale_shape(block_dim, rows, cols), f32, x) : nothing(f32, x);
+  Tensor data_t = columnwise ? empty({cols, rows}, fp8_dtype, x) : nothing(fp8_dtype, x);
+  Tensor col_scale =
+      columnwise ? empty(block_scale_shape(block_dim, cols, rows), f32, x) : nothing(f32, x);
+  if (!shapes_only(x)) {
+    fus_quantized q{block_dim == 1 ? FUS_SCALING_BLOCK_1D : FUS_SCALING_BLOCK_2D,
+                    code_of(fp8_dtype),
+                    rows,
+                    cols,
+                    ptr(data),
+                    ptr(data_t),
+                    ptr(scale),
+                    ptr(col_scale),
+                    nullptr,
+                    nullptr};
+    const fus_tensor in = mat(x, rows, cols);
+    const fus_context ctx = context_of(x);
+    check_status(op, fus_quantize_blockwise(&in, &q, power_2_scale ? 1 : 0,
+                                            static_cast<float>(amax_epsilon), &ctx));
+  }
+  return {data, scale, data_t, col_scale};
+}
+
+Tensor dequantize_fp8_block(const Tensor& data, const Tensor& scale_inv, int64_t block_dim,
+                            at::ScalarType out_dtype) {
+  const char* op = "dequantize_fp8_block";
+  check_tensor(op, "data", data, fp8_dtypes());
+  check_tensor(op, "scale_inv", scale_inv, {at::kFloat}, data.device());
+  check_block_dim(op, block_dim);
+  check_out_dtype(op, out_dtype);
+  auto [R, C] = matrix_shape(op, data, "data");
+  const std::vector<int64_t> expected = block_scale_shape(block_dim, R, C);
+  FUS_VALUE_CHECK(R * C == 0 || scale_inv.sizes() == at::IntArrayRef(expected), op,
+                  "argument 'scale_inv' has shape ", shape_str(scale_inv.sizes()), ", expected ",
+                  shape_str(expected), " for ", block_dim == 1 ? "1x128" : "128x128",
+                  " blocks of data viewed as the matrix (", R, ", ", C, ")");
+  Tensor out = empty(data.sizes(), out_dtype, data);
+  if (!shapes_only(data)) {
+    // The copy is dequantized as a rowwise copy of its own [R, C] (both copies share the layouts).
+    const fus_quantized q{block_dim == 1 ? FUS_SCALING_BLOCK_1D : FUS_SCALING_BLOCK_2D,
+                          code_of(data.scalar_type()),
+                          R,
+                          C,
+                          ptr(data),
+                          nullptr,
+                          ptr(scale_inv),
+                          nullptr,
+                          nullptr,
+                          nullptr};
+    fus_tensor o = mat(out, R, C);
+    const fus_context ctx = context_of(data);
+    check_status(op, fus_dequantize(&q, 0, &o, &ctx));
+  }
+  return out;
+}
+
 }  // namespace
 
 void register_quantize(torch::Library& m) {
@@ -195,6 +281,8 @@ void register_quantize(torch::Library& m) {
   m.impl("compute_amax", &compute_amax);
   m.impl("quantize_mxfp8", &quantize_mxfp8);
   m.impl("dequantize_mxfp8", &dequantize_mxfp8);
+  m.impl("quantize_fp8_block", &quantize_fp8_block);
+  m.impl("dequantize_fp8_block", &dequantize_fp8_block);
 }
 
 }  // namespace fusible_torch

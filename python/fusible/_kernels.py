@@ -40,6 +40,24 @@ MXFP8 (OCP MX, 32-element blocks)
 ``dequantize_mxfp8(data, scale, columnwise, out_dtype) -> out``
     ``columnwise`` says whether ``scale`` runs down columns.
 
+Blockwise FP8 (1x128 / 128x128 blocks, fp32 scales; cpp/include/fusible/quantize.h)
+------------------------------------------------------------------------------------
+Each copy is a matrix ``[R, C]`` scaled in blocks along its rows (``C`` is its GEMM's K): the
+rowwise copy ``data`` (``x``'s shape, ``[rows, k]``) and the columnwise copy ``data_t``
+(``[k, rows]``, the transpose). Scales of a copy ``[R, C]``: ``block_dim=1`` (1x128)
+``[ceil(C/128), R]`` (R contiguous, cuBLASLt's layout); ``block_dim=2`` (128x128)
+``[ceil(R/128), ceil(C/128)]``.
+
+``quantize_fp8_block(x, fp8_dtype, block_dim, power_2_scale, amax_epsilon, rowwise, columnwise)
+-> (data, scale_inv, data_t, col_scale_inv)``
+    Both copies in one pass; unrequested copies are empty.
+``dequantize_fp8_block(data, scale_inv, block_dim, out_dtype) -> out``
+    Either copy (its own ``[R, C]`` and scale layout).
+``gemm_block(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim, out_dtype, c, alpha, beta)
+-> d``
+    ``d[M, N] = alpha * a[M, K] @ b[N, K]^T + beta * c`` (gemm.h: not both 128x128; M, N % 4 == 0,
+    K % 16 == 0; output fp32 / fp16 / bf16). CPU: the GEMM of the exactly dequantized operands.
+
 Delayed scaling
 ---------------
 ``delayed_scaling_update(amax_histories, scales, fp8_maxes, algo, margin) -> None``
@@ -145,6 +163,7 @@ _ops = _load_operators()
 
 __all__ = [
     "ACTIVATIONS",
+    "FP8_BLOCK",
     "FP8_DTYPES",
     "GEMM_EPILOGUES",
     "HIGH_PRECISION_DTYPES",
@@ -153,13 +172,16 @@ __all__ = [
     "QUANT_MODES",
     "act_bwd",
     "act_fwd",
+    "block_scale_shape",
     "compute_amax",
     "compute_scale",
     "delayed_scaling_update",
     "dequantize_fp8",
+    "dequantize_fp8_block",
     "dequantize_mxfp8",
     "fp8_max",
     "gemm",
+    "gemm_block",
     "gemm_epilogue_supported",
     "gemm_has_cublaslt",
     "grouped_bias_grad",
@@ -169,12 +191,14 @@ __all__ = [
     "norm_bwd",
     "norm_fwd",
     "quantize_fp8",
+    "quantize_fp8_block",
     "quantize_fp8_current",
     "quantize_mxfp8",
     "transpose_fp8",
 ]
 
 MXFP8_BLOCK = 32
+FP8_BLOCK = 128  # blockwise FP8 block edge
 HIGH_PRECISION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -188,6 +212,9 @@ compute_amax: Any = _ops.compute_amax.default
 compute_scale: Any = _ops.compute_scale.default
 quantize_mxfp8: Any = _ops.quantize_mxfp8.default
 dequantize_mxfp8: Any = _ops.dequantize_mxfp8.default
+quantize_fp8_block: Any = _ops.quantize_fp8_block.default
+dequantize_fp8_block: Any = _ops.dequantize_fp8_block.default
+gemm_block: Any = _ops.gemm_block.default
 delayed_scaling_update: Any = _ops.delayed_scaling_update.default
 gemm: Any = _ops.gemm.default
 norm_fwd: Any = _ops.norm_fwd.default
@@ -590,6 +617,54 @@ def _quantize_mxfp8_fake(x, fp8_dtype, rowwise, columnwise):
 def _dequantize_mxfp8_fake(data, scale, columnwise, out_dtype):
     _check_same_device("dequantize_mxfp8", "scale", scale, data.device)
     return torch.empty(data.shape, dtype=out_dtype, device=data.device)
+
+
+def block_scale_shape(block_dim: int, r: int, c: int) -> tuple[int, int]:
+    """Shape of the scale_inv matrix of a blockwise copy ``[r, c]`` (see above)."""
+    if block_dim == 1:
+        return (_ceil_div(c, FP8_BLOCK), r)
+    return (_ceil_div(r, FP8_BLOCK), _ceil_div(c, FP8_BLOCK))
+
+
+@_fake("quantize_fp8_block")
+def _quantize_fp8_block_fake(x, fp8_dtype, block_dim, power_2_scale, amax_epsilon, rowwise,
+                             columnwise):  # fmt: skip
+    rows, cols = _matrix_shape("quantize_fp8_block", x)
+    dev, f32 = x.device, torch.float32
+    e8 = _nothing(fp8_dtype, dev)
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=dev) if rowwise else e8
+    scale = (
+        torch.empty(block_scale_shape(block_dim, rows, cols), dtype=f32, device=dev)
+        if rowwise
+        else _nothing(f32, dev)
+    )
+    data_t = (
+        torch.empty((cols, rows), dtype=fp8_dtype, device=dev)
+        if columnwise
+        else _nothing(fp8_dtype, dev)
+    )
+    col_scale = (
+        torch.empty(block_scale_shape(block_dim, cols, rows), dtype=f32, device=dev)
+        if columnwise
+        else _nothing(f32, dev)
+    )
+    return data, scale, data_t, col_scale
+
+
+@_fake("dequantize_fp8_block")
+def _dequantize_fp8_block_fake(data, scale_inv, block_dim, out_dtype):
+    _check_same_device("dequantize_fp8_block", "scale_inv", scale_inv, data.device)
+    return torch.empty(data.shape, dtype=out_dtype, device=data.device)
+
+
+@_fake("gemm_block")
+def _gemm_block_fake(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim, out_dtype, c, alpha,
+                     beta):  # fmt: skip
+    for name, t in (("a_scale_inv", a_scale_inv), ("b", b), ("b_scale_inv", b_scale_inv), ("c", c)):
+        if t is not None:
+            _check_same_device("gemm_block", name, t, a.device)
+    n = math.prod(b.shape[:-1])
+    return torch.empty((*a.shape[:-1], n), dtype=out_dtype, device=a.device)
 
 
 @_fake("delayed_scaling_update")

@@ -7,6 +7,7 @@ recipe.DelayedScaling(margin=0, fp8_format=recipe.Format.HYBRID, amax_history_le
 from fusible.quantization.recipe import (
     CustomRecipe,
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     Format,
     MXFP8BlockScaling,
@@ -17,6 +18,7 @@ from fusible.quantization.recipe import (
 __all__ = [
     "CustomRecipe",
     "DelayedScaling",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
     "MXFP8BlockScaling",

@@ -906,6 +906,20 @@ def _opcheck_cases(device):
             0,
         ),
         "transpose_fp8": (q,),
+        "quantize_fp8_block": (
+            torch.randn(130, 257, device=device),
+            E4M3,
+            1,
+            True,
+            0.0,
+            *(True,) * 2,
+        ),
+        "dequantize_fp8_block": (
+            torch.randn(130, 257, device=device).to(E4M3),
+            torch.rand(2, 3, device=device),
+            2,
+            torch.bfloat16,
+        ),
     }
 
 

@@ -65,10 +65,15 @@ typedef struct fus_tensor {
 typedef enum fus_scaling_mode {
   FUS_SCALING_PER_TENSOR = 0, /* one fp32 scale for the whole tensor (delayed or current scaling) */
   FUS_SCALING_MXFP8 = 1,      /* one E8M0 scale per 32 consecutive elements (OCP MX) */
+  FUS_SCALING_BLOCK_1D = 2,   /* one fp32 scale per 1x128 block (blockwise FP8, activations) */
+  FUS_SCALING_BLOCK_2D = 3,   /* one fp32 scale per 128x128 block (blockwise FP8, weights) */
 } fus_scaling_mode;
 
 /* MXFP8 block size along the scaled dimension. */
 #define FUS_MXFP8_BLOCK 32
+
+/* Blockwise FP8 block edge (1x128 and 128x128 blocks). */
+#define FUS_FP8_BLOCK 128
 
 /*
  * A quantized view of a high-precision matrix X [rows, cols]. Either copy may be absent (NULL).
@@ -85,7 +90,16 @@ typedef enum fus_scaling_mode {
  *   columnwise_data       FP8 [rows, cols]             blocks of 32 down a column (not transposed)
  *   columnwise_scale_inv  E8M0 [ceil(rows/32), cols]
  *   scale                 unused
- * amax (optional, both modes): float[1], receives max |x| over X (NaN if X holds a NaN).
+ * FUS_SCALING_BLOCK_1D / FUS_SCALING_BLOCK_2D (blockwise FP8, see quantize.h)
+ *   Each copy is a matrix [R, C] scaled in blocks along its rows (C is the GEMM's K):
+ *   rowwise_data          FP8 [rows, cols]             the copy [R, C] = [rows, cols]
+ *   columnwise_data       FP8 [cols, rows]             the copy [R, C] = [cols, rows] (x transposed)
+ *   *_scale_inv           float, per copy [R, C]:      1D (1x128 blocks along C): [ceil(C/128), R]
+ *                                                      2D (128x128 blocks): [ceil(R/128), ceil(C/128)]
+ *                         x ~= q * scale_inv of the element's block (1D: R contiguous, the
+ *                         "M-major" layout cuBLASLt's VEC128_32F mode reads)
+ *   scale                 unused
+ * amax (optional, all modes): float[1], receives max |x| over X (NaN if X holds a NaN).
  */
 typedef struct fus_quantized {
   fus_scaling_mode mode;

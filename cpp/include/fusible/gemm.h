@@ -78,6 +78,21 @@
  * fp32 operands; 0 (the default) keeps full FP32 accumulation. The CPU backend ignores it.
  * Builds without cuBLASLt return FUS_ERROR_UNSUPPORTED for CUDA GEMMs.
  *
+ * Blockwise FP8 operands (a_scaling / b_scaling, the Float8BlockScaling recipe). Each operand X
+ * (A [M, K] or B [N, K], the TN form) has a float scale_inv per block: FUS_GEMM_SCALING_BLOCK_1D
+ * (1x128 blocks along K; scale_inv [ceil(K/128), R], R = M or N, R contiguous: cuBLASLt's
+ * CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F "M-major" layout) or FUS_GEMM_SCALING_BLOCK_2D (128x128
+ * blocks; scale_inv [ceil(R/128), L4] with row stride L4 = ceil(ceil(K/128) / 4) * 4 (entries past
+ * ceil(K/128) are not read): CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F's "K-major" layout).
+ * D = alpha * sum over K blocks of (A block . B block) * sa * sb + beta * C. Rules (cuBLAS docs,
+ * "128-element 1D and 128x128 2D Block Scaling For FP8 Data Types"; enforced on every backend):
+ * both operands blockwise (no mix with per-tensor scaling); not both 2D; D fp32, fp16 or bf16;
+ * epilogue NONE (c with beta allowed); M % 4 == 0 and N % 4 == 0; K % 16 == 0; scale_inv
+ * pointers 16-byte aligned on CUDA. CUDA needs cuBLASLt 12.9 or newer and compute capability 9.0;
+ * use_fast_accum is ignored (cuBLASLt has no fast accumulation for block scaling). The CPU backend
+ * dequantizes both operands exactly (fp32(float(q) * scale_inv), see quantize.h) and runs the
+ * fp32 GEMM above: the numerics of the dequantized operands, summed in ascending k.
+ *
  * Empty problems are valid: M or N == 0 writes nothing but dbias (zeros) and d_amax (0); K == 0
  * gives t = beta * C (the epilogue still runs).
  */
@@ -101,6 +116,13 @@ typedef enum fus_gemm_epilogue {
   FUS_GEMM_EPILOGUE_DGELU_BGRAD = 7,
 } fus_gemm_epilogue;
 
+/* How an FP8 operand's scale_inv scales it (see above). */
+typedef enum fus_gemm_scaling {
+  FUS_GEMM_SCALING_TENSOR = 0,   /* float[1] (default) */
+  FUS_GEMM_SCALING_BLOCK_1D = 1, /* 1x128 blocks along K */
+  FUS_GEMM_SCALING_BLOCK_2D = 2, /* 128x128 blocks */
+} fus_gemm_scaling;
+
 /*
  * Arguments of fus_gemm. Zero-initialise the struct ({0} / memset) and set what the call uses: an
  * absent tensor is all zero (data NULL, rows = cols = 0), absent pointers are NULL. alpha is not
@@ -111,8 +133,8 @@ typedef struct fus_gemm_args {
   fus_tensor b;             /* [K, N] (transb = 0) or [N, K] (transb = 1) */
   int transa;               /* 0 or 1 */
   int transb;               /* 0 or 1 */
-  const float* a_scale_inv; /* float[1], FP8 A only */
-  const float* b_scale_inv; /* float[1], FP8 B only */
+  const float* a_scale_inv; /* float[1] (or block scales, a_scaling), FP8 A only */
+  const float* b_scale_inv; /* float[1] (or block scales, b_scaling), FP8 B only */
   fus_tensor d;             /* output [M, N] */
   const float* d_scale;     /* float[1], required for an FP8 D, else NULL */
   float* d_amax;            /* float[1], optional for an FP8 D, else NULL */
@@ -124,6 +146,8 @@ typedef struct fus_gemm_args {
   fus_tensor aux;     /* [M, N] output: GELU_AUX, BIAS_GELU_AUX; input: DGELU, DGELU_BGRAD */
   fus_tensor dbias;   /* [1, N] output: DGELU_BGRAD */
   int use_fast_accum; /* 0: precise FP32 accumulation (default); 1: allow fast accumulation */
+  fus_gemm_scaling a_scaling; /* how a_scale_inv scales a (default: per tensor) */
+  fus_gemm_scaling b_scaling; /* how b_scale_inv scales b (default: per tensor) */
 } fus_gemm_args;
 
 /* Runs the GEMM described by args on ctx's backend (see above). */

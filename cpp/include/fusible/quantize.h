@@ -20,7 +20,21 @@
  *    the NaN byte 0xFF (the whole block then dequantizes to NaN); in such a block a NaN
  *    element is stored as 0x7F | sign(x) and every other element as 0x7F. A partial block at the end of a
  *    row or column (size not divisible by 32) is scaled over the elements that exist.
- *  - Dequantize: x' = fp32(float(q) * scale_inv) (per tensor) or float(q) * 2^(s - 127) (MXFP8),
+ *  - Blockwise FP8 (FUS_SCALING_BLOCK_1D: 1x128 blocks; FUS_SCALING_BLOCK_2D: 128x128 blocks; the
+ *    DeepSeek-V3 recipe, layouts in common.h): each block b gets its own fp32 scale from its amax
+ *    amax_b = max |x| over the block:
+ *      m = max(amax_b, amax_epsilon)          (a NaN amax_b stays NaN)
+ *      scale_b = per-tensor rule on m with margin 0 and fallback 1 (m = 0, inf or NaN: 1)
+ *      power_2_scale: scale_b = 2^floor(log2(scale_b)) (mantissa bits cleared)
+ *      scale_inv_b = 1 / scale_b;  q = fp8(scale_element(x, scale_b))  (the saturating cast)
+ *    The rowwise copy scales 1x128 blocks along each row of x ([rows, cols]); the columnwise copy is
+ *    x transposed ([cols, rows]) with 1x128 blocks along *its* rows, i.e. 128 consecutive rows of
+ *    one column of x. 2D: 128x128 tiles of x; both copies share the tile scales (the columnwise
+ *    copy is the byte transpose of the rowwise one, its scales the transposed scale matrix).
+ *    Partial blocks at the right and bottom edges (cols or rows not divisible by 128) are scaled
+ *    over the elements that exist; the scale matrices have ceil(n/128) entries along those edges.
+ *    Both copies come from one call (one kernel on CUDA); fus_quantize_blockwise writes them.
+ *  - Dequantize: x' = fp32(float(q) * scale_inv) (per tensor and blockwise) or float(q) * 2^(s - 127) (MXFP8),
  *    the product rounded to fp32 first and then to the output dtype (RNE); for fp16/bf16 outputs
  *    that is two roundings, deliberately: it is what a GEMM consuming fp32-dequantized operands
  *    sees. (MXFP8 products are exact in fp32, so there it is one rounding.)
@@ -42,6 +56,15 @@ extern "C" {
  * One pass over the input. out->rows/cols must equal input's.
  */
 fus_status fus_quantize(const fus_tensor* input, fus_quantized* out, const fus_context* ctx);
+
+/*
+ * Blockwise FP8 cast (out->mode FUS_SCALING_BLOCK_1D or FUS_SCALING_BLOCK_2D): writes every non-NULL
+ * copy of out with its scale_inv matrix (layouts in common.h), and out->amax (max |x|) if non-NULL.
+ * power_2_scale (0 or 1) and amax_epsilon (finite, >= 0) as in the rule above. fus_quantize rejects
+ * these modes (it has no place for the two parameters).
+ */
+fus_status fus_quantize_blockwise(const fus_tensor* input, fus_quantized* out, int power_2_scale,
+                                  float amax_epsilon, const fus_context* ctx);
 
 /* amax[0] = max |x| over input (NaN if any NaN). */
 fus_status fus_compute_amax(const fus_tensor* input, float* amax, const fus_context* ctx);
@@ -73,7 +96,7 @@ fus_status fus_quantize_grouped(const fus_tensor* inputs, fus_quantized* outs, i
 /*
  * Dequantize one copy of in into output. columnwise = 0 reads rowwise_data and writes output
  * [rows, cols]; columnwise = 1 reads columnwise_data and writes it in its stored layout:
- * [cols, rows] for per-tensor scaling (the transpose), [rows, cols] for MXFP8.
+ * [cols, rows] for per-tensor and blockwise scaling (the transpose), [rows, cols] for MXFP8.
  * output dtype: fp32, fp16 or bf16.
  */
 fus_status fus_dequantize(const fus_quantized* in, int columnwise, fus_tensor* output,

@@ -202,6 +202,17 @@ FUS_HD float compute_scale(float amax, float fp8_max, int margin, float fallback
   return s;
 }
 
+// Blockwise FP8 scale of one block (quantize.h): the per-tensor rule on max(amax, epsilon) with
+// fallback 1 (margin 0), then, with pow2, rounded down to a power of two by clearing the mantissa
+// (the scale is a normal float here, so that is floor to 2^k, and scale_inv = 2^-k exactly).
+FUS_HD float block_scale(float amax, float fp8_max, float epsilon, bool pow2) {
+  float m = amax;
+  if (!is_nan_bits(float_as_bits(m)) && m < epsilon) m = epsilon;  // a NaN amax stays NaN
+  float s = compute_scale(m, fp8_max, 0, 1.0f);
+  if (pow2) s = bits_as_float(float_as_bits(s) & 0xff800000u);
+  return s;
+}
+
 constexpr uint8_t kE8M0Nan = 0xff;
 
 // E8M0 scale byte for a block with the given amax (OCP MX rule, see quantize.h). floor(log2(amax))

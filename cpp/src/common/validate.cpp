@@ -56,9 +56,12 @@ void check_quantized(const char* fn, const char* arg, const fus_quantized* q, in
                      int64_t cols) {
   const std::string where = std::string(fn) + ": " + arg;
   if (q == nullptr) throw Error(FUS_ERROR_INVALID_ARGUMENT, where + " is NULL");
-  if (q->mode != FUS_SCALING_PER_TENSOR && q->mode != FUS_SCALING_MXFP8)
+  if (q->mode != FUS_SCALING_PER_TENSOR && q->mode != FUS_SCALING_MXFP8 &&
+      q->mode != FUS_SCALING_BLOCK_1D && q->mode != FUS_SCALING_BLOCK_2D)
     throw Error(FUS_ERROR_INVALID_ARGUMENT,
-                where + "->mode must be FUS_SCALING_PER_TENSOR or FUS_SCALING_MXFP8, got " +
+                where +
+                    "->mode must be FUS_SCALING_PER_TENSOR, FUS_SCALING_MXFP8, "
+                    "FUS_SCALING_BLOCK_1D or FUS_SCALING_BLOCK_2D, got " +
                     std::to_string(static_cast<int>(q->mode)));
   if (q->dtype != FUS_FLOAT8_E4M3 && q->dtype != FUS_FLOAT8_E5M2)
     throw Error(FUS_ERROR_INVALID_ARGUMENT, where + "->dtype is " + dtype_name(q->dtype) +
@@ -82,6 +85,14 @@ void check_quantized(const char* fn, const char* arg, const fus_quantized* q, in
           FUS_ERROR_INVALID_ARGUMENT,
           where +
               " has columnwise_data but NULL columnwise_scale_inv (E8M0 [ceil(rows/32), cols])");
+  } else if (q->mode == FUS_SCALING_BLOCK_1D || q->mode == FUS_SCALING_BLOCK_2D) {
+    if (q->rowwise_data != nullptr && q->rowwise_scale_inv == nullptr)
+      throw Error(FUS_ERROR_INVALID_ARGUMENT,
+                  where + " has rowwise_data but NULL rowwise_scale_inv (blockwise fp32 scales)");
+    if (q->columnwise_data != nullptr && q->columnwise_scale_inv == nullptr)
+      throw Error(
+          FUS_ERROR_INVALID_ARGUMENT,
+          where + " has columnwise_data but NULL columnwise_scale_inv (blockwise fp32 scales)");
   } else if (q->rowwise_scale_inv == nullptr) {
     throw Error(FUS_ERROR_INVALID_ARGUMENT,
                 where + "->rowwise_scale_inv is NULL; per-tensor scaling needs float[1]");

@@ -199,6 +199,30 @@ uint32_t alignment_of(const void* p) {
   return align;
 }
 
+// Block scale modes (gemm.h; cuBLAS docs "128-element 1D and 128x128 2D Block Scaling For FP8
+// Data Types"): CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F for 1x128 blocks, ..._BLK128x128_32F for
+// 128x128 blocks, set through CUBLASLT_MATMUL_DESC_{A,B}_SCALE_MODE (int32_t). cuBLAS A is our B.
+// The layouts fusible passes are the ones the docs give: VEC128 "M-major" [ceil(K/128), R] and
+// BLK128x128 "K-major" [ceil(R/128), L4] with L4 the K-block count rounded up to 4.
+template <typename Desc>
+void set_block_scale_modes(Desc& desc, const fus_gemm_args& args) {
+#if CUBLAS_VERSION >= 120900
+  auto mode = [](fus_gemm_scaling sc) {
+    return static_cast<int32_t>(sc == FUS_GEMM_SCALING_BLOCK_2D
+                                    ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                                    : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
+  };
+  desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode(args.b_scaling));
+  desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode(args.a_scaling));
+#else
+  (void)desc;
+  (void)args;
+  throw Error(FUS_ERROR_UNSUPPORTED,
+              "fus_gemm: blockwise FP8 GEMMs need cuBLASLt 12.9 or newer (this build has " +
+                  std::to_string(CUBLAS_VERSION) + ")");
+#endif
+}
+
 cublasLtEpilogue_t lt_epilogue(fus_gemm_epilogue e) {
   switch (e) {
     case FUS_GEMM_EPILOGUE_NONE: return CUBLASLT_EPILOGUE_DEFAULT;
@@ -347,11 +371,13 @@ void gemm_cuda(const fus_gemm_args& args, const GemmShape& s, const fus_context&
   const cublasLtEpilogue_t epilogue = lt_epilogue(args.epilogue);
   desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
   if (s.fp8) {
-    const int8_t fast = args.use_fast_accum ? 1 : 0;
+    // Block scaling has no fast accumulation (torch's scaled_gemm refuses it there too).
+    const int8_t fast = (args.use_fast_accum && !s.blockwise) ? 1 : 0;
     desc.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast);
     desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, args.b_scale_inv);
     desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, args.a_scale_inv);
   }
+  if (s.blockwise) set_block_scale_modes(desc, args);
   if (d_fp8) {
     desc.set(CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, args.d_scale);
     if (args.d_amax) desc.set(CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, args.d_amax);
@@ -428,7 +454,9 @@ void gemm_cuda(const fus_gemm_args& args, const GemmShape& s, const fus_context&
                                       align_c,
                                       align_d,
                                       alignment_of(vec_ptr),
-                                      alignment_of(args.aux.data)};
+                                      alignment_of(args.aux.data),
+                                      static_cast<int64_t>(s.blockwise ? args.a_scaling : 0),
+                                      static_cast<int64_t>(s.blockwise ? args.b_scaling : 0)};
     auto it = st.algos.find(key);
     if (it == st.algos.end()) {
       Preference pref;
@@ -452,7 +480,8 @@ void gemm_cuda(const fus_gemm_args& args, const GemmShape& s, const fus_context&
                         ", K=" + std::to_string(s.k) + ", a " + dtype_name(args.a.dtype) + ", b " +
                         dtype_name(args.b.dtype) + ", d " + dtype_name(args.d.dtype) +
                         ", epilogue " + std::to_string(static_cast<int>(args.epilogue)) +
-                        "); FP8 GEMMs need compute capability 8.9 or newer");
+                        (s.blockwise ? "); blockwise FP8 GEMMs need compute capability 9.0"
+                                     : "); FP8 GEMMs need compute capability 8.9 or newer"));
       }
       FUS_CUBLAS_CHECK(hs);
       it = st.algos.emplace(key, result.algo).first;

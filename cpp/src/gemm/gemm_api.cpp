@@ -91,6 +91,12 @@ void check_cuda_alignment(const fus_gemm_args& a, const GemmShape& s) {
                                     "(cuBLASLt 16-byte leading dimension of d)");
     require(aligned16(a.d.data), "d.data must be 16-byte aligned for FP8 GEMMs on CUDA");
   }
+  if (s.blockwise) {
+    require(aligned16(a.a_scale_inv),
+            "a_scale_inv must be 16-byte aligned for block scales on CUDA");
+    require(aligned16(a.b_scale_inv),
+            "b_scale_inv must be 16-byte aligned for block scales on CUDA");
+  }
   if (s.writes_aux || s.dgelu) {
     // cublasLt.h, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: the GELU input matrix leading dimension
     // "must be divisible by 8"; aux is [M, N] row-major, so its leading dimension is N.
@@ -137,11 +143,54 @@ GemmShape validate(const fus_gemm_args* args, const fus_context* ctx) {
             "FP8 operand b must be K-contiguous: pass B transposed, stored [N, K] with transb = 1 "
             "(its transposed / columnwise copy); FP8 GEMMs need the TN form "
             "D = A[M, K] @ B[N, K]^T");
-    require(a.a_scale_inv != nullptr, "a_scale_inv is NULL; FP8 operand a needs float[1]");
-    require(a.b_scale_inv != nullptr, "b_scale_inv is NULL; FP8 operand b needs float[1]");
+    // Block scales of an empty operand may be empty (NULL); checked with the blockwise rules.
+    require(a.a_scale_inv != nullptr || a.a_scaling != FUS_GEMM_SCALING_TENSOR,
+            "a_scale_inv is NULL; FP8 operand a needs float[1]");
+    require(a.b_scale_inv != nullptr || a.b_scaling != FUS_GEMM_SCALING_TENSOR,
+            "b_scale_inv is NULL; FP8 operand b needs float[1]");
   } else {
     require(a.a_scale_inv == nullptr && a.b_scale_inv == nullptr,
             "a_scale_inv and b_scale_inv must be NULL for high-precision operands");
+  }
+
+  // Blockwise scaling (gemm.h).
+  const bool valid_a =
+      a.a_scaling >= FUS_GEMM_SCALING_TENSOR && a.a_scaling <= FUS_GEMM_SCALING_BLOCK_2D;
+  const bool valid_b =
+      a.b_scaling >= FUS_GEMM_SCALING_TENSOR && a.b_scaling <= FUS_GEMM_SCALING_BLOCK_2D;
+  require(valid_a, "a_scaling must be a fus_gemm_scaling value, got " +
+                       std::to_string(static_cast<int>(a.a_scaling)));
+  require(valid_b, "b_scaling must be a fus_gemm_scaling value, got " +
+                       std::to_string(static_cast<int>(a.b_scaling)));
+  s.blockwise = a.a_scaling != FUS_GEMM_SCALING_TENSOR || a.b_scaling != FUS_GEMM_SCALING_TENSOR;
+  if (s.blockwise) {
+    require(s.fp8, "a_scaling / b_scaling are blockwise but the operands are not FP8");
+    require(a.a_scaling != FUS_GEMM_SCALING_TENSOR && a.b_scaling != FUS_GEMM_SCALING_TENSOR,
+            FUS_ERROR_UNSUPPORTED,
+            "blockwise scaling needs both operands blockwise (a_scaling and b_scaling 1D or 2D); "
+            "cuBLASLt does not mix block and per-tensor scales");
+    require(!(a.a_scaling == FUS_GEMM_SCALING_BLOCK_2D && a.b_scaling == FUS_GEMM_SCALING_BLOCK_2D),
+            FUS_ERROR_UNSUPPORTED,
+            "a and b are both 128x128-block scaled; cuBLASLt supports 1D x 1D, 1D x 2D and 2D x 1D "
+            "only");
+    require(!is_fp8(a.d.dtype), FUS_ERROR_UNSUPPORTED,
+            "blockwise FP8 GEMMs write float32, float16 or bfloat16 outputs only (cuBLASLt has no "
+            "FP8 output with block scaling)");
+    require(a.epilogue == FUS_GEMM_EPILOGUE_NONE, FUS_ERROR_UNSUPPORTED,
+            "blockwise FP8 GEMMs support epilogue NONE only (apply bias / GELU separately)");
+    if (s.m * s.n * s.k > 0)
+      require(a.a_scale_inv != nullptr && a.b_scale_inv != nullptr,
+              "a_scale_inv and b_scale_inv must hold the operands' block scales (NULL given)");
+    if (s.m * s.n > 0) {
+      require(s.m % 4 == 0 && s.n % 4 == 0,
+              "blockwise FP8 GEMMs need M and N multiples of 4 (cuBLASLt block scale layout), got "
+              "M = " +
+                  std::to_string(s.m) + ", N = " + std::to_string(s.n));
+      require(s.k % 16 == 0,
+              "blockwise FP8 GEMMs need K (a.cols and b.cols) a multiple of 16 "
+              "(cuBLASLt 16-byte leading dimensions), got K = " +
+                  std::to_string(s.k));
+    }
   }
 
   // Output.
@@ -254,9 +303,12 @@ extern "C" {
 
 fus_status fus_gemm(const fus_gemm_args* args, const fus_context* ctx) {
   return guarded(kFn, [&] {
-    const GemmShape shape = validate(args, ctx);
-    if (is_cuda(ctx)) {
+    GemmShape shape = validate(args, ctx);
+    if (!is_cuda(ctx) && shape.blockwise) {
+      gemm_blockwise_cpu(*args, shape);
+    } else if (is_cuda(ctx)) {
 #if defined(FUSIBLE_WITH_CUDA)
+      if (shape.blockwise && shape.k == 0) shape.fp8 = false;  // t = beta * C: no scale is read
       gemm_cuda(*args, shape, *ctx);
 #endif
     } else {

@@ -14,9 +14,16 @@ struct GemmShape {
   bool uses_bias = false;  // BIAS, BIAS_GELU, BIAS_GELU_AUX
   bool gelu = false;       // GELU, GELU_AUX, BIAS_GELU, BIAS_GELU_AUX
   bool writes_aux = false;
-  bool dgelu = false;  // DGELU, DGELU_BGRAD (aux is read)
-  bool bgrad = false;  // DGELU_BGRAD
+  bool dgelu = false;      // DGELU, DGELU_BGRAD (aux is read)
+  bool bgrad = false;      // DGELU_BGRAD
+  bool blockwise = false;  // blockwise FP8 operands (a_scaling / b_scaling)
 };
+
+// Row stride of a 2D block scale matrix for K (cuBLASLt's K-major BLK128x128_32F layout).
+inline int64_t block2d_scale_stride(int64_t k) { return (((k + 127) / 128) + 3) / 4 * 4; }
+
+// Blockwise FP8 operands on the CPU: exact dequantization, then the fp32 GEMM (gemm_blockwise_cpu.cpp).
+void gemm_blockwise_cpu(const fus_gemm_args& args, const GemmShape& shape);
 
 void gemm_cpu(const fus_gemm_args& args, const GemmShape& shape);
 

@@ -1,4 +1,5 @@
 // C API of the quantize family: validation, then dispatch to the CPU or CUDA backend.
+#include <cmath>
 #include <string>
 
 #include "common/validate.h"
@@ -27,6 +28,9 @@ fus_status fus_quantize(const fus_tensor* input, fus_quantized* out, const fus_c
     check_context(fn, ctx);
     check_matrix(fn, "input", input, kHighPrecision);
     check_quantized(fn, "out", out, input->rows, input->cols);
+    require(out->mode != FUS_SCALING_BLOCK_1D && out->mode != FUS_SCALING_BLOCK_2D, fn,
+            "out->mode is blockwise; blockwise casts take power_2_scale and amax_epsilon: call "
+            "fus_quantize_blockwise");
     if (input->rows * input->cols > 0 && out->mode == FUS_SCALING_PER_TENSOR)
       require(out->scale != nullptr, fn, "out->scale is NULL; per-tensor scaling needs float[1]");
     if (is_cuda(ctx)) {
@@ -35,6 +39,31 @@ fus_status fus_quantize(const fus_tensor* input, fus_quantized* out, const fus_c
 #endif
     } else {
       quantize_cpu(*input, *out);
+    }
+    return FUS_SUCCESS;
+  });
+}
+
+fus_status fus_quantize_blockwise(const fus_tensor* input, fus_quantized* out, int power_2_scale,
+                                  float amax_epsilon, const fus_context* ctx) {
+  constexpr const char* fn = "fus_quantize_blockwise";
+  return guarded(fn, [&] {
+    check_context(fn, ctx);
+    check_matrix(fn, "input", input, kHighPrecision);
+    check_quantized(fn, "out", out, input->rows, input->cols);
+    require(out->mode == FUS_SCALING_BLOCK_1D || out->mode == FUS_SCALING_BLOCK_2D, fn,
+            "out->mode must be FUS_SCALING_BLOCK_1D or FUS_SCALING_BLOCK_2D");
+    require(power_2_scale == 0 || power_2_scale == 1, fn,
+            "power_2_scale must be 0 or 1, got " + std::to_string(power_2_scale));
+    require(std::isfinite(amax_epsilon) && amax_epsilon >= 0.0f, fn,
+            "amax_epsilon must be finite and >= 0, got " + std::to_string(amax_epsilon));
+    const BlockScaling p{power_2_scale != 0, amax_epsilon};
+    if (is_cuda(ctx)) {
+#if defined(FUSIBLE_WITH_CUDA)
+      quantize_blockwise_cuda(*input, *out, p, *ctx);
+#endif
+    } else {
+      quantize_blockwise_cpu(*input, *out, p);
     }
     return FUS_SUCCESS;
   });
@@ -144,17 +173,23 @@ fus_status fus_dequantize(const fus_quantized* in, int columnwise, fus_tensor* o
     require(in != nullptr, fn, "in is NULL");
     check_quantized(fn, "in", in, in->rows, in->cols);
     check_matrix(fn, "output", output, kHighPrecision);
-    const bool transposed = columnwise && in->mode == FUS_SCALING_PER_TENSOR;
+    const bool transposed = columnwise && in->mode != FUS_SCALING_MXFP8;
     check_same_shape(fn, "output", output, transposed ? in->cols : in->rows,
                      transposed ? in->rows : in->cols);
     if (in->rows * in->cols > 0) {
       require((columnwise ? in->columnwise_data : in->rowwise_data) != nullptr, fn,
               columnwise ? "in->columnwise_data is NULL" : "in->rowwise_data is NULL");
     }
+    const bool blockwise = in->mode == FUS_SCALING_BLOCK_1D || in->mode == FUS_SCALING_BLOCK_2D;
     if (is_cuda(ctx)) {
 #if defined(FUSIBLE_WITH_CUDA)
-      dequantize_cuda(*in, columnwise != 0, *output, *ctx);
+      if (blockwise)
+        dequantize_blockwise_cuda(*in, columnwise != 0, *output, *ctx);
+      else
+        dequantize_cuda(*in, columnwise != 0, *output, *ctx);
 #endif
+    } else if (blockwise) {
+      dequantize_blockwise_cpu(*in, columnwise != 0, *output);
     } else {
       dequantize_cpu(*in, columnwise != 0, *output);
     }

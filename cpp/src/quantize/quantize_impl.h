@@ -6,6 +6,17 @@
 
 namespace fusible {
 
+// The two parameters of a blockwise cast (fus_quantize_blockwise).
+struct BlockScaling {
+  bool pow2;
+  float epsilon;
+};
+
+// Blockwise FP8 (blockwise_cpu.cpp, blockwise.cu).
+void quantize_blockwise_cpu(const fus_tensor& input, const fus_quantized& out,
+                            const BlockScaling& p);
+void dequantize_blockwise_cpu(const fus_quantized& in, bool columnwise, const fus_tensor& output);
+
 void quantize_cpu(const fus_tensor& input, const fus_quantized& out);
 void amax_cpu(const fus_tensor& input, float* amax);
 void dequantize_cpu(const fus_quantized& in, bool columnwise, const fus_tensor& output);
@@ -20,6 +31,10 @@ void dequantize_cuda(const fus_quantized& in, bool columnwise, const fus_tensor&
 void quantize_grouped_cuda(const fus_tensor* inputs, const fus_quantized* outs, int64_t count,
                            bool current_scaling, int margin, const fus_context& ctx);
 void transpose_fp8_cuda(const fus_tensor& input, const fus_tensor& output, const fus_context& ctx);
+void quantize_blockwise_cuda(const fus_tensor& input, const fus_quantized& out,
+                             const BlockScaling& p, const fus_context& ctx);
+void dequantize_blockwise_cuda(const fus_quantized& in, bool columnwise, const fus_tensor& output,
+                               const fus_context& ctx);
 #endif
 
 }  // namespace fusible

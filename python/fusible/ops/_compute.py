@@ -11,11 +11,14 @@ import torch
 
 from fusible import _kernels as K
 from fusible.quantization.quantizers import (
+    Float8BlockData,
+    Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Data,
     Float8Quantizer,
     MXFP8Data,
     MXFP8Quantizer,
+    QuantizedData,
     Quantizer,
 )
 
@@ -53,18 +56,18 @@ class HandOff:
 
     __slots__ = ("_qdata", "dtype", "shape")
 
-    def __init__(self, qdata: Float8Data | MXFP8Data, dtype: torch.dtype) -> None:
-        self._qdata: Float8Data | MXFP8Data | None = qdata
+    def __init__(self, qdata: QuantizedData, dtype: torch.dtype) -> None:
+        self._qdata: QuantizedData | None = qdata
         self.dtype = dtype
         self.shape: torch.Size = qdata.shape
 
     @property
-    def qdata(self) -> Float8Data | MXFP8Data:
+    def qdata(self) -> QuantizedData:
         if self._qdata is None:
             raise RuntimeError("fusible: this hand-off's data was taken by the op it was made for")
         return self._qdata
 
-    def take(self) -> Float8Data | MXFP8Data:
+    def take(self) -> QuantizedData:
         """The quantized data, which the hand-off no longer holds."""
         q = self._qdata
         if q is None:
@@ -90,7 +93,7 @@ def dequantize(x: torch.Tensor | HandOff) -> torch.Tensor:
 
 def quantize(
     q: Quantizer, x: torch.Tensor | HandOff, *, rowwise: bool = True, columnwise: bool = False
-) -> Float8Data | MXFP8Data:
+) -> QuantizedData:
     """``x`` quantized with ``q`` (the copies asked for); a hand-off is already quantized."""
     if isinstance(x, HandOff):
         return x.qdata
@@ -108,8 +111,9 @@ def handoff_after(q: Quantizer | None, y: torch.Tensor) -> torch.Tensor | HandOf
     a current-scaling quantizer, so that the high-precision ``y`` is freed when this op returns
     instead of living on while the next op quantizes it and runs its GEMM. (Current scaling
     casts every copy with the scale of the whole tensor, so these are the bits the next op's
-    own cast would make.) ``y`` itself otherwise."""
-    if isinstance(q, Float8CurrentScalingQuantizer):
+    own cast would make; blockwise scales are functions of ``y``'s blocks alone, so the same holds
+    for a blockwise quantizer.) ``y`` itself otherwise."""
+    if isinstance(q, (Float8CurrentScalingQuantizer, Float8BlockQuantizer)):
         return handoff(q, y)
     return y
 
@@ -123,7 +127,8 @@ def record_amax(q: Quantizer, amax: torch.Tensor) -> None:
 def fused_quant_args(q: Quantizer | None) -> tuple[str, torch.dtype, torch.Tensor | None] | None:
     """Arguments with which a norm/activation kernel writes its output quantized by ``q``, or
     None if that quantizer cannot be fused into the kernel (current scaling needs the amax of the
-    whole output before the first cast, so that output is cast by a separate pass)."""
+    whole output before the first cast, so that output is cast by a separate pass; blockwise
+    output is not fused into these kernels and is cast by the blockwise quantize kernel)."""
     if isinstance(q, Float8Quantizer):
         return "fp8", q.dtype, q.scale
     if isinstance(q, MXFP8Quantizer):
@@ -169,6 +174,8 @@ def _gemm(
     no kernel for (gemm.h) is applied after it by the same bias add and GELU kernel the unfused
     ops use, so the result does not depend on which path ran.
     """
+    if _block_gemm(a, b):
+        return _gemm_blockwise(a, b, which, out_dtype, bias=bias, epilogue=epilogue, c=c)
     if isinstance(a, Float8Data) and isinstance(b, Float8Data):
         am, bm = _fp8_copy(a, which[0]), _fp8_copy(b, which[1])
         scales: tuple[torch.Tensor | None, torch.Tensor | None] = (a.scale_inv, b.scale_inv)
@@ -210,6 +217,65 @@ def _gemm(
     return d, (aux.to(out_dtype) if epilogue == "bias_gelu_aux" else None)
 
 
+def _block_gemm(a: Any, b: Any) -> bool:
+    """Whether ``_gemm`` runs the blockwise FP8 GEMM: both operands blockwise and not both in
+    128x128 blocks (cuBLASLt has no such kernel; a CustomRecipe can make that pair, which then runs
+    on the dequantized operands like any other mix of formats)."""
+    return (
+        isinstance(a, Float8BlockData)
+        and isinstance(b, Float8BlockData)
+        and not (a.block_dim == 2 and b.block_dim == 2)
+    )
+
+
+def _block_copy(x: Float8BlockData, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale_inv)`` of the copy a blockwise GEMM reads: rowwise [rows, k] or the
+    transposed copy [k, rows]; a 128x128 copy that is missing is made by a byte transpose (its
+    tiles and their scales are the same)."""
+    if which == "r" and x.data is not None:
+        return as_2d(x.data), x.scale_inv  # type: ignore[return-value]
+    if which == "c" and x.data_t is not None:
+        return x.data_t, x.col_scale_inv  # type: ignore[return-value]
+    if x.block_dim == 2:
+        full = ensure_fp8_copy(x, which)
+        return _block_copy(full, which)
+    raise RuntimeError(
+        f"fusible: the {'rowwise' if which == 'r' else 'columnwise'} blockwise FP8 copy a GEMM "
+        "needs was not produced (quantizer usage)"
+    )
+
+
+def _gemm_blockwise(
+    a: Float8BlockData,
+    b: Float8BlockData,
+    which: str,
+    out_dtype: torch.dtype,
+    *,
+    bias: torch.Tensor | None,
+    epilogue: str,
+    c: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The blockwise FP8 GEMM (``gemm_block``: cuBLASLt's block-scaled kernels on CUDA, the
+    exactly dequantized operands on the CPU). It has no epilogues: bias and GELU are applied after
+    it by the kernels the unfused ops use; ``c`` is accumulated by the GEMM."""
+    am, sa = _block_copy(a, which[0])
+    bm, sb = _block_copy(b, which[1])
+    hp = (torch.float32, torch.bfloat16, torch.float16)
+    gemm_out = out_dtype if out_dtype in hp else torch.float32
+    cc = None if c is None else c.to(gemm_out).contiguous()
+    d = K.gemm_block(am, sa, a.block_dim, bm, sb, b.block_dim, gemm_out, cc, 1.0,
+                     0.0 if c is None else 1.0)  # fmt: skip
+    aux = None
+    if epilogue != "none":
+        if bias is not None:
+            d = d + bias.to(d.dtype)
+        if epilogue == "bias_gelu_aux":
+            aux = d.contiguous()
+            d = K.act_fwd(aux, "gelu", aux.dtype, "none", torch.float8_e4m3fn, None, True, False)[0]
+    d = d.to(out_dtype)
+    return d, (aux.to(out_dtype) if aux is not None else None)
+
+
 def _fp8_copy(x: Float8Data, which: str) -> torch.Tensor:
     m = x.data if which == "r" else x.data_t
     if m is None:
@@ -221,9 +287,20 @@ def _fp8_copy(x: Float8Data, which: str) -> torch.Tensor:
 def ensure_fp8_copy(x: Any, which: str) -> Any:
     """``x`` with the per-tensor FP8 copy ``which`` ("r": rowwise, "c": transposed) a GEMM needs,
     made when missing by a byte transpose of the other copy (exact, same ``scale_inv``): how a
-    stored FP8 weight, which keeps its rowwise copy only, gets its transposed copy for dgrad.
+    stored FP8 weight, which keeps its rowwise copy only, gets its transposed copy for dgrad; a
+    128x128 blockwise copy likewise (its tile scales, transposed).
     The new copy lives in the returned container only (freed with it); ``x``'s tensors are
     shared. Anything else (high precision, MXFP8, a copy already there) is returned as is."""
+    if isinstance(x, Float8BlockData) and x.block_dim == 2:
+        if (x.data if which == "r" else x.data_t) is not None:
+            return x
+        if which == "c":
+            assert x.data is not None and x.scale_inv is not None
+            data_t = _byte_transpose(as_2d(x.data))
+            return replace(x, data_t=data_t, col_scale_inv=x.scale_inv.t().contiguous())
+        assert x.data_t is not None and x.col_scale_inv is not None
+        data = _byte_transpose(x.data_t).reshape(x.shape)
+        return replace(x, data=data, scale_inv=x.col_scale_inv.t().contiguous())
     if not isinstance(x, Float8Data) or (x.data if which == "r" else x.data_t) is not None:
         return x
     if which == "c":
@@ -238,12 +315,17 @@ def can_requantize_columnwise(q: Quantizer) -> bool:
     columnwise copy ``q`` makes with both: the built-in quantizers, whose copies are casts of the
     same values with the same scale (per tensor, or per block independently of the other
     copy)."""
-    return type(q) in (Float8Quantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer)
+    return type(q) in (
+        Float8Quantizer,
+        Float8CurrentScalingQuantizer,
+        MXFP8Quantizer,
+        Float8BlockQuantizer,
+    )
 
 
 def requantize_columnwise(
     q: Quantizer, w: torch.Tensor, scale: torch.Tensor | None
-) -> Float8Data | MXFP8Data:
+) -> QuantizedData:
     """``w``'s columnwise copy (per-tensor ``data_t``, MXFP8 ``col_data``) as ``q`` made it in
     forward, made again: delayed scaling casts with ``scale``, the scale the forward cast with,
     and records no amax (the forward did); current scaling takes the same amax of the same
@@ -266,6 +348,8 @@ def keep_columnwise(x: Any) -> Any:
         return replace(x, data=None)
     if isinstance(x, MXFP8Data) and x.data is not None and x.col_data is not None:
         return replace(x, data=None, scale=None)
+    if isinstance(x, Float8BlockData) and x.data is not None and x.data_t is not None:
+        return replace(x, data=None, scale_inv=None)
     return x
 
 
@@ -280,6 +364,10 @@ def without_copy(x: Any, which: str) -> Any:
         if which == "c":
             return replace(x, col_data=None, col_scale=None)
         return replace(x, data=None, scale=None)
+    if isinstance(x, Float8BlockData) and x.data is not None and x.data_t is not None:
+        if which == "c":
+            return replace(x, data_t=None, col_scale_inv=None)
+        return replace(x, data=None, scale_inv=None)
     return x
 
 
@@ -301,7 +389,8 @@ def _common_dtype(a: Any, b: Any, out_dtype: torch.dtype) -> torch.dtype:
     """Operand dtype of a GEMM on dequantized operands. Per-tensor FP8 times an arbitrary fp32
     scale_inv is exact only in fp32; MXFP8 (power-of-two scales) is exact in bf16; high-precision
     operands use the output dtype."""
-    if out_dtype == torch.float32 or isinstance(a, Float8Data) or isinstance(b, Float8Data):
+    fp32_exact = (Float8Data, Float8BlockData)  # fp32 scales: exact only in fp32
+    if out_dtype == torch.float32 or isinstance(a, fp32_exact) or isinstance(b, fp32_exact):
         return torch.float32
     if isinstance(a, MXFP8Data) or isinstance(b, MXFP8Data):
         return torch.bfloat16
@@ -317,7 +406,8 @@ def dequant_dtype(a: Any, b: Any, out_dtype: torch.dtype) -> torch.dtype | None:
     :func:`_common_dtype`) and for any other operands: pass those as they are. The GEMM
     computes the same either way."""
     ta, tb = type(a), type(b)
-    if (ta is not MXFP8Data and tb is not MXFP8Data) or ta is Float8Data or tb is Float8Data:
+    fp32_scaled = (Float8Data, Float8BlockData)
+    if (ta is not MXFP8Data and tb is not MXFP8Data) or ta in fp32_scaled or tb in fp32_scaled:
         return None
     return out_dtype if out_dtype in _MX_OPERAND_DTYPES else None
 
@@ -342,6 +432,14 @@ def _dequant_copy(x: Any, which: str, dtype: torch.dtype) -> tuple[torch.Tensor,
         if use_rows:
             return as_2d(K.dequantize_fp8(x.data, x.scale_inv, dtype)), which != "r"
         return K.dequantize_fp8(x.data_t, x.scale_inv, dtype), which == "r"
+    if isinstance(x, Float8BlockData):  # likewise; each copy with its own scales
+        use_rows = x.data is not None if which == "r" else x.data_t is None
+        if use_rows:
+            assert x.data is not None
+            m = K.dequantize_fp8_block(as_2d(x.data), x.scale_inv, x.block_dim, dtype)
+            return m, which != "r"
+        m = K.dequantize_fp8_block(x.data_t, x.col_scale_inv, x.block_dim, dtype)
+        return m, which == "r"
     if which == "r":
         return as_2d(K.dequantize_mxfp8(x.data, x.scale, False, dtype)), False
     return as_2d(K.dequantize_mxfp8(x.col_data, x.col_scale, True, dtype)), True

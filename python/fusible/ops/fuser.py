@@ -37,7 +37,7 @@ from fusible.ops.workspace import (
     workspace_meta,
 )
 from fusible.quantization import autocast as _autocast
-from fusible.quantization.quantizers import Float8Data, MXFP8Data, Quantizer
+from fusible.quantization.quantizers import Float8BlockData, Float8Data, MXFP8Data, Quantizer
 
 __all__ = [
     "Plan", "Unit", "build_plan", "call_args", "params_of", "plan_by_id", "release_plans",
@@ -335,6 +335,7 @@ def _dequantize_if_needed(x: Any) -> torch.Tensor:
 _QFIELDS: dict[type, tuple[str, ...]] = {
     Float8Data: ("data", "data_t", "scale_inv"),
     MXFP8Data: ("data", "scale", "col_data", "col_scale"),
+    Float8BlockData: ("data", "scale_inv", "data_t", "col_scale_inv"),
 }
 # The other fields (dtype, shape): read by name (torch.compile cannot trace __dict__ of a frozen
 # dataclass on every torch version).

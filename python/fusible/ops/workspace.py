@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from fusible.quantization.quantizers import Float8Data, MXFP8Data, MXFP8Quantizer, Quantizer
+from fusible.quantization.quantizers import (
+    Float8BlockData,
+    Float8BlockQuantizer,
+    Float8Data,
+    MXFP8Data,
+    MXFP8Quantizer,
+    Quantizer,
+)
 
 __all__ = [
     "WorkspaceCache",
@@ -30,7 +37,7 @@ __all__ = [
     "workspace_meta",
 ]
 
-QuantizedData = Float8Data | MXFP8Data
+QuantizedData = Float8Data | MXFP8Data | Float8BlockData
 
 
 def quantize_weight(
@@ -60,6 +67,9 @@ def flatten_workspace(ws: QuantizedData | None) -> tuple[list[torch.Tensor | Non
         return [], None
     if isinstance(ws, Float8Data):
         return [ws.data, ws.data_t, ws.scale_inv], ("fp8", ws.fp8_dtype, tuple(ws.shape))
+    if isinstance(ws, Float8BlockData):
+        meta = ("block", ws.fp8_dtype, tuple(ws.shape), ws.block_dim)
+        return [ws.data, ws.scale_inv, ws.data_t, ws.col_scale_inv], meta
     return [ws.data, ws.scale, ws.col_data, ws.col_scale], ("mx", ws.fp8_dtype, tuple(ws.shape))
 
 
@@ -70,6 +80,8 @@ def workspace_len(meta: Any) -> int:
 
 def workspace_meta(quantizer: Quantizer, weight: torch.Tensor) -> Any:
     """The description of the workspace ``quantize_weight`` makes for ``weight``."""
+    if isinstance(quantizer, Float8BlockQuantizer):
+        return ("block", quantizer.dtype, tuple(weight.shape), quantizer.block_dim)
     kind = "mx" if isinstance(quantizer, MXFP8Quantizer) else "fp8"
     return (kind, quantizer.dtype, tuple(weight.shape))
 
@@ -77,7 +89,11 @@ def workspace_meta(quantizer: Quantizer, weight: torch.Tensor) -> Any:
 def unflatten_workspace(tensors: list[torch.Tensor | None], meta: Any) -> QuantizedData | None:
     if meta is None:
         return None
-    kind, fp8_dtype, shape = meta
+    kind, fp8_dtype, shape = meta[:3]
+    if kind == "block":
+        data, scale_inv, data_t, col_scale_inv = tensors
+        return Float8BlockData(data, scale_inv, data_t, col_scale_inv, fp8_dtype,
+                               torch.Size(shape), meta[3])  # fmt: skip
     if kind == "fp8":
         data, data_t, scale_inv = tensors
         assert scale_inv is not None

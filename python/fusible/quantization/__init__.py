@@ -24,6 +24,9 @@ from fusible.quantization.model_init import (
     quantized_model_init,
 )
 from fusible.quantization.quantizers import (
+    Float8BlockData,
+    Float8BlockQuantizer,
+    Float8BlockTensor,
     Float8CurrentScalingQuantizer,
     Float8Data,
     Float8Quantizer,
@@ -40,6 +43,7 @@ from fusible.quantization.quantizers import (
 from fusible.quantization.recipe import (
     CustomRecipe,
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     Format,
     MXFP8BlockScaling,
@@ -59,6 +63,7 @@ from fusible.quantization.roles import (
 from fusible.quantization.state import (
     CustomRecipeState,
     DelayedScalingRecipeState,
+    Float8BlockScalingRecipeState,
     Float8CurrentScalingRecipeState,
     MXFP8BlockScalingRecipeState,
     RecipeState,
@@ -78,6 +83,11 @@ __all__ = [
     "CustomRecipeState",
     "DelayedScaling",
     "DelayedScalingRecipeState",
+    "Float8BlockData",
+    "Float8BlockQuantizer",
+    "Float8BlockScaling",
+    "Float8BlockScalingRecipeState",
+    "Float8BlockTensor",
     "Float8CurrentScaling",
     "Float8CurrentScalingQuantizer",
     "Float8CurrentScalingRecipeState",

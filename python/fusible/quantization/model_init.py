@@ -3,13 +3,15 @@
 Inside ``with fusible.quantized_model_init(recipe):``, every Linear-bearing op built
 (``ops.BasicLinear``, hence ``ops.Linear``, ``fusible.Linear``, ``LayerNormLinear``,
 ``LayerNormMLP``) stores its weight as an ``nn.Parameter`` holding a :class:`QuantizedTensor`
-(``Float8Tensor`` / ``MXFP8Tensor``) whose nominal dtype is the dtype the op was built with. The
+(``Float8Tensor`` / ``MXFP8Tensor`` / ``Float8BlockTensor``) whose nominal dtype is the dtype the
+op was built with. The
 quantizer is the one ``recipe`` gives the op's *weight role* (``weight:linear``, or the module's
 role, e.g. ``weight:layernorm_mlp:fc1``), built as at run time (:meth:`RecipeState.create`).
 The high-precision weight exists only while the op initialises it.
 
-Supported recipes: ``Float8CurrentScaling``, ``MXFP8BlockScaling`` and ``CustomRecipe`` whose weight
-roles give a :class:`Float8CurrentScalingQuantizer` or :class:`MXFP8Quantizer` (``None``: that
+Supported recipes: ``Float8CurrentScaling``, ``MXFP8BlockScaling``, ``Float8BlockScaling`` and
+``CustomRecipe`` whose weight roles give a :class:`Float8CurrentScalingQuantizer`,
+:class:`MXFP8Quantizer` or :class:`Float8BlockQuantizer` (``None``: that
 weight stays in high precision). ``DelayedScaling`` raises ``ValueError``: a delayed-scaling
 weight's scale comes from an amax history, which does not exist at init.
 
@@ -24,6 +26,7 @@ import contextlib
 import torch
 
 from fusible.quantization.quantizers import (
+    Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     MXFP8Quantizer,
     Quantizer,
@@ -35,8 +38,9 @@ from fusible.quantization.state import RecipeState
 __all__ = ["get_quantized_model_init_recipe", "quantized_model_init", "weight_init_quantizer"]
 
 _SUPPORTED = (
-    "Float8CurrentScaling, MXFP8BlockScaling, or a CustomRecipe whose weight roles give a "
-    "Float8CurrentScalingQuantizer or an MXFP8Quantizer (or None: high precision)"
+    "Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling, or a CustomRecipe whose weight "
+    "roles give a Float8CurrentScalingQuantizer, an MXFP8Quantizer or a Float8BlockQuantizer (or "
+    "None: high precision)"
 )
 
 # The recipe of each entered region (None for enabled=False), innermost last.
@@ -101,7 +105,9 @@ def weight_init_quantizer(
     state = RecipeState.create(recipe, mode="forward", num_quantizers=1, roles=[role],
                                device=device)  # fmt: skip
     q = state.quantizers[0]
-    if q is None or isinstance(q, (Float8CurrentScalingQuantizer, MXFP8Quantizer)):
+    if q is None or isinstance(
+        q, (Float8CurrentScalingQuantizer, MXFP8Quantizer, Float8BlockQuantizer)
+    ):
         return q
     raise ValueError(
         f"fusible.quantized_model_init: recipe {recipe!r} gives weight role "

@@ -7,7 +7,9 @@ high-precision tensor into a *quantized data container* holding plain tensors:
   matrix ``[k, rows]``, what a GEMM needs for the other operand layout), ``scale_inv``;
 * :class:`MXFP8Data` -- MXFP8: rowwise ``data`` + E8M0 ``scale`` ``[rows, ceil(k/32)]`` and
   columnwise ``col_data`` (``x``'s shape, blocks run down columns) + ``col_scale``
-  ``[ceil(rows/32), k]``.
+  ``[ceil(rows/32), k]``;
+* :class:`Float8BlockData` -- blockwise FP8 (1x128 or 128x128 blocks, fp32 scales): rowwise
+  ``data`` + ``scale_inv`` and the transposed ``data_t`` ``[k, rows]`` + ``col_scale_inv``.
 
 Inside the framework these containers (or their tensors) flow, which keeps tracing simple. For a
 user who holds quantized tensors (e.g. FP8 weights), :class:`QuantizedTensor` wraps a container in
@@ -28,10 +30,18 @@ from torch.utils._pytree import tree_map
 
 from fusible import _kernels as _ops  # torch.ops.fusible.*
 from fusible._kernels import FP8_DTYPES, HIGH_PRECISION_DTYPES
-from fusible.quantization.recipe import Float8CurrentScaling, MXFP8BlockScaling, Recipe
+from fusible.quantization.recipe import (
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    Recipe,
+)
 from fusible.quantization.roles import QuantizerRole, as_role
 
 __all__ = [
+    "Float8BlockData",
+    "Float8BlockQuantizer",
+    "Float8BlockTensor",
     "Float8CurrentScalingQuantizer",
     "Float8Data",
     "Float8Quantizer",
@@ -241,7 +251,95 @@ class MXFP8Data:
         return self._map(lambda t: t.clone())
 
 
-QuantizedData = Float8Data | MXFP8Data
+@dataclass(frozen=True, eq=False)
+class Float8BlockData:
+    """Blockwise FP8 data: ``x ~= float(q) * scale_inv`` of the element's block.
+
+    ``block_dim`` 1: 1x128 blocks along the rows of each copy; 2: 128x128 blocks. Each copy is a
+    matrix ``[R, C]`` whose blocks run along its rows: ``data`` (``x``'s shape, viewed as
+    ``[rows, k]``) with ``scale_inv``, and ``data_t`` (``[k, rows]``, the transpose, so its 1x128
+    blocks run down the columns of ``x``) with ``col_scale_inv``. Scale layouts of a copy
+    ``[R, C]`` (float32): 1D ``[ceil(C/128), R]`` (R contiguous: cuBLASLt's layout), 2D
+    ``[ceil(R/128), ceil(C/128)]``. Either pair may be None.
+    """
+
+    data: torch.Tensor | None
+    scale_inv: torch.Tensor | None
+    data_t: torch.Tensor | None
+    col_scale_inv: torch.Tensor | None
+    fp8_dtype: torch.dtype
+    shape: torch.Size
+    block_dim: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", torch.Size(self.shape))
+        if (self.data is None) != (self.scale_inv is None) or (self.data_t is None) != (
+            self.col_scale_inv is None
+        ):
+            raise ValueError("Float8BlockData: each copy needs both its data and its scale_inv")
+        if self.data is None and self.data_t is None:
+            raise ValueError("Float8BlockData: at least one of 'data' and 'data_t' must be given")
+        if self.block_dim not in (1, 2):
+            raise ValueError(f"Float8BlockData: 'block_dim' must be 1 or 2, got {self.block_dim!r}")
+        for name in ("data", "data_t"):
+            t = getattr(self, name)
+            if t is not None and t.dtype != self.fp8_dtype:
+                raise ValueError(
+                    f"Float8BlockData: '{name}' has dtype {t.dtype}, expected fp8_dtype "
+                    f"{self.fp8_dtype}"
+                )
+
+    @property
+    def device(self) -> torch.device:
+        t = self.data if self.data is not None else self.data_t
+        assert t is not None
+        return t.device
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self.data is not None
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self.data_t is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all tensors of this container (its memory footprint)."""
+        return _nbytes(self.data, self.scale_inv, self.data_t, self.col_scale_inv)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Exact dequantization of the rowwise copy (else of the columnwise one, transposed back),
+        rounded to ``dtype``, in ``shape``."""
+        _check_out_dtype("Float8BlockData.dequantize", dtype)
+        if self.data is not None:
+            return _ops.dequantize_fp8_block(self.data, self.scale_inv, self.block_dim, dtype)
+        out_t = _ops.dequantize_fp8_block(self.data_t, self.col_scale_inv, self.block_dim, dtype)
+        return out_t.t().reshape(self.shape)
+
+    def _map(self, fn: Any) -> Float8BlockData:
+        def f(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return replace(
+            self,
+            data=f(self.data),
+            scale_inv=f(self.scale_inv),
+            data_t=f(self.data_t),
+            col_scale_inv=f(self.col_scale_inv),
+        )
+
+    def to(self, device: torch.device | str) -> Float8BlockData:
+        return self._map(lambda t: t.to(device))
+
+    def detach(self) -> Float8BlockData:
+        return self._map(lambda t: t.detach())
+
+    def clone(self) -> Float8BlockData:
+        return self._map(lambda t: t.clone())
+
+
+QuantizedData = Float8Data | MXFP8Data | Float8BlockData
 
 
 # The containers are pytree nodes (their tensors are the children), so that code flattening
@@ -266,8 +364,21 @@ def _unflatten_mxfp8(children: Any, context: Any) -> MXFP8Data:
     return MXFP8Data(data, scale, col_data, col_scale, context[0], torch.Size(context[1]))
 
 
+def _flatten_block(d: Float8BlockData) -> tuple[list[Any], Any]:
+    children = [d.data, d.scale_inv, d.data_t, d.col_scale_inv]
+    return children, (d.fp8_dtype, tuple(d.shape), d.block_dim)
+
+
+def _unflatten_block(children: Any, context: Any) -> Float8BlockData:
+    data, scale_inv, data_t, col_scale_inv = children
+    dtype, shape, block_dim = context
+    shape = torch.Size(shape)
+    return Float8BlockData(data, scale_inv, data_t, col_scale_inv, dtype, shape, block_dim)
+
+
 pytree.register_pytree_node(Float8Data, _flatten_float8, _unflatten_float8)
 pytree.register_pytree_node(MXFP8Data, _flatten_mxfp8, _unflatten_mxfp8)
+pytree.register_pytree_node(Float8BlockData, _flatten_block, _unflatten_block)
 
 
 # ---- quantizers ---------------------------------------------------------------------------------
@@ -616,6 +727,64 @@ class MXFP8Quantizer(Quantizer):
         return MXFP8Data(data, scale, col, col_scale, self.dtype, x.shape)
 
 
+class Float8BlockQuantizer(Quantizer):
+    """Blockwise FP8 quantizer (``Float8BlockScaling``): ``block_dim`` 1 (1x128 blocks) or 2
+    (128x128 blocks), fp32 scale per block (``power_2_scale``, ``amax_epsilon``: see the recipe);
+    both copies from one kernel; stateless."""
+
+    scaling = "blockwise"
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        *,
+        block_dim: int = 1,
+        power_2_scale: bool = True,
+        amax_epsilon: float = 0.0,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        role: QuantizerRole | str | None = None,
+    ) -> None:
+        super().__init__(dtype, rowwise=rowwise, columnwise=columnwise, role=role)
+        if isinstance(block_dim, bool) or block_dim not in (1, 2):
+            raise ValueError(
+                f"Float8BlockQuantizer: 'block_dim' must be 1 (1x128) or 2 (128x128), got "
+                f"{block_dim!r}"
+            )
+        if not isinstance(power_2_scale, bool):
+            raise ValueError(
+                f"Float8BlockQuantizer: 'power_2_scale' must be a bool, got {power_2_scale!r}"
+            )
+        e = amax_epsilon
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not (0.0 <= e < float("inf")):
+            raise ValueError(
+                f"Float8BlockQuantizer: 'amax_epsilon' must be a finite float >= 0, got {e!r}"
+            )
+        self.block_dim = block_dim
+        self.power_2_scale = power_2_scale
+        self.amax_epsilon = float(e)
+
+    def quantize(
+        self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None
+    ) -> Float8BlockData:
+        x = self._check_input(x)
+        r, c = self._usage(rowwise, columnwise)
+        data, scale, data_t, col_scale = _ops.quantize_fp8_block(
+            x, self.dtype, self.block_dim, self.power_2_scale, self.amax_epsilon, r, c
+        )
+        if not r:
+            data = scale = None
+        if not c:
+            data_t = col_scale = None
+        return Float8BlockData(data, scale, data_t, col_scale, self.dtype, x.shape, self.block_dim)
+
+    def _repr_extra(self) -> str:
+        return (
+            f", block_dim={self.block_dim}, power_2_scale={self.power_2_scale}, "
+            f"amax_epsilon={self.amax_epsilon}"
+        )
+
+
 def quantizer_for_recipe(
     recipe: Recipe, role: QuantizerRole | str, *, mode: str | None = None
 ) -> Quantizer:
@@ -634,11 +803,26 @@ def quantizer_for_recipe(
         )
     if isinstance(recipe, MXFP8BlockScaling):
         return MXFP8Quantizer(recipe.fp8_format.dtype(mode), role=role)
+    if isinstance(recipe, Float8BlockScaling):
+        return block_quantizer(recipe, role, recipe.fp8_format.dtype(mode), mode)
     raise ValueError(
-        f"quantizer_for_recipe: expected a stateless recipe (Float8CurrentScaling or "
-        f"MXFP8BlockScaling), got {type(recipe).__name__}; stateful recipes need "
+        f"quantizer_for_recipe: expected a stateless recipe (Float8CurrentScaling, "
+        f"MXFP8BlockScaling or Float8BlockScaling), got {type(recipe).__name__}; stateful "
+        "recipes need "
         "RecipeState.create"
     )
+
+
+def block_quantizer(
+    recipe: Float8BlockScaling, role: QuantizerRole | None, dtype: torch.dtype, mode: str
+) -> Float8BlockQuantizer:
+    """The recipe's quantizer for ``role`` with FP8 ``dtype``: the block dimension of its bucket
+    (a slot without a role counts as an activation, or in backward as a gradient)."""
+    kind = role or QuantizerRole("input" if mode == "forward" else "grad_output", "linear")
+    return Float8BlockQuantizer(
+        dtype, block_dim=recipe.block_dim(kind), power_2_scale=recipe.power_2_scale,
+        amax_epsilon=recipe.amax_epsilon, role=role,
+    )  # fmt: skip
 
 
 # ---- user-facing tensor subclass ----------------------------------------------------------------
@@ -674,7 +858,7 @@ class QuantizedTensor(torch.Tensor):
         quantizer: Quantizer | None = None,
         requires_grad: bool = False,
     ) -> QuantizedTensor:
-        expected = {Float8Tensor: Float8Data, MXFP8Tensor: MXFP8Data}.get(cls)
+        expected = _DATA_OF_TENSOR.get(cls)
         if expected is None or not isinstance(qdata, expected):
             raise TypeError(
                 f"{cls.__name__}: expected {getattr(expected, '__name__', 'quantized data')}, "
@@ -696,15 +880,14 @@ class QuantizedTensor(torch.Tensor):
         quantizer: Quantizer | None = None,
         requires_grad: bool = False,
     ) -> QuantizedTensor:
-        """Wrap a container: a :class:`Float8Tensor` or an :class:`MXFP8Tensor`."""
-        if isinstance(qdata, Float8Data):
-            return Float8Tensor(
-                qdata, dtype=dtype, quantizer=quantizer, requires_grad=requires_grad
-            )
-        if isinstance(qdata, MXFP8Data):
-            return MXFP8Tensor(qdata, dtype=dtype, quantizer=quantizer, requires_grad=requires_grad)
+        """Wrap a container: a :class:`Float8Tensor`, :class:`MXFP8Tensor` or
+        :class:`Float8BlockTensor`."""
+        for cls, data_cls in _DATA_OF_TENSOR.items():
+            if isinstance(qdata, data_cls):
+                return cls(qdata, dtype=dtype, quantizer=quantizer, requires_grad=requires_grad)
         raise TypeError(
-            f"QuantizedTensor.wrap: expected Float8Data or MXFP8Data, got {type(qdata).__name__}"
+            "QuantizedTensor.wrap: expected Float8Data, MXFP8Data or Float8BlockData, got "
+            f"{type(qdata).__name__}"
         )
 
     @property
@@ -841,6 +1024,18 @@ class Float8Tensor(QuantizedTensor):
 
 class MXFP8Tensor(QuantizedTensor):
     """User-held MXFP8 tensor (wraps :class:`MXFP8Data`)."""
+
+
+class Float8BlockTensor(QuantizedTensor):
+    """User-held blockwise FP8 tensor (wraps :class:`Float8BlockData`)."""
+
+
+# The tensor subclass of each container type.
+_DATA_OF_TENSOR: dict[type, type] = {
+    Float8Tensor: Float8Data,
+    MXFP8Tensor: MXFP8Data,
+    Float8BlockTensor: Float8BlockData,
+}
 
 
 def _rebuild_quantized_tensor(

@@ -22,6 +22,7 @@ from fusible.quantization.roles import QuantizerRole, as_role
 __all__ = [
     "CustomRecipe",
     "DelayedScaling",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
     "MXFP8BlockScaling",
@@ -103,6 +104,9 @@ class Recipe:
 
     def mxfp8(self) -> bool:
         return isinstance(self, MXFP8BlockScaling)
+
+    def float8_block_scaling(self) -> bool:
+        return isinstance(self, Float8BlockScaling)
 
     def custom(self) -> bool:
         return isinstance(self, CustomRecipe)
@@ -197,6 +201,81 @@ class MXFP8BlockScaling(Recipe):
     def __post_init__(self) -> None:
         _check_format(self, self.fp8_format)
         _register_recipe(self)
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """Blockwise FP8 (DeepSeek-V3): one fp32 scale per block, blocks of 1x128 or 128x128 elements,
+    rowwise and columnwise copies (the columnwise copy is the transpose; its 1x128 blocks run
+    along the other dimension). Per block ``b`` with ``amax_b = max |x|`` over it::
+
+        scale_b = fp8_max / max(amax_b, amax_epsilon)   (1 if that amax is 0, inf or NaN)
+        scale_b = 2**floor(log2(scale_b))              (power_2_scale)
+
+    Exact rule, layouts and partial edge blocks: ``docs/quantization.md``. No state. GEMMs run on
+    cuBLASLt's block-scaled FP8 kernels on Hopper (CUDA 12.9+), on the exactly dequantized
+    operands on the CPU. Each GEMM pairs two operands, and cuBLASLt has no 128x128 x 128x128
+    kernel, so no two of the three tensors (x, w, grad) may both be 2D.
+
+    * ``fp8_format`` (default ``E4M3``): ``E4M3`` everywhere, as DeepSeek-V3 trains (fine-grained
+      scales leave little need for E5M2's range); ``HYBRID`` (E5M2 gradients) is accepted;
+      ``E5M2`` is not (fprop would pair two E5M2 operands, which cuBLASLt cannot multiply).
+    * ``x_block_scaling_dim`` (default 1): activations (input / output roles) in 1x128 blocks,
+      one scale per token per 128 features, so an outlier token cannot flush the others.
+    * ``w_block_scaling_dim`` (default 2): weights in 128x128 tiles; a tile scale serves both
+      copies (rowwise for fprop, columnwise for dgrad) with the same bits, so the weight needs no
+      second quantization pass.
+    * ``grad_block_scaling_dim`` (default 1): gradients in 1x128 blocks, like activations.
+    * ``power_2_scale`` (default True): scales rounded down to powers of two, so scaling and
+      dequantization are exact and the scale of a block is stable under small amax changes
+      (TransformerEngine's default for this recipe); False keeps the exact fp32 ratio.
+    * ``amax_epsilon`` (default 0.0): floor of each block's amax, which bounds the scale of
+      nearly-zero blocks.
+    """
+
+    fp8_format: Format = Format.E4M3
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    power_2_scale: bool = True
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_format(self, self.fp8_format)
+        if self.fp8_format is Format.E5M2:
+            raise _fail(
+                self, "fp8_format", "Format.E4M3 or Format.HYBRID (E5M2 x E5M2 GEMMs do not exist)",
+                self.fp8_format,
+            )  # fmt: skip
+        dims = {}
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or v not in (1, 2):
+                raise _fail(self, name, "1 (1x128 blocks) or 2 (128x128 blocks)", v)
+            dims[name[: name.index("_")]] = v
+        for a, b in (("x", "w"), ("grad", "w"), ("grad", "x")):
+            if dims[a] == 2 and dims[b] == 2:
+                raise ValueError(
+                    f"Float8BlockScaling: '{a}_block_scaling_dim' and '{b}_block_scaling_dim' "
+                    "must not both be 2: a GEMM multiplies them, and cuBLASLt has no 128x128 x "
+                    "128x128 block-scaled kernel"
+                )
+        if not isinstance(self.power_2_scale, bool):
+            raise _fail(self, "power_2_scale", "a bool", self.power_2_scale)
+        e = self.amax_epsilon
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not (0.0 <= e < float("inf")):
+            raise _fail(self, "amax_epsilon", "a finite float >= 0", e)
+        object.__setattr__(self, "amax_epsilon", float(e))
+        _register_recipe(self)
+
+    def block_dim(self, role: QuantizerRole) -> int:
+        """The block dimension of ``role``'s tensor: weights ``w_block_scaling_dim``, gradients
+        ``grad_block_scaling_dim``, everything else ``x_block_scaling_dim``."""
+        if role.bucket == "weight":
+            return self.w_block_scaling_dim
+        if role.is_gradient:
+            return self.grad_block_scaling_dim
+        return self.x_block_scaling_dim
 
 
 #: What a rule maps a role to: a recipe, a quantizer factory ``role -> quantizer | None``, or

@@ -4,8 +4,8 @@
 
 * :class:`DelayedScalingRecipeState` -- ``amax_history`` float32 ``[amax_history_len, n]`` and
   ``scale`` float32 ``[n]`` tensors, one :class:`Float8Quantizer` per slot reading/writing them;
-* :class:`Float8CurrentScalingRecipeState`, :class:`MXFP8BlockScalingRecipeState` -- stateless
-  quantizers;
+* :class:`Float8CurrentScalingRecipeState`, :class:`MXFP8BlockScalingRecipeState`,
+  :class:`Float8BlockScalingRecipeState` -- stateless quantizers;
 * :class:`CustomRecipeState` -- ``qfactory(role)`` once per slot (``None`` = high precision); for a
   :class:`RoleRules` factory, slots routed to a recipe share one child state per distinct recipe.
 
@@ -29,10 +29,12 @@ from fusible.quantization.quantizers import (
     Float8Quantizer,
     MXFP8Quantizer,
     Quantizer,
+    block_quantizer,
 )
 from fusible.quantization.recipe import (
     CustomRecipe,
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,
     Recipe,
@@ -43,6 +45,7 @@ from fusible.quantization.roles import QuantizerRole, as_roles
 __all__ = [
     "CustomRecipeState",
     "DelayedScalingRecipeState",
+    "Float8BlockScalingRecipeState",
     "Float8CurrentScalingRecipeState",
     "MXFP8BlockScalingRecipeState",
     "RecipeState",
@@ -239,6 +242,21 @@ class MXFP8BlockScalingRecipeState(RecipeState):
         ]
 
 
+class Float8BlockScalingRecipeState(RecipeState):
+    """Blockwise FP8: one :class:`Float8BlockQuantizer` per slot, its block dimension chosen by
+    the slot's role (weights ``w_block_scaling_dim``, gradients ``grad_block_scaling_dim``, others
+    ``x_block_scaling_dim``; a slot without a role counts as an activation); no state."""
+
+    recipe: Float8BlockScaling
+
+    def _build(self) -> None:
+        dtype = self.recipe.fp8_format.dtype(self.mode)
+        self.quantizers = [
+            block_quantizer(self.recipe, self._role(i), dtype, self.mode)
+            for i in range(self.num_quantizers)
+        ]
+
+
 class CustomRecipeState(RecipeState):
     """CustomRecipe: ``qfactory(role)`` once per slot, in slot order.
 
@@ -315,6 +333,7 @@ _STATE_CLASSES: dict[type, type[RecipeState]] = {
     DelayedScaling: DelayedScalingRecipeState,
     Float8CurrentScaling: Float8CurrentScalingRecipeState,
     MXFP8BlockScaling: MXFP8BlockScalingRecipeState,
+    Float8BlockScaling: Float8BlockScalingRecipeState,
     CustomRecipe: CustomRecipeState,
 }
 

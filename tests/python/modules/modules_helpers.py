@@ -23,6 +23,7 @@ RECIPES: dict[str, Any] = {
     "delayed": recipe.DelayedScaling(amax_history_len=4),
     "current": recipe.Float8CurrentScaling(),
     "mxfp8": recipe.MXFP8BlockScaling(),
+    "blockwise": recipe.Float8BlockScaling(),
     "custom": recipe.CustomRecipe(qfactory=_mirror_current),
 }
 

@@ -21,6 +21,7 @@ RECIPES: dict[str, Any] = {
     "delayed": recipe.DelayedScaling(amax_history_len=4),
     "current": recipe.Float8CurrentScaling(),
     "mxfp8": recipe.MXFP8BlockScaling(),
+    "blockwise": recipe.Float8BlockScaling(),
     "custom": recipe.CustomRecipe(qfactory=_mirror_current),
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -167,7 +167,7 @@ def _compare(model_name, recipe_name, pattern, fms, device, backend="aot_eager",
 
 # ---- compiled == eager ------------------------------------------------------------------------
 
-ALL_RECIPES = ["none", "current", "mxfp8", "custom", "delayed"]
+ALL_RECIPES = ["none", "current", "mxfp8", "blockwise", "custom", "delayed"]
 
 
 @pytest.mark.parametrize("pattern", ["module", "step"])
@@ -186,7 +186,7 @@ def test_sequential_compiled_matches_eager(recipe_name, pattern, devices):
         assert counts == [1, 2, 2, 2], counts
 
 
-@pytest.mark.parametrize("recipe_name", ["none", "current", "mxfp8", "custom"])
+@pytest.mark.parametrize("recipe_name", ["none", "current", "mxfp8", "blockwise", "custom"])
 @pytest.mark.parametrize("model_name", ["LayerNormMLP", "LayerNormLinear", "Linear"])
 def test_modules_compiled_matches_eager(model_name, recipe_name, devices):
     """The modules, forward compiled (``torch.compile(model)``-like) with the cache. (Delayed

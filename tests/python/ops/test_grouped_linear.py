@@ -21,7 +21,7 @@ from fusible.quantization import Float8CurrentScalingQuantizer, QuantizerRole
 from fusible.quantization import quantizers as Q
 
 DTYPES = [torch.float32, torch.bfloat16]
-FP8_RECIPES = ["current", "custom", "delayed", "mxfp8"]
+FP8_RECIPES = ["blockwise", "current", "custom", "delayed", "mxfp8"]
 
 
 def _grouped(n, k, out, bias=True, dtype=torch.float32, seed=0, **kw):
@@ -130,7 +130,7 @@ def _prequantized_rows(splits, cols, fmt, seed):
 
 # MXFP8 needs every split divisible by 32 (the odd splits' error: test_bad_input).
 RECIPE_SPLITS = [(r, (32, 0, 64)) for r in FP8_RECIPES] + [
-    (r, (1, 0, 7, 33)) for r in FP8_RECIPES if r != "mxfp8"
+    (r, (1, 0, 7, 33)) for r in FP8_RECIPES if r not in ("mxfp8", "blockwise")
 ]
 
 
@@ -148,7 +148,7 @@ def test_recipes_prequantized(recipe_name, dtype, splits):
             w.copy_(prequantized((n, k), seed=10 + i))
     model = ops.Sequential(op)
     x = _prequantized_rows(splits, k, E4M3, 20).to(dtype)
-    g = _prequantized_rows(splits, n, E4M3 if recipe_name == "mxfp8" else E5M2, 30)
+    g = _prequantized_rows(splits, n, E4M3 if recipe_name in ("mxfp8", "blockwise") else E5M2, 30)
     if recipe_name == "delayed":
         _run(model, x, splits, g, rec)  # the first step's amaxes set the scales used next
     got = _run(model, x, splits, g, rec)
@@ -433,7 +433,8 @@ def test_saves_per_expert_what_backward_reads(recipe_name):
 
 # ---- weight workspaces: one per expert ----------------------------------------------------
 
-QUANTIZE_OPS = ("quantize_fp8", "quantize_fp8_current", "quantize_mxfp8", "grouped_quantize_fp8")
+QUANTIZE_OPS = ("quantize_fp8", "quantize_fp8_current", "quantize_mxfp8", "quantize_fp8_block",
+                "grouped_quantize_fp8")  # fmt: skip
 
 
 class _CountingOps:

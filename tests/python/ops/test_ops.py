@@ -165,7 +165,7 @@ def test_linear_recipes_prequantized(recipe_name, dtype, m):
     with torch.no_grad():
         model[0].weight.copy_(w)
     x = (prequantized((m, k), seed=2) * fx).to(dtype)
-    g = prequantized((m, n), E4M3 if recipe_name == "mxfp8" else E5M2, seed=3) * fg
+    g = prequantized((m, n), E4M3 if recipe_name in ("mxfp8", "blockwise") else E5M2, seed=3) * fg
     if recipe_name == "delayed":
         _run(model, x, recipe=rec, grad=g)  # the first step's amaxes set the scales used next
         model.zero_grad()
@@ -229,6 +229,8 @@ def test_fusions_in_plan(recipe_name):
     assert len(gemms) == 4  # two fused fprops, two dgrad + wgrad lines
     for ln in gemms:  # fused or not, every MXFP8 GEMM says it runs on dequantized operands
         assert (ln.count("dequantized MXFP8") == ln.count("gemm(")) == (recipe_name == "mxfp8"), ln
+        # every blockwise GEMM names its block shapes and where it runs natively
+        assert (ln.count("blockwise FP8 (") == ln.count("gemm(")) == (recipe_name == "blockwise")
         # per-tensor FP8 forward GEMMs accumulate fast (as TransformerEngine's fprop); no others
         per_tensor = recipe_name in ("delayed", "current", "custom")
         assert ("fast accumulation" in ln) == (per_tensor and "gemm(fprop" in ln), ln

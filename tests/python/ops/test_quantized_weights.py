@@ -34,6 +34,8 @@ from fusible import ops, recipe
 from fusible.ops.basic import BasicLinear
 from fusible.optim import MasterWeightOptimizer
 from fusible.quantization import (
+    Float8BlockData,
+    Float8BlockTensor,
     Float8Data,
     Float8Quantizer,
     Float8Tensor,
@@ -43,7 +45,7 @@ from fusible.quantization import (
 from fusible.quantization import quantizers as Q
 
 TOKENS, HIDDEN, FFN = 32, 64, 96  # weights [96, 64] / [64, 96]: no activation has their shape
-QUANTIZE_OPS = ("quantize_fp8", "quantize_fp8_current", "quantize_mxfp8")
+QUANTIZE_OPS = ("quantize_fp8", "quantize_fp8_current", "quantize_mxfp8", "quantize_fp8_block")
 BF16 = torch.bfloat16
 
 # Recipes quantized_model_init supports. "custom": per-op formats by role (fc1 per-tensor FP8,
@@ -51,6 +53,7 @@ BF16 = torch.bfloat16
 QRECIPES = {
     "current": recipe.Float8CurrentScaling(),
     "mxfp8": recipe.MXFP8BlockScaling(),
+    "blockwise": recipe.Float8BlockScaling(),
     "custom": recipe.CustomRecipe.from_rules(
         {"weight:*:fc2": recipe.MXFP8BlockScaling(), "*": recipe.Float8CurrentScaling()}
     ),
@@ -62,6 +65,7 @@ QRECIPES = {
 EXPECTED_TYPES = {
     "current": (Float8Tensor, Float8Tensor),
     "mxfp8": (MXFP8Tensor, MXFP8Tensor),
+    "blockwise": (Float8BlockTensor, Float8BlockTensor),
     "custom": (Float8Tensor, MXFP8Tensor),
     "custom_hp": (Float8Tensor, None),
 }
@@ -108,6 +112,8 @@ def _tensors(qdata):
     """The tensors of a quantized container, in field order (None for absent copies)."""
     if isinstance(qdata, Float8Data):
         return [qdata.data, qdata.data_t, qdata.scale_inv]
+    if isinstance(qdata, Float8BlockData):
+        return [qdata.data, qdata.scale_inv, qdata.data_t, qdata.col_scale_inv]
     return [qdata.data, qdata.scale, qdata.col_data, qdata.col_scale]
 
 
@@ -240,7 +246,7 @@ def test_weight_is_quantized_with_the_recipe_weight_quantizer(recipe_name, kind,
         assert w.quantizer.role.qualified == f"weight:{scope}:{names[i]}"
         q = _weight_quantizer(op, rec)
         assert type(q) is type(w.quantizer) and q.dtype == w.quantizer.dtype == E4M3
-        mx = want_type is MXFP8Tensor
+        mx = want_type in (MXFP8Tensor, Float8BlockTensor)  # block scales: both copies
         assert w.qdata.has_rowwise and w.qdata.has_columnwise == mx  # FP8: rowwise only
         want = q.quantize(hp, rowwise=True, columnwise=mx)
         _assert_same_qdata(w.qdata, want, f"op {i}")

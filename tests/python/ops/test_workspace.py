@@ -34,7 +34,7 @@ from fusible.quantization import (
 )
 from fusible.quantization import quantizers as Q
 
-QUANTIZE_OPS = ("quantize_fp8", "quantize_fp8_current", "quantize_mxfp8")
+QUANTIZE_OPS = ("quantize_fp8", "quantize_fp8_current", "quantize_mxfp8", "quantize_fp8_block")
 FP8_RECIPES = sorted(k for k, v in RECIPES.items() if v is not None)  # current delayed mxfp8 custom
 TOKENS, HIDDEN, FFN = 32, 64, 96  # weights [96, 64] and [64, 96]; activations [32, *]
 

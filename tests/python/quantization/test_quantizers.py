@@ -323,7 +323,7 @@ def test_quantized_tensor_errors():
     d = Float8CurrentScalingQuantizer(torch.float8_e4m3fn).quantize(torch.randn(2, 3))
     with pytest.raises(TypeError, match="expected MXFP8Data, got Float8Data"):
         MXFP8Tensor(d)
-    with pytest.raises(TypeError, match="expected Float8Data or MXFP8Data"):
+    with pytest.raises(TypeError, match="expected Float8Data, MXFP8Data or Float8BlockData"):
         QuantizedTensor.wrap(torch.zeros(2))
     t = QuantizedTensor.wrap(d)
     with pytest.raises(RuntimeError, match="no quantizer to re-quantize with"):

@@ -11,6 +11,9 @@ from fusible.quantization.quantizers import Float8CurrentScalingQuantizer, Float
 
 __all__ = ["GEGLU", "GELU", "ReLU", "SiLU", "SwiGLU", "activation_backward"]
 
+# Blockwise FP8 output is not fused into these kernels (docs/quantization.md).
+_BLOCKWISE = "; blockwise FP8: a separate blockwise cast"
+
 
 def _act(x: torch.Tensor, kind: str, glu: bool, q: Quantizer | None) -> torch.Tensor | C.HandOff:
     """act(x), written quantized by ``q`` when that fuses into the kernel."""
@@ -95,7 +98,10 @@ class _Activation(BasicOperation):
 
     def kernels(self, fwd: bool) -> list[str]:
         return (
-            [f"act_fwd({self.kind}, + quantize for the next op when its quantizer allows)"]
+            [
+                f"act_fwd({self.kind}, + quantize for the next op when its quantizer allows"
+                f"{_BLOCKWISE})"
+            ]
             if fwd
             else [f"act_bwd({self.kind})"]
         )

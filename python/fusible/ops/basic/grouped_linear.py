@@ -18,6 +18,7 @@ from fusible.ops.workspace import WorkspaceCache, quantize_weight
 from fusible.quantization import QuantizerRole
 from fusible.quantization.model_init import get_quantized_model_init_recipe
 from fusible.quantization.quantizers import (
+    Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Data,
     Float8Quantizer,
@@ -193,6 +194,8 @@ class GroupedLinear(BasicOperation):
     def kernels(self, fwd: bool) -> list[str]:
         qw = self.gemm_quantizers(True, "weight")[0]
         how = " on dequantized MXFP8 operands" if isinstance(qw, MXFP8Quantizer) else ""
+        if isinstance(qw, Float8BlockQuantizer):
+            how = " blockwise FP8 (cuBLASLt block scaling on CUDA, dequantized operands on CPU)"
         n = self.num_gemms
         kind = self._fp8_kind(fwd)
         if kind is not None:
@@ -241,6 +244,18 @@ class GroupedLinear(BasicOperation):
                 f"divisible by 32, got {self.in_features}, {self.out_features} and {what}"
             )
 
+    def _check_blockwise(self, splits: tuple[int, ...]) -> None:
+        """Blockwise FP8 GEMMs need every dimension a multiple of 16 (see
+        ``linear.check_blockwise_sizes``); an empty split runs no GEMM."""
+        bad = [(i, m) for i, m in enumerate(splits) if m % 16]
+        if self.in_features % 16 or self.out_features % 16 or bad:
+            what = f"m_splits[{bad[0][0]}]={bad[0][1]}" if bad else f"m_splits={list(splits)}"
+            raise ValueError(
+                f"GroupedLinear: Float8BlockScaling needs in_features, out_features and every "
+                f"m_splits entry to be multiples of 16 (the blockwise FP8 GEMM's alignment), got "
+                f"{self.in_features}, {self.out_features} and {what}"
+            )
+
     # ---- execution ----------------------------------------------------------------------------
 
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
@@ -274,6 +289,8 @@ class GroupedLinear(BasicOperation):
         qws = self.gemm_quantizers(True, "weight")
         if any(isinstance(q, MXFP8Quantizer) for q in (*qxs, *qws)):
             self._check_mxfp8(splits)
+        if any(isinstance(q, Float8BlockQuantizer) for q in (*qxs, *qws)):
+            self._check_blockwise(splits)
         keyed = isinstance(ctx.cache_weight, dict)
         cache = ctx.cache_weight if keyed else {}
         given = ctx.workspace if keyed else {}

@@ -17,6 +17,8 @@ from fusible.ops.workspace import WorkspaceCache, quantize_weight
 from fusible.quantization import QuantizerRole
 from fusible.quantization.model_init import get_quantized_model_init_recipe, weight_init_quantizer
 from fusible.quantization.quantizers import (
+    Float8BlockData,
+    Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Data,
     Float8Quantizer,
@@ -126,14 +128,16 @@ class BasicLinear(BasicOperation):
     def _quantize_weight_param(self, recipe: Recipe) -> None:
         """Replace the high-precision weight by its quantization with the weight quantizer
         ``recipe`` gives this op's weight role (kept high precision if that is None). Per-tensor
-        FP8 stores the rowwise copy only; MXFP8 both (their scales differ)."""
+        FP8 stores the rowwise copy only; MXFP8 and blockwise FP8 both."""
         w = self.weight
         role = self.get_quantizer_roles(True)[1]
         q = weight_init_quantizer(recipe, role, w.device)
         if q is None:
             return
-        mx = isinstance(q, MXFP8Quantizer)
-        qdata, _ = quantize_weight(w.detach(), q, None, False, columnwise=mx)
+        # Blockwise: both copies too (a 1x128 columnwise copy has its own scales; a 128x128 one
+        # could be transposed on demand, but keeping it costs no second pass).
+        both = isinstance(q, (MXFP8Quantizer, Float8BlockQuantizer))
+        qdata, _ = quantize_weight(w.detach(), q, None, False, columnwise=both)
         qt = QuantizedTensor.wrap(qdata, dtype=w.dtype, quantizer=q)
         self.weight = torch.nn.Parameter(qt, requires_grad=w.requires_grad)
 
@@ -221,6 +225,8 @@ class BasicLinear(BasicOperation):
         how = ""
         if isinstance(qw, MXFP8Quantizer):
             how = " on dequantized MXFP8 operands (no native MXFP8 GEMM on this path)"
+        elif isinstance(qw, Float8BlockQuantizer):
+            how = blockwise_gemm_note(self, what, qw)
         elif qw is not None and what.startswith("fprop"):
             how = " with fast accumulation (where it runs in FP8: CUDA, 16-aligned shapes)"
         return f"gemm({what}){how}"
@@ -289,6 +295,9 @@ class BasicLinear(BasicOperation):
         need_wgrad = grad and bool(ctx.params_requires_grad and ctx.params_requires_grad[0])
         need_dgrad = grad and ctx.input_requires_grad
         qx, qw = self.get_quantizer(True, "input"), self.get_quantizer(True, "weight")
+        if isinstance(qx, Float8BlockQuantizer) or isinstance(qw, Float8BlockQuantizer):
+            check_blockwise_sizes(type(self).__name__, self.in_features, self.out_features,
+                                  math.prod(x.shape[:-1]))  # fmt: skip
         if isinstance(qx, MXFP8Quantizer) or isinstance(qw, MXFP8Quantizer):
             # MXFP8 GEMMs scale 32-element blocks along K for fprop and along M / N for the
             # backward GEMMs; partial blocks have no hardware GEMM layout.
@@ -552,6 +561,11 @@ def _with_columnwise(xq: Any, op: str) -> Any:
     quantized with this op's quantizer) carries the copies the quantizer's usage asked for; if
     that lacked the columnwise copy, a per-tensor one is made by an exact byte transpose; an
     MXFP8 columnwise copy cannot be made without the high-precision values."""
+    if isinstance(xq, Float8BlockData) and xq.data_t is None and xq.block_dim == 1:
+        raise RuntimeError(
+            f"{op}: the blockwise FP8 input or gradient handed over has no columnwise copy, which "
+            "the weight gradient needs (1x128 columnwise blocks need the high-precision values)"
+        )
     if isinstance(xq, MXFP8Data) and xq.col_data is None:
         raise RuntimeError(
             f"{op}: the MXFP8 input or gradient handed over has no columnwise copy, which the "
@@ -569,6 +583,13 @@ def _stored_matches(qdata: QuantizedData, qw: Quantizer | None, *, need_columnwi
         return False
     if isinstance(qdata, Float8Data):
         return isinstance(qw, (Float8Quantizer, Float8CurrentScalingQuantizer))
+    if isinstance(qdata, Float8BlockData):
+        return (
+            isinstance(qw, Float8BlockQuantizer)
+            and qw.block_dim == qdata.block_dim
+            and qdata.has_rowwise
+            and (qdata.has_columnwise or not need_columnwise or qdata.block_dim == 2)
+        )
     return (
         isinstance(qw, MXFP8Quantizer)
         and qdata.has_rowwise
@@ -608,9 +629,43 @@ def _same_quantization(a: Quantizer, b: Quantizer) -> bool:
     """Whether ``a`` and ``b`` quantize every tensor to the same bits."""
 
     def key(q: Quantizer) -> tuple[Any, ...]:
-        return (type(q), q.dtype, getattr(q, "margin", 0))
+        block = tuple(getattr(q, k, None) for k in ("block_dim", "power_2_scale", "amax_epsilon"))
+        return (type(q), q.dtype, getattr(q, "margin", 0), block)
 
     return key(a) == key(b)
+
+
+def check_blockwise_sizes(op: str, in_features: int, out_features: int, tokens: int) -> None:
+    """Blockwise FP8 GEMMs (cuBLASLt's block-scaled kernels) need every GEMM dimension -- the
+    features (fprop's K and N, dgrad's K) and the token count (fprop's M, wgrad's K) -- to be a
+    multiple of 16 (16-byte FP8 rows, M and N multiples of 4). Checked on every backend, so a
+    model that would fail on the GPU fails on the CPU too; partial 128-blocks are fine."""
+    for name, n in (("in_features", in_features), ("out_features", out_features),
+                    ("the token count (prod(x.shape[:-1]))", tokens)):  # fmt: skip
+        if n % 16:
+            raise ValueError(
+                f"{op}: Float8BlockScaling needs {name} to be a multiple of 16 (the blockwise FP8 "
+                f"GEMM's alignment), got {n}; pad the input or use another recipe for this op"
+            )
+
+
+def blockwise_gemm_note(op: BasicLinear, what: str, qw: Float8BlockQuantizer) -> str:
+    """How explain() names a blockwise GEMM: the operands' block shapes, and where it runs."""
+    dims = {1: "1x128", 2: "128x128"}
+    if what.startswith("fprop"):
+        other = op.get_quantizer(True, "input")
+    else:
+        other = op.get_quantizer(False, "grad_output")
+    if what.startswith("wgrad"):
+        x = op.get_quantizer(True, "input")
+        pair = [other, x]
+    else:
+        pair = [other, qw]
+    if not all(isinstance(q, Float8BlockQuantizer) for q in pair):
+        return " on dequantized operands (blockwise FP8 mixed with another format)"
+    a, b = (dims[q.block_dim] for q in pair)  # type: ignore[union-attr]
+    return (f" blockwise FP8 ({a} x {b} blocks, fp32 scales; cuBLASLt block scaling on CUDA, "
+            "exactly dequantized operands on the CPU)")  # fmt: skip
 
 
 class Bias(BasicOperation):

@@ -10,6 +10,9 @@ from fusible.ops.op import BasicOperation
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
+# Blockwise FP8 output is not fused into these kernels (docs/quantization.md).
+_BLOCKWISE = "; blockwise FP8: a separate blockwise cast"
+
 
 class _Norm(BasicOperation):
     kind: str = ""
@@ -52,7 +55,10 @@ class _Norm(BasicOperation):
 
     def kernels(self, fwd: bool) -> list[str]:
         return (
-            [f"norm_fwd({self.kind}, + quantize for the next op when its quantizer allows)"]
+            [
+                f"norm_fwd({self.kind}, + quantize for the next op when its quantizer allows"
+                f"{_BLOCKWISE})"
+            ]
             if fwd
             else [f"norm_bwd({self.kind})"]
         )

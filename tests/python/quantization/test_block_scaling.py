@@ -1,0 +1,484 @@
+"""Float8BlockScaling (blockwise FP8, 1x128 / 128x128 blocks, fp32 scales): the recipe, a plain
+torch emulation of the cast equal to the CPU backend bit for bit, dequantization, outliers, the
+GEMM, ops and modules under the recipe, checkpoints, a short training run, bad input. The CUDA
+cases (CUDA == CPU bits, GEMM vs the dequantized reference) skip without a GPU."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+
+import fusible
+from fusible import _kernels as K
+from fusible import ops, recipe
+from fusible.quantization import (
+    Float8BlockData,
+    Float8BlockQuantizer,
+    Float8BlockTensor,
+    Float8CurrentScalingQuantizer,
+    RecipeState,
+)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FMAX = {E4M3: 448.0, E5M2: 57344.0}
+HP = [torch.float32, torch.bfloat16, torch.float16]
+# 1, primes, 2^n - 1, partial blocks and exact multiples of 128.
+SHAPES = [(1, 1), (1, 129), (7, 13), (31, 127), (127, 255), (128, 128), (130, 257), (3, 5, 131)]
+cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and K.has_cuda()),
+    reason="needs a CUDA GPU and fusible built with its CUDA backend",
+)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _x(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-12, 12, shape, generator=g))
+    return x.to(dtype)
+
+
+# ---- the emulation (the documented rule in plain torch) --------------------------------------
+
+
+def _scale(amax: torch.Tensor, fmax: float, pow2: bool, eps: float) -> torch.Tensor:
+    m = torch.clamp_min(amax, eps)
+    s = torch.tensor(fmax, dtype=torch.float32) / m
+    s = torch.where(torch.isinf(s), torch.tensor(torch.finfo(torch.float32).max), s)
+    s = torch.where((m == 0) | ~torch.isfinite(m), torch.ones_like(s), s)
+    if pow2:
+        s = (s.view(torch.int32) & torch.tensor(-8388608, dtype=torch.int32)).view(torch.float32)
+    return s
+
+
+def emulate(m: torch.Tensor, block_dim: int, fp8=E4M3, pow2=True, eps=0.0):
+    """(q, scale_inv) of a copy [R, C] (blocks along its rows), in the documented layouts."""
+    x = m.float()
+    R, C = x.shape
+    nr, nc = math.ceil(R / 128), math.ceil(C / 128)
+    xp = torch.zeros(nr * 128, nc * 128)
+    xp[:R, :C] = x.abs()
+    if block_dim == 1:
+        amax = xp.view(nr * 128, nc, 128).amax(-1)[:R]  # [R, nc]
+        s = _scale(amax, FMAX[fp8], pow2, eps)
+        per_elem = s.repeat_interleave(128, dim=1)[:, :C]
+        scale_inv = (1.0 / s).t().contiguous()  # [nc, R]
+    else:
+        amax = xp.view(nr, 128, nc, 128).amax(dim=(1, 3))  # [nr, nc]
+        s = _scale(amax, FMAX[fp8], pow2, eps)
+        per_elem = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:R, :C]
+        scale_inv = 1.0 / s
+    q = (x * per_elem).clamp(-FMAX[fp8], FMAX[fp8]).to(fp8)
+    return q, scale_inv
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", HP)
+@pytest.mark.parametrize("block_dim", [1, 2])
+@pytest.mark.parametrize("pow2", [True, False])
+def test_emulation_equals_cpu_bit_for_bit(shape, dtype, block_dim, pow2):
+    x = _x(shape, dtype, seed=sum(shape))
+    q = Float8BlockQuantizer(E4M3, block_dim=block_dim, power_2_scale=pow2).quantize(x)
+    m = x.reshape(-1, shape[-1])
+    want_q, want_s = emulate(m, block_dim, pow2=pow2)
+    want_qt, want_st = emulate(m.t(), block_dim, pow2=pow2)
+    assert torch.equal(_bits(q.data.reshape(m.shape)), _bits(want_q))
+    assert torch.equal(_bits(q.scale_inv), _bits(want_s))
+    assert torch.equal(_bits(q.data_t), _bits(want_qt))
+    assert torch.equal(_bits(q.col_scale_inv), _bits(want_st))
+    if block_dim == 2:  # one tile scale serves both copies: the byte transpose
+        assert torch.equal(_bits(q.data_t), _bits(q.data.reshape(m.shape)).t())
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("eps", [0.0, 1e-3])
+def test_emulation_formats_and_epsilon(fp8, eps):
+    x = _x((67, 300), torch.float32, seed=5)
+    x[3, :128] = 0.0  # an all-zero block: scale 1 (or from eps)
+    x[10:20, 128:256] *= 1e-6  # tiny blocks: eps caps their scale
+    for block_dim in (1, 2):
+        q = Float8BlockQuantizer(fp8, block_dim=block_dim, amax_epsilon=eps).quantize(x)
+        wq, ws = emulate(x, block_dim, fp8=fp8, eps=eps)
+        assert torch.equal(_bits(q.data), _bits(wq)) and torch.equal(q.scale_inv, ws)
+
+
+def test_scale_edge_cases():
+    """amax 0 -> scale 1; inf / NaN blocks -> scale 1 (the finite elements saturate, NaN stays
+    NaN); power-of-two scales are exact powers of two."""
+    x = torch.zeros(2, 256)
+    x[1, 0] = float("inf")
+    x[1, 128] = float("nan")
+    x[1, 129] = 3.0
+    q = Float8BlockQuantizer(E4M3, block_dim=1).quantize(x)
+    assert torch.equal(q.scale_inv, torch.ones(2, 2))
+    assert q.data[1, 0].float().item() == 448.0
+    assert math.isnan(q.data[1, 128].float().item()) and q.data[1, 129].float().item() == 3.0
+    y = _x((64, 384), torch.float32)
+    s = Float8BlockQuantizer(E4M3, block_dim=1).quantize(y).scale_inv
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+
+
+def _dequant_emulated(m: torch.Tensor, block_dim: int, out: torch.dtype) -> torch.Tensor:
+    q, s = emulate(m, block_dim)
+    R, C = m.shape
+    if block_dim == 1:
+        per = s.t().repeat_interleave(128, 1)[:, :C]
+    else:
+        per = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:R, :C]
+    return (q.float() * per).to(out)
+
+
+@pytest.mark.parametrize("block_dim", [1, 2])
+@pytest.mark.parametrize("out", HP)
+def test_dequantize_round_trip(block_dim, out):
+    x = _x((130, 257), torch.float32, seed=1)
+    q = Float8BlockQuantizer(E4M3, block_dim=block_dim).quantize(x)
+    assert torch.equal(q.dequantize(out), _dequant_emulated(x, block_dim, out))
+    # The columnwise copy alone dequantizes to the transposed copy's values.
+    col_only = Float8BlockData(None, None, q.data_t, q.col_scale_inv, E4M3, x.shape, block_dim)
+    assert torch.equal(col_only.dequantize(out), _dequant_emulated(x.t(), block_dim, out).t())
+    # Values the format holds with every block's amax at 448 round-trip exactly.
+    e = (torch.randn(256, 256) * 50).clamp(-448, 448).to(E4M3).float()
+    e[::17, ::17] = 448.0
+    e[:, 0] = 448.0
+    e[0, :] = 448.0
+    qe = Float8BlockQuantizer(E4M3, block_dim=block_dim).quantize(e)
+    assert torch.equal(qe.dequantize(), e)
+
+
+def test_outliers_survive_block_scaling():
+    """One outlier token (or weight tile) 2^20 times larger: per-tensor scaling flushes the other
+    tokens' small values to zero; block scaling keeps them (their blocks have their own
+    scales)."""
+    x = torch.full((256, 256), 1e-3) * torch.sign(torch.randn(256, 256))
+    x[7] *= 2.0**20  # the outlier token (row)
+    per_tensor = Float8CurrentScalingQuantizer(E4M3).quantize(x).dequantize()
+    block = Float8BlockQuantizer(E4M3, block_dim=1).quantize(x).dequantize()
+    others = torch.arange(256) != 7
+    assert (per_tensor[others] == 0).all()  # flushed
+    assert torch.allclose(block[others], x[others], rtol=0.07)
+    w = torch.full((256, 256), 1e-3)
+    w[:128, :128] *= 2.0**20  # the outlier tile
+    per_tensor_w = Float8CurrentScalingQuantizer(E4M3).quantize(w).dequantize()
+    block_w = Float8BlockQuantizer(E4M3, block_dim=2).quantize(w).dequantize()
+    assert (per_tensor_w[128:, 128:] == 0).all()
+    assert torch.allclose(block_w[128:, 128:], w[128:, 128:], rtol=0.07)
+
+
+# ---- recipe, roles, states ---------------------------------------------------------------------
+
+
+def test_recipe_defaults_and_validation():
+    r = recipe.Float8BlockScaling()
+    assert (r.fp8_format, r.x_block_scaling_dim, r.w_block_scaling_dim) == (
+        recipe.Format.E4M3, 1, 2,
+    )  # fmt: skip
+    assert r.grad_block_scaling_dim == 1 and r.power_2_scale is True and r.amax_epsilon == 0.0
+    assert r == recipe.Float8BlockScaling() and hash(r) == hash(recipe.Float8BlockScaling())
+    with pytest.raises(AttributeError):  # frozen
+        r.power_2_scale = False  # type: ignore[misc]
+    bad = [
+        dict(fp8_format=recipe.Format.E5M2),
+        dict(fp8_format="E4M3"),
+        dict(x_block_scaling_dim=3),
+        dict(w_block_scaling_dim=True),
+        dict(x_block_scaling_dim=2),  # x and w both 2D
+        dict(w_block_scaling_dim=1, grad_block_scaling_dim=2, x_block_scaling_dim=2),
+        dict(power_2_scale=1),
+        dict(amax_epsilon=-1.0),
+        dict(amax_epsilon=float("inf")),
+    ]
+    for kw in bad:
+        with pytest.raises(ValueError, match=r"Float8BlockScaling"):
+            recipe.Float8BlockScaling(**kw)
+    ok = recipe.Float8BlockScaling(fp8_format=recipe.Format.HYBRID, w_block_scaling_dim=1,
+                                   x_block_scaling_dim=2)  # fmt: skip
+    assert ok.block_dim(fusible.quantization.QuantizerRole.parse("input:linear")) == 2
+
+
+def test_recipe_state_block_dims_by_role():
+    r = recipe.Float8BlockScaling(fp8_format=recipe.Format.HYBRID)
+    fwd = RecipeState.create(r, "forward", 3, ["input:linear", "weight:linear", "output:linear"])
+    assert [q.block_dim for q in fwd.quantizers] == [1, 2, 1]
+    assert all(q.dtype == E4M3 for q in fwd.quantizers)
+    bwd = RecipeState.create(r, "backward", 2, ["grad_output:linear", "grad_input:linear"])
+    assert [q.block_dim for q in bwd.quantizers] == [1, 1]
+    assert all(q.dtype == E5M2 for q in bwd.quantizers)
+    assert RecipeState.create(r, "forward", 2).quantizers[0].block_dim == 1  # no roles
+    assert fusible.quantization.recipe_state_to_dict(fwd) == {}  # stateless
+
+
+def test_rule_recipe_weights_blockwise_rest_per_tensor():
+    rec = recipe.CustomRecipe.from_rules(
+        {"weight:*": recipe.Float8BlockScaling(), "*": recipe.Float8CurrentScaling()}
+    )
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(128, 64, bias=False))
+    state = RecipeState.create(rec, "forward", 3, model.get_quantizer_roles(True))
+    assert isinstance(state.quantizers[1], Float8BlockQuantizer)
+    assert isinstance(state.quantizers[0], Float8CurrentScalingQuantizer)
+    x = torch.randn(32, 128, requires_grad=True)
+    with fusible.autocast(recipe=rec):
+        y = model(x)
+        text = model.explain()
+    y.sum().backward()
+    ref = x.double() @ model[0].weight.double().t()
+    assert ((y - ref).norm() / ref.norm()).item() < 0.1
+    assert "dequantized operands (blockwise FP8 mixed with another format)" in text
+
+
+# ---- GEMM -------------------------------------------------------------------------------------
+
+
+def _operands(m, n, k, da, db):
+    a = _x((m, k), torch.float32, 1)
+    b = _x((n, k), torch.float32, 2)
+    qa = Float8BlockQuantizer(E4M3, block_dim=da).quantize(a, columnwise=False)
+    qb = Float8BlockQuantizer(E4M3, block_dim=db).quantize(b, columnwise=False)
+    return qa, qb
+
+
+@pytest.mark.parametrize("dims", [(1, 1), (1, 2), (2, 1)])
+@pytest.mark.parametrize("mnk", [(16, 32, 48), (128, 256, 384), (64, 48, 656), (4, 4, 16)])
+def test_gemm_block_cpu_is_the_dequantized_gemm(dims, mnk):
+    m, n, k = mnk
+    qa, qb = _operands(m, n, k, *dims)
+    c = torch.randn(m, n)
+    d = K.gemm_block(qa.data, qa.scale_inv, dims[0], qb.data, qb.scale_inv, dims[1],
+                     torch.float32, c, 2.0, 1.0)  # fmt: skip
+    ref = 2.0 * (qa.dequantize().double() @ qb.dequantize().double().t()) + c.double()
+    assert torch.allclose(d.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_gemm_block_bad_input():
+    qa, qb = _operands(16, 16, 32, 2, 2)
+    with pytest.raises(TypeError, match=r"both 128x128"):  # FUS_ERROR_UNSUPPORTED
+        K.gemm_block(qa.data, qa.scale_inv, 2, qb.data, qb.scale_inv, 2, torch.float32, None,
+                     1.0, 0.0)  # fmt: skip
+    qa, qb = _operands(16, 16, 32, 1, 2)
+    with pytest.raises(ValueError, match=r"gemm_block.*'a_scale_inv'.*expected"):
+        K.gemm_block(qa.data, qb.scale_inv, 1, qb.data, qb.scale_inv, 2, torch.float32, None,
+                     1.0, 0.0)  # fmt: skip
+    with pytest.raises(ValueError, match=r"gemm_block.*'a_block_dim'"):
+        K.gemm_block(qa.data, qa.scale_inv, 3, qb.data, qb.scale_inv, 2, torch.float32, None,
+                     1.0, 0.0)  # fmt: skip
+    with pytest.raises(TypeError, match=r"out_dtype"):
+        K.gemm_block(qa.data, qa.scale_inv, 1, qb.data, qb.scale_inv, 2, E4M3, None, 1.0, 0.0)
+    qa, qb = _operands(6, 16, 32, 1, 2)
+    with pytest.raises(ValueError, match=r"multiples of 4"):
+        K.gemm_block(qa.data, qa.scale_inv, 1, qb.data, qb.scale_inv, 2, torch.float32, None,
+                     1.0, 0.0)  # fmt: skip
+
+
+def test_quantize_bad_input():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"quantize_fp8_block.*'block_dim'"):
+        K.quantize_fp8_block(x, E4M3, 3, True, 0.0, True, True)
+    with pytest.raises(ValueError, match=r"quantize_fp8_block.*'amax_epsilon'"):
+        K.quantize_fp8_block(x, E4M3, 1, True, -1.0, True, True)
+    with pytest.raises(ValueError, match=r"dequantize_fp8_block.*'scale_inv'.*expected"):
+        K.dequantize_fp8_block(x.to(E4M3), torch.ones(2, 2), 1, torch.float32)
+    with pytest.raises(ValueError, match=r"block_dim"):
+        Float8BlockQuantizer(E4M3, block_dim=0)
+
+
+def test_fake_kernels_match():
+    """Shapes under fake tensors (torch.compile) equal the C++ operators' (the quantize and
+    dequantize cases are in test_kernels_quantize.py's opcheck table)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    qa, qb = _operands(32, 16, 256, 1, 2)
+    real = K.gemm_block(qa.data, qa.scale_inv, 1, qb.data, qb.scale_inv, 2, torch.bfloat16, None,
+                        1.0, 0.0)  # fmt: skip
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = K.gemm_block(qa.data, qa.scale_inv, 1, qb.data, qb.scale_inv, 2, torch.bfloat16,
+                            None, 1.0, 0.0)  # fmt: skip
+        outs = K.quantize_fp8_block(torch.empty(130, 257), E4M3, 2, True, 0.0, True, True)
+    assert fake.shape == real.shape and fake.dtype == real.dtype
+    want = K.quantize_fp8_block(torch.randn(130, 257), E4M3, 2, True, 0.0, True, True)
+    assert [tuple(t.shape) for t in outs] == [tuple(t.shape) for t in want]
+
+
+# ---- ops and modules under the recipe -------------------------------------------------------
+
+
+def _preq(shape, seed):
+    """Values every blockwise cast quantizes exactly: E4M3 values with 448 in every 128-block
+    along rows and down columns (block scale 1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 56).clamp(-448, 448).to(E4M3).float()
+    m = x.reshape(-1, shape[-1])
+    r, c = torch.arange(m.shape[0]).unsqueeze(1), torch.arange(m.shape[1]).unsqueeze(0)
+    m[(r % 128) == (c % 128)] = 448.0
+    return m.reshape(shape)
+
+
+REC = recipe.Float8BlockScaling()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layernorm_mlp_and_layernorm_linear_vs_fp64(dtype):
+    """The fc GEMMs on pre-quantized operands (identity norm, ReLU-free: only the GEMMs round)."""
+    h, f, t = 128, 256, 64
+    x = _preq((t, h), 1).to(dtype)
+    m = fusible.LayerNormLinear(h, f, bias=False, dtype=dtype)
+    seq = ops.Sequential(
+        ops.Linear(h, f, bias=False, dtype=dtype), ops.Linear(f, h, bias=False, dtype=dtype)
+    )
+    with torch.no_grad():
+        seq[0].weight.copy_(_preq((f, h), 3))
+        seq[1].weight.copy_(_preq((h, f), 4) / 448.0 / 16.0)
+    with fusible.autocast(recipe=REC):
+        y = seq(x)
+    ref = x.double() @ seq[0].weight.double().t()
+    ref = ref.to(dtype).double()  # the hidden activation is rounded to dtype between the GEMMs
+    ref2 = ref @ seq[1].weight.double().t()
+    err = ((y.double() - ref2).norm() / ref2.norm()).item()
+    assert err < 0.1  # the hidden activation is re-quantized (not pre-quantized) for fc2
+    with fusible.autocast(recipe=REC):
+        out = m(x)
+    assert out.shape == (t, f) and torch.isfinite(out.float()).all()
+    mlp = fusible.LayerNormMLP(h, f, dtype=dtype)
+    with fusible.autocast(recipe=REC):
+        y = mlp(x)
+        text = mlp.explain() if hasattr(mlp, "explain") else ""
+    y.float().sum().backward()
+    assert torch.isfinite(y.float()).all()
+    assert "blockwise FP8" in text or not text
+
+
+def test_fused_ops_fall_back_to_unfused_quantize():
+    """Norm and activation kernels do not write blockwise output: the fused plan equals the
+    unfused one bit for bit (the same separate blockwise casts on both paths)."""
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.LayerNorm(128), ops.Linear(128, 256), ops.GELU(),
+                           ops.Linear(256, 128))  # fmt: skip
+    twin = copy.deepcopy(model)
+    x = torch.randn(64, 128)
+    with fusible.autocast(recipe=REC):
+        y = model(x)
+        text = model.explain()
+        with ops.fusion_disabled():
+            y2 = twin(x)
+    assert "linear_bias_activation" in text and "blockwise FP8: a separate blockwise cast" in text
+    assert torch.equal(y, y2)
+
+
+def test_quantized_model_init_and_state_dict_round_trip():
+    with fusible.quantized_model_init(REC):
+        model = fusible.LayerNormMLP(128, 256)
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    assert weights and all(isinstance(w, Float8BlockTensor) for w in weights)
+    x = torch.randn(32, 128)
+    with fusible.autocast(recipe=REC):
+        y = model(x)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    with fusible.quantized_model_init(REC):
+        other = fusible.LayerNormMLP(128, 256)
+    other.load_state_dict(torch.load(buf, weights_only=False))
+    with fusible.autocast(recipe=REC):
+        y2 = other(x)
+    assert torch.equal(y, y2)
+    for a, b in zip(model.parameters(), other.parameters(), strict=True):
+        if isinstance(a, Float8BlockTensor):
+            assert torch.equal(_bits(a.qdata.data), _bits(b.qdata.data))
+            assert torch.equal(a.qdata.scale_inv, b.qdata.scale_inv)
+
+
+def test_linear_sizes_the_gemm_cannot_take_raise():
+    with fusible.autocast(recipe=REC):
+        with pytest.raises(ValueError, match=r"BasicLinear.*in_features.*multiple of 16.*100"):
+            ops.Sequential(ops.Linear(100, 64))(torch.randn(16, 100))
+        with pytest.raises(ValueError, match=r"out_features.*multiple of 16.*33"):
+            ops.Sequential(ops.Linear(64, 33))(torch.randn(16, 64))
+        with pytest.raises(ValueError, match=r"token count.*multiple of 16.*7"):
+            ops.Sequential(ops.Linear(64, 64))(torch.randn(7, 64))
+        with pytest.raises(ValueError, match=r"GroupedLinear.*multiples of 16.*m_splits"):
+            ops.Sequential(ops.GroupedLinear(2, 64, 64))(torch.randn(24, 64), m_splits=[8, 16])
+
+
+def test_training_within_5_percent_of_bf16():
+    """A short regression run: the blockwise loss stays within 5% of the bf16 one."""
+
+    def run(rec):
+        torch.manual_seed(0)
+        model = ops.Sequential(ops.LayerNorm(128), ops.Linear(128, 256), ops.GELU(),
+                               ops.Linear(256, 128))  # fmt: skip
+        model = model.to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        g = torch.Generator().manual_seed(1)
+        target = ops.Sequential(ops.Linear(128, 128)).to(torch.bfloat16)
+        losses = []
+        for _ in range(60):
+            x = torch.randn(64, 128, generator=g).to(torch.bfloat16)
+            with torch.no_grad():
+                t = torch.tanh(target(x))
+            with fusible.autocast(enabled=rec is not None, recipe=rec):
+                y = model(x)
+            loss = (y.float() - t.float()).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return sum(losses[-10:]) / 10
+
+    base, block = run(None), run(REC)
+    assert abs(block - base) / base < 0.05, (block, base)
+
+
+# ---- CUDA (skipped on CPU-only machines) -----------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("shape", [*SHAPES, (1024, 4096)])
+@pytest.mark.parametrize("dtype", HP)
+@pytest.mark.parametrize("block_dim", [1, 2])
+@pytest.mark.parametrize("pow2", [True, False])
+def test_cuda_quantize_equals_cpu(shape, dtype, block_dim, pow2):
+    x = _x(shape, dtype, seed=3)
+    q = Float8BlockQuantizer(E4M3, block_dim=block_dim, power_2_scale=pow2)
+    a, b = q.quantize(x), q.quantize(x.cuda())
+    for f in ("data", "scale_inv", "data_t", "col_scale_inv"):
+        assert torch.equal(_bits(getattr(a, f)), _bits(getattr(b, f).cpu())), f
+    for out in HP:
+        assert torch.equal(_bits(a.dequantize(out)), _bits(b.dequantize(out).cpu()))
+        col_a = Float8BlockData(None, None, a.data_t, a.col_scale_inv, E4M3, a.shape, block_dim)
+        col_b = Float8BlockData(None, None, b.data_t, b.col_scale_inv, E4M3, b.shape, block_dim)
+        assert torch.equal(_bits(col_a.dequantize(out)), _bits(col_b.dequantize(out).cpu()))
+
+
+@cuda
+@pytest.mark.parametrize("dims", [(1, 1), (1, 2), (2, 1)])
+@pytest.mark.parametrize(
+    "mnk", [(16, 32, 48), (128, 256, 384), (256, 512, 656), (2048, 1024, 8192)]
+)
+@pytest.mark.parametrize("out", HP)
+def test_cuda_gemm_block_vs_dequantized_reference(dims, mnk, out):
+    m, n, k = mnk
+    qa, qb = _operands(m, n, k, *dims)
+    qa, qb = qa.to("cuda"), qb.to("cuda")
+    d = K.gemm_block(qa.data, qa.scale_inv, dims[0], qb.data, qb.scale_inv, dims[1], out, None,
+                     1.0, 0.0)  # fmt: skip
+    ref = qa.dequantize().double() @ qb.dequantize().double().t()
+    err = ((d.double() - ref).norm() / ref.norm()).item()
+    assert err < {torch.float32: 1e-4, torch.bfloat16: 8e-3, torch.float16: 2e-3}[out], err
+
+
+@cuda
+def test_cuda_linear_matches_cpu():
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.LayerNorm(256), ops.Linear(256, 512), ops.GELU(),
+                           ops.Linear(512, 256))  # fmt: skip
+    gpu = copy.deepcopy(model).cuda()
+    x = torch.randn(128, 256)
+    with fusible.autocast(recipe=REC):
+        y, yg = model(x), gpu(x.cuda())
+    assert ((yg.cpu() - y).norm() / y.norm()).item() < 1e-3
