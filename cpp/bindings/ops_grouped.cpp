@@ -17,7 +17,9 @@
 namespace fusible_torch {
 namespace {
 
-std::string nth(const char* name, size_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
+std::string nth(const char* name, size_t i) {
+  return std::string(name) + "[" + std::to_string(i) + "]";
+}
 
 // The groups of `x`: G matrices [rows_g, cols] (x.size() == G, m_splits empty) or one packed
 // matrix split by m_splits. Returns (group g's matrix view, rows_g) via the callback's arguments.
@@ -38,9 +40,9 @@ Groups split_groups(const char* op, const char* name, at::TensorList x, at::IntA
     for (size_t i = 0; i < x.size(); ++i) {
       const std::string n = nth(name, i);
       check_tensor(op, n.c_str(), x[i], dtypes, dev);
-      FUS_TYPE_CHECK(x[i].scalar_type() == x[0].scalar_type(), op, "argument '", n,
-                     "' has dtype ", dtype_name(x[i].scalar_type()), ", expected ", name,
-                     "[0]'s ", dtype_name(x[0].scalar_type()), " (one dtype per group)");
+      FUS_TYPE_CHECK(x[i].scalar_type() == x[0].scalar_type(), op, "argument '", n, "' has dtype ",
+                     dtype_name(x[i].scalar_type()), ", expected ", name, "[0]'s ",
+                     dtype_name(x[0].scalar_type()), " (one dtype per group)");
       auto [rows, cols] = matrix_shape(op, x[i], n.c_str());
       const Tensor m = x[i].view({rows, cols});
       if (m_splits.empty()) {
@@ -65,8 +67,8 @@ Groups split_groups(const char* op, const char* name, at::TensorList x, at::IntA
                     m_splits[i]);
     total += m_splits[i];
   }
-  FUS_VALUE_CHECK(total == rows, op, "argument 'm_splits' must sum to the rows of ", n, " (",
-                  rows, ", shape ", shape_str(x[0].sizes()), "), got sum ", total);
+  FUS_VALUE_CHECK(total == rows, op, "argument 'm_splits' must sum to the rows of ", n, " (", rows,
+                  ", shape ", shape_str(x[0].sizes()), "), got sum ", total);
   const Tensor m = x[0].view({rows, cols});
   int64_t off = 0;
   for (int64_t s : m_splits) {
@@ -143,8 +145,8 @@ grouped_quantize_fp8(at::TensorList x, at::IntArrayRef m_splits, const OptTensor
 // ---- grouped_gemm ---------------------------------------------------------------------------------
 
 // Group i's scale_inv: element i of one [G] tensor, or list element i of G one-element tensors.
-const float* group_scale(const char* op, const char* name, at::TensorList s, size_t i,
-                         size_t count, c10::Device dev) {
+const float* group_scale(const char* op, const char* name, at::TensorList s, size_t i, size_t count,
+                         c10::Device dev) {
   if (i == 0) {
     FUS_VALUE_CHECK(s.size() == count || (s.size() == 1 && s[0].numel() == (int64_t)count), op,
                     "argument '", name, "' must hold ", count,
@@ -154,8 +156,7 @@ const float* group_scale(const char* op, const char* name, at::TensorList s, siz
       const std::string n = nth(name, j);
       check_tensor(op, n.c_str(), s[j], {at::kFloat}, dev);
       FUS_VALUE_CHECK(s.size() == 1 || s[j].numel() == 1, op, "argument '", n,
-                      "' must hold exactly one float32 value, got shape ",
-                      shape_str(s[j].sizes()));
+                      "' must hold exactly one float32 value, got shape ", shape_str(s[j].sizes()));
     }
   }
   if (s.size() == count && s[i].numel() == 1) return fptr(s[i]);
@@ -170,13 +171,13 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
                                  const std::optional<at::TensorList>& bias, bool fast_accum,
                                  bool packed_out) {
   const char* op = "grouped_gemm";
-  const std::vector<at::ScalarType> dtypes{at::kFloat, at::kHalf, at::kBFloat16,
-                                           at::kFloat8_e4m3fn, at::kFloat8_e5m2};
+  const std::vector<at::ScalarType> dtypes{at::kFloat, at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn,
+                                           at::kFloat8_e5m2};
   Groups ga = split_groups(op, "a", a, m_splits, dtypes);
   const size_t count = ga.mats.size();
   const c10::Device dev = a[0].device();
-  FUS_VALUE_CHECK(b.size() == count, op, "argument 'b' has ", b.size(),
-                  " tensors, expected ", count, " (one per GEMM, as 'a')");
+  FUS_VALUE_CHECK(b.size() == count, op, "argument 'b' has ", b.size(), " tensors, expected ",
+                  count, " (one per GEMM, as 'a')");
   const at::ScalarType at_ = a[0].scalar_type();
   const bool fp8 = is_fp8(at_);
   FUS_TYPE_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
@@ -190,11 +191,12 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
   for (size_t i = 0; i < count; ++i) {
     const std::string n = nth("b", i);
     check_tensor(op, n.c_str(), b[i], fp8 ? fp8_dtypes() : std::vector<at::ScalarType>{at_}, dev);
-    FUS_VALUE_CHECK(b[i].dim() == 2, op, "argument '", n, "' must be a 2-D matrix [N, K], got shape ",
-                    shape_str(b[i].sizes()));
-    FUS_VALUE_CHECK(b[i].size(1) == ga.mats[i].size(1), op, "arguments 'a' and 'b' disagree on K for GEMM ", i,
-                    ": a's matrix is ", shape_str(ga.mats[i].sizes()), " and ", n, " is ",
-                    shape_str(b[i].sizes()), " (D = A @ B^T needs A [M, K] and B [N, K])");
+    FUS_VALUE_CHECK(b[i].dim() == 2, op, "argument '", n,
+                    "' must be a 2-D matrix [N, K], got shape ", shape_str(b[i].sizes()));
+    FUS_VALUE_CHECK(b[i].size(1) == ga.mats[i].size(1), op,
+                    "arguments 'a' and 'b' disagree on K for GEMM ", i, ": a's matrix is ",
+                    shape_str(ga.mats[i].sizes()), " and ", n, " is ", shape_str(b[i].sizes()),
+                    " (D = A @ B^T needs A [M, K] and B [N, K])");
     bm[i] = b[i];
   }
   FUS_VALUE_CHECK(fp8 == a_scale_inv.has_value() && fp8 == b_scale_inv.has_value(), op,
@@ -206,9 +208,9 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
     for (size_t i = 0; i < count; ++i) {
       const std::string n = nth("bias", i);
       check_tensor(op, n.c_str(), (*bias)[i], {out_dtype}, dev);
-      FUS_VALUE_CHECK((*bias)[i].dim() == 1 && (*bias)[i].size(0) == b[i].size(0), op,
-                      "argument '", n, "' has shape ", shape_str((*bias)[i].sizes()),
-                      ", expected (", b[i].size(0), ",)");
+      FUS_VALUE_CHECK((*bias)[i].dim() == 1 && (*bias)[i].size(0) == b[i].size(0), op, "argument '",
+                      n, "' has shape ", shape_str((*bias)[i].sizes()), ", expected (",
+                      b[i].size(0), ",)");
     }
   }
   // Outputs.

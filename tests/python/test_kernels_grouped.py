@@ -135,8 +135,10 @@ def test_gemm_high_precision_packed_a(devices, dtype):
     ws = [torch.randn(40, 24, device=devices).to(dtype) for _ in splits]
     bs = [torch.randn(40, device=devices).to(dtype) for _ in splits]
     y = K.grouped_gemm([x], ws, splits, None, None, dtype, bs, False, True)[0]
-    want = [K.gemm(xi, w, False, True, None, None, dtype, b, "bias", None, None, 1.0, 0.0, None,
-                   False)[0] for xi, w, b in zip(_groups(x, splits), ws, bs, strict=True)]  # fmt: skip
+    want = []
+    for xi, w, b in zip(_groups(x, splits), ws, bs, strict=True):
+        args = (None, None, dtype, b, "bias", None, None, 1.0, 0.0, None, False)
+        want.append(K.gemm(xi, w, False, True, *args)[0])
     assert_bits_equal(y, torch.cat(want), "y")
 
 
@@ -160,7 +162,7 @@ def test_bias_grad_equals_torch_sum(devices, splits, out_dtype):
         assert_bits_equal(g, want, f"dbias[{i}]")
 
 
-# ---- fake kernels ---------------------------------------------------------------------------------
+# ---- fake kernels ------------------------------------------------------------------------------
 
 
 def _cases(device):
@@ -229,7 +231,7 @@ def test_torch_compile_symbolic_splits():
         assert_bits_equal(compiled(x, w, splits), fn(x, w, splits), str(splits))
 
 
-# ---- bad input -------------------------------------------------------------------------------------
+# ---- bad input ---------------------------------------------------------------------------------
 
 
 def test_errors_name_op_argument_and_expectation():
@@ -252,7 +254,9 @@ def test_errors_name_op_argument_and_expectation():
     with pytest.raises(ValueError, match=r"disagree on K for GEMM 1"):
         K.grouped_gemm([a, a], [b, b[:, :8].contiguous()], [], [one, one], [one, one],
                        torch.bfloat16, None, False, True)  # fmt: skip
-    with pytest.raises(TypeError, match=r"argument 'bias\[0\]' must have dtype in \(torch.bfloat16"):
+    with pytest.raises(
+        TypeError, match=r"argument 'bias\[0\]' must have dtype in \(torch.bfloat16"
+    ):
         K.grouped_gemm([a], [b], [], [one], [one], torch.bfloat16, [torch.zeros(8)], False, True)
     with pytest.raises(ValueError, match=r"argument 'b\[1\]' is on meta, expected the input's"):
         K.grouped_gemm([a, a], [b, b.to("meta")], [], [one, one], [one, one], torch.bfloat16,

@@ -380,7 +380,8 @@ struct GroupedCastParams {
 };
 
 template <typename T, Fp8Format F>
-__global__ void __launch_bounds__(kThreads) grouped_cast_transpose_kernel(const GroupedCastParams g) {
+__global__ void __launch_bounds__(kThreads)
+    grouped_cast_transpose_kernel(const GroupedCastParams g) {
   const unsigned gi = blockIdx.y;
   const CastParams p = g.p[gi];
   float scale;

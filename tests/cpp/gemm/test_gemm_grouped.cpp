@@ -40,7 +40,8 @@ struct GroupedGemm {
       bufs.add_bytes(operand(m, k, seed + 10 * i));
       bufs.add_bytes(operand(n, k, seed + 10 * i + 1));
       bufs.add_filled(static_cast<size_t>(m * n) * fus_dtype_size(d));
-      bufs.add_bytes(HostMatrix(d, 1, n, random_values(static_cast<size_t>(n), seed + 3, -2, 2)).bytes);
+      bufs.add_bytes(
+          HostMatrix(d, 1, n, random_values(static_cast<size_t>(n), seed + 3, -2, 2)).bytes);
       bufs.add(std::vector<float>{0.5f + 0.125f * static_cast<float>(i)});
       bufs.add(std::vector<float>{2.0f});
     }
@@ -82,7 +83,8 @@ struct GroupedGemm {
 
 // Expert-like problems: an empty expert (M = 0), one token, primes; CUDA needs K % 16 for FP8.
 const std::vector<Problem> kCpu = {{0, 24, 32}, {1, 24, 32}, {7, 24, 33}, {31, 17, 5}, {13, 24, 0}};
-const std::vector<Problem> kCuda = {{0, 32, 64}, {1, 32, 64}, {7, 32, 64}, {31, 48, 32}, {64, 32, 0}};
+const std::vector<Problem> kCuda = {
+    {0, 32, 64}, {1, 32, 64}, {7, 32, 64}, {31, 48, 32}, {64, 32, 0}};
 
 class GemmGrouped : public ::testing::TestWithParam<std::tuple<fus_dtype, fus_dtype, bool>> {};
 
@@ -92,7 +94,8 @@ TEST_P(GemmGrouped, CpuEqualsOneCallEach) {
   GroupedGemm single = grouped;
   ASSERT_EQ(run_cpu(grouped.bufs, grouped.call(true)), FUS_SUCCESS) << fus_last_error();
   ASSERT_EQ(run_cpu(single.bufs, single.call(false)), FUS_SUCCESS) << fus_last_error();
-  for (size_t i = 0; i < grouped.bufs.b.size(); ++i) EXPECT_EQ(grouped.bufs.b[i], single.bufs.b[i]) << i;
+  for (size_t i = 0; i < grouped.bufs.b.size(); ++i)
+    EXPECT_EQ(grouped.bufs.b[i], single.bufs.b[i]) << i;
   // K = 0 (an expert's weight gradient without tokens): zeros.
   const size_t last = 6 * (kCpu.size() - 1) + 2;
   if (!bias) {
@@ -107,17 +110,17 @@ TEST_P(GemmGrouped, CudaEqualsOneCallEach) {
   GroupedGemm single = grouped;
   ASSERT_EQ(run_cuda(grouped.bufs, grouped.call(true)), FUS_SUCCESS) << fus_last_error();
   ASSERT_EQ(run_cuda(single.bufs, single.call(false)), FUS_SUCCESS) << fus_last_error();
-  for (size_t i = 0; i < grouped.bufs.b.size(); ++i) EXPECT_EQ(grouped.bufs.b[i], single.bufs.b[i]) << i;
+  for (size_t i = 0; i < grouped.bufs.b.size(); ++i)
+    EXPECT_EQ(grouped.bufs.b[i], single.bufs.b[i]) << i;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, GemmGrouped,
-    ::testing::Values(std::make_tuple(FUS_FLOAT8_E4M3, FUS_BFLOAT16, true),
-                      std::make_tuple(FUS_FLOAT8_E4M3, FUS_BFLOAT16, false),
-                      std::make_tuple(FUS_FLOAT8_E4M3, FUS_FLOAT32, false),
-                      std::make_tuple(FUS_FLOAT8_E4M3, FUS_FLOAT16, true),
-                      std::make_tuple(FUS_BFLOAT16, FUS_BFLOAT16, true),
-                      std::make_tuple(FUS_FLOAT32, FUS_FLOAT32, true)));
+INSTANTIATE_TEST_SUITE_P(All, GemmGrouped,
+                         ::testing::Values(std::make_tuple(FUS_FLOAT8_E4M3, FUS_BFLOAT16, true),
+                                           std::make_tuple(FUS_FLOAT8_E4M3, FUS_BFLOAT16, false),
+                                           std::make_tuple(FUS_FLOAT8_E4M3, FUS_FLOAT32, false),
+                                           std::make_tuple(FUS_FLOAT8_E4M3, FUS_FLOAT16, true),
+                                           std::make_tuple(FUS_BFLOAT16, FUS_BFLOAT16, true),
+                                           std::make_tuple(FUS_FLOAT32, FUS_FLOAT32, true)));
 
 TEST(GemmGroupedArgs, OneBadProblemFailsTheCallBeforeAnyRuns) {
   GroupedGemm g(FUS_FLOAT8_E4M3, FUS_BFLOAT16, false, {{4, 8, 16}, {4, 8, 16}}, 9);

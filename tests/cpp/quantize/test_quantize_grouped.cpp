@@ -49,8 +49,8 @@ struct GroupedCase {
         const auto [r, c] = groups[i];
         const size_t b = 6 * i;
         in.push_back(fus_tensor{p[b], in_dtype, r, c});
-        out.push_back(fus_quantized{FUS_SCALING_PER_TENSOR, fp8, r, c, p[b + 1], p[b + 2],
-                                    p[b + 4], nullptr, static_cast<float*>(p[b + 3]),
+        out.push_back(fus_quantized{FUS_SCALING_PER_TENSOR, fp8, r, c, p[b + 1], p[b + 2], p[b + 4],
+                                    nullptr, static_cast<float*>(p[b + 3]),
                                     static_cast<float*>(p[b + 5])});
       }
       if (!per_tensor)
@@ -81,7 +81,8 @@ TEST_P(QuantizeGrouped, CpuEqualsPerTensorCalls) {
   const auto [in, fp8, current, packed_like] = GetParam();
   GroupedCase grouped(in, fp8, packed_like ? kGroups : kWeights, 11);
   GroupedCase single = grouped;
-  ASSERT_EQ(run_cpu(grouped.bufs, grouped.call(current, 1, false)), FUS_SUCCESS) << fus_last_error();
+  ASSERT_EQ(run_cpu(grouped.bufs, grouped.call(current, 1, false)), FUS_SUCCESS)
+      << fus_last_error();
   ASSERT_EQ(run_cpu(single.bufs, single.call(current, 1, true)), FUS_SUCCESS) << fus_last_error();
   expect_same(grouped.bufs, single.bufs, "grouped vs per-tensor");
   // Empty groups: amax 0, scale_inv 1 / scale (current scaling: scale 1).
@@ -106,11 +107,11 @@ TEST_P(QuantizeGrouped, CudaEqualsCpu) {
   expect_same(gpu.bufs, cpu.bufs, "CUDA vs CPU");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, QuantizeGrouped,
-    ::testing::Combine(::testing::Values(FUS_FLOAT32, FUS_BFLOAT16, FUS_FLOAT16),
-                       ::testing::Values(FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2), ::testing::Bool(),
-                       ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(All, QuantizeGrouped,
+                         ::testing::Combine(::testing::Values(FUS_FLOAT32, FUS_BFLOAT16,
+                                                              FUS_FLOAT16),
+                                            ::testing::Values(FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2),
+                                            ::testing::Bool(), ::testing::Bool()));
 
 TEST(QuantizeGroupedCuda, ManyGroupsEqualCpu) {
   // More groups than one launch takes (32): the chunks agree with the CPU too.
@@ -133,8 +134,16 @@ TEST(QuantizeGroupedArgs, Validation) {
   fus_tensor in[2] = {{x.data(), FUS_FLOAT32, 2, 4}, {x.data(), FUS_FLOAT16, 2, 4}};
   fus_quantized out[2];
   for (auto& o : out)
-    o = fus_quantized{FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, 2, 4, d.data(), dt.data(),
-                      si.data(), nullptr, s.data(), am.data()};
+    o = fus_quantized{FUS_SCALING_PER_TENSOR,
+                      FUS_FLOAT8_E4M3,
+                      2,
+                      4,
+                      d.data(),
+                      dt.data(),
+                      si.data(),
+                      nullptr,
+                      s.data(),
+                      am.data()};
   EXPECT_EQ(fus_quantize_grouped(in, out, 2, 0, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(fus_last_error()).find("inputs[1] has dtype"), std::string::npos)
       << fus_last_error();

@@ -406,7 +406,6 @@ class GroupedLinear(BasicOperation):
             dx = dx2.to(dtype).view(*lead, self.in_features)
         return dx, dws + (dbs if self.use_bias else []), []
 
-
     # ---- the grouped path ---------------------------------------------------------------------
 
     def _fp8_kind(self, fwd: bool) -> type[Quantizer] | None:
@@ -429,7 +428,7 @@ class GroupedLinear(BasicOperation):
             for q in bq:
                 if type(q) is not kind or q.dtype != first.dtype:
                     return None
-                if kind is Float8CurrentScalingQuantizer and q.margin != first.margin:  # type: ignore[attr-defined]
+                if getattr(q, "margin", 0) != getattr(first, "margin", 0):
                     return None
         return kind
 
@@ -594,7 +593,9 @@ class GroupedLinear(BasicOperation):
             return None  # the loop's per-expert reductions read the strided view itself
         wgrad = any(need_wgrad)
         qgs = self.gemm_quantizers(False, "grad_output")
-        gs = self._grouped_cast(qgs, [dy2], splits, need_dgrad, wgrad) if need_dgrad or wgrad else []
+        gs = (
+            self._grouped_cast(qgs, [dy2], splits, need_dgrad, wgrad) if need_dgrad or wgrad else []
+        )
         idx = [i for i in range(n) if splits[i]]
         dx = None
         if need_dgrad:
