@@ -1,7 +1,8 @@
 """MoE expert MLP benchmark: GroupedLinear(E, H, F) -> GELU -> GroupedLinear(E, F, H), forward +
 backward, per recipe, next to plain PyTorch (one torch.nn.Linear pair per expert in a loop, the
-same token split) measured in the same run. fusible runs one quantize + GEMM per expert (the
-per-GEMM kernels in a loop; there is no grouped GEMM kernel yet), so this measures that loop.
+same token split) measured in the same run. Under delayed and current scaling fusible runs grouped
+operators (one cast and one cuBLASLt-loop GEMM call for all experts, see docs/executor.md); without
+a recipe the forward GEMMs are grouped; MXFP8 runs one quantize + GEMM per expert.
 
     python benchmarks/grouped.py [--experts 8] [--tokens 16384] [--hidden 4096] [--ffn 4096]
                                  [--imbalance 0.5] [--out DIR]      # CUDA (bf16)
