@@ -7,6 +7,7 @@
 // group, each its own allocation (no output aliases another), except the packed GEMM output.
 #include <ATen/ops/zeros.h>
 
+#include <cstdint>
 #include <string>
 
 #include "families.h"
@@ -250,6 +251,18 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
   // the bias in the epilogue, except for an FP8 GEMM with a float32 D (cuBLASLt's bias is bf16
   // there), whose float32 bias is added to D afterwards (the same add, so the same bits).
   const bool add_after = fp8 && out_dtype == at::kFloat && bias.has_value();
+  // cuBLASLt picks its kernel by the pointers' alignment too (gemm.cu passes the real alignment
+  // of each): a packed output row block that is not 256-byte aligned, as a fresh allocation is,
+  // is computed into a fresh tensor and copied, so every GEMM runs the kernel (and gives the bits)
+  // of the per-GEMM path, whose outputs are fresh allocations.
+  std::vector<Tensor> staged(count);
+  if (packed_out && a[0].is_cuda()) {
+    for (size_t i = 0; i < count; ++i) {
+      const void* p = ptr(d[i]);
+      if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 256 != 0)
+        staged[i] = empty({d[i].size(0), d[i].size(1)}, out_dtype, a[0]);
+    }
+  }
   std::vector<fus_gemm_args> args(count);
   for (size_t i = 0; i < count; ++i) {
     const Tensor& am = ga.mats[i];
@@ -262,7 +275,7 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
     g.transb = 1;
     g.a_scale_inv = sa[i];
     g.b_scale_inv = sb[i];
-    g.d = fus_tensor{ptr(d[i]), code_of(out_dtype), m, n};
+    g.d = fus_tensor{ptr(staged[i].defined() ? staged[i] : d[i]), code_of(out_dtype), m, n};
     g.alpha = 1.0f;
     g.beta = 0.0f;
     const bool fused_bias = bias.has_value() && !add_after;
@@ -272,6 +285,8 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
   }
   const fus_context ctx = context_of(a[0]);
   check_status(op, fus_gemm_grouped(args.data(), static_cast<int64_t>(count), &ctx));
+  for (size_t i = 0; i < count; ++i)
+    if (staged[i].defined()) d[i].copy_(staged[i]);
   if (add_after) {
     for (size_t i = 0; i < count; ++i)
       if (d[i].numel()) d[i].add_((*bias)[i]);
