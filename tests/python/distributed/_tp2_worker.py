@@ -6,6 +6,7 @@ OUT_DIR [CASES]``."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -181,6 +182,187 @@ def fp8_gather_explain() -> None:
     plain = tp.explain(recipe=None)
     if "(rule 'fp8_all_gather" in plain or "no recipe: the all-gather moves high precision" not in plain:
         raise AssertionError(plain)
+
+
+# ---- TransformerLayer ---------------------------------------------------------------------------
+
+HEADS, GROUPS, D = 4, 2, 16  # H = HEADS * D; two K/V groups (GQA), one per rank
+
+
+def _tl_full_params(seed: int) -> dict[str, torch.Tensor]:
+    q, kv = HEADS * D, GROUPS * D
+    return {
+        "ln1_w": 1 + rand(H, seed=seed), "ln1_b": rand(H, seed=seed + 1),
+        "qkv_w": rand(q + 2 * kv, H, seed=seed + 2) * 0.3, "qkv_b": rand(q + 2 * kv, seed=seed + 3),
+        "proj_w": rand(H, q, seed=seed + 4) * 0.3, "proj_b": rand(H, seed=seed + 5),
+        "ln2_w": 1 + rand(H, seed=seed + 6), "ln2_b": rand(H, seed=seed + 7),
+        "fc1_w": rand(F, H, seed=seed + 8) * 0.3, "fc1_b": rand(F, seed=seed + 9),
+        "fc2_w": rand(H, F, seed=seed + 10) * 0.3, "fc2_b": rand(H, seed=seed + 11),
+    }  # fmt: skip
+
+
+def _qkv_rows(r: int, world: int) -> torch.Tensor:
+    """Rank r's rows of the full QKV weight: its block of Q's heads, of K's and of V's groups."""
+    q, kv = HEADS * D, GROUPS * D
+    blk = lambda n, off: torch.arange(n)[r * n // world : (r + 1) * n // world] + off  # noqa: E731
+    return torch.cat([blk(q, 0), blk(kv, q), blk(kv, q + kv)])
+
+
+def _load_tl(m: Any, p: dict[str, torch.Tensor], r: int | None) -> None:
+    """Full weights (r None) or rank r's shards, by TransformerEngine's state_dict names."""
+    w = base.WORLD
+    rows = slice(None) if r is None else _qkv_rows(r, w)
+    c = slice(None) if r is None else base.cols(HEADS * D, r)
+    f = slice(None) if r is None else base.cols(F, r)
+    sd = {
+        "self_attention.layernorm_qkv.layer_norm_weight": p["ln1_w"],
+        "self_attention.layernorm_qkv.layer_norm_bias": p["ln1_b"],
+        "self_attention.layernorm_qkv.weight": p["qkv_w"][rows],
+        "self_attention.layernorm_qkv.bias": p["qkv_b"][rows],
+        "self_attention.proj.weight": p["proj_w"][:, c], "self_attention.proj.bias": p["proj_b"],
+        "layernorm_mlp.layer_norm_weight": p["ln2_w"], "layernorm_mlp.layer_norm_bias": p["ln2_b"],
+        "layernorm_mlp.fc1_weight": p["fc1_w"][f], "layernorm_mlp.fc1_bias": p["fc1_b"][f],
+        "layernorm_mlp.fc2_weight": p["fc2_w"][:, f], "layernorm_mlp.fc2_bias": p["fc2_b"],
+    }  # fmt: skip
+    missing, unexpected = m.load_state_dict(sd, strict=False)
+    if unexpected or [k for k in missing if not k.endswith("_extra_state")]:
+        raise AssertionError(f"state_dict: missing {missing}, unexpected {unexpected}")
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1.0))
+
+
+def transformer_layer(rec_name: str, sp: bool) -> None:
+    """Against the full-size layer with the same full weights. No recipe: within 1e-5 (sums
+    split across ranks). A recipe: FP8 rounding differs where a shard's scale differs from the
+    whole tensor's (weights, the row-parallel inputs), so the bound is relative to FP8 itself:
+    the TP layer's error against the exact (unquantized) full-size layer is at most 1.5 times the
+    single-process FP8 layer's error against it (plus 1e-3), for the output, the input gradient
+    and every parameter gradient. A wrong shard, head split or scale is off by O(1)."""
+    rec, g, r = RECIPES[rec_name], dist.group.WORLD, base.RANK
+    p = _tl_full_params(70)
+    seq, batch = 32, 2  # sbhd: dim 0 is the sequence, split under SP
+    x, dy = rand(seq, batch, H, seed=90), rand(seq, batch, H, seed=91)
+    kw = {"num_gqa_groups": GROUPS, "attn_input_format": "sbhd"}
+    tp = fusible.TransformerLayer(H, F, HEADS, tp_group=g, sequence_parallel=sp, **kw)
+    assert tp.self_attention.heads_per_rank == HEADS // base.WORLD
+    assert tuple(tp.layernorm_mlp.fc1_weight.shape) == (F // base.WORLD, H)
+    _load_tl(tp, p, r)
+    y, dx = run(tp, toks(x, r) if sp else x, toks(dy, r) if sp else dy, rec, g)
+    got = {"y": y, "dx": dx, **{k: v.grad for k, v in _te_params(tp).items()}}
+
+    def full_run(recipe: Any) -> dict[str, torch.Tensor]:
+        full = fusible.TransformerLayer(H, F, HEADS, **kw)
+        _load_tl(full, p, None)
+        yf, dxf = run(full, x, dy, recipe)
+        out = {"y": toks(yf, r) if sp else yf, "dx": toks(dxf, r) if sp else dxf}
+        for k, v in _te_params(full).items():
+            gk = v.grad
+            if k in ("self_attention.layernorm_qkv.weight", "self_attention.layernorm_qkv.bias"):
+                gk = gk[_qkv_rows(r, base.WORLD)]
+            elif k in ("layernorm_mlp.fc1_weight", "layernorm_mlp.fc1_bias"):
+                gk = gk[base.cols(F, r)]
+            elif k in ("self_attention.proj.weight", "layernorm_mlp.fc2_weight"):
+                gk = gk[:, base.cols(gk.shape[1], r)]
+            out[k] = gk
+        return out
+
+    exact_ref = full_run(None)
+    if rec is None:
+        for k, v in got.items():
+            close(f"{k} vs full", v, exact_ref[k])
+    else:
+        fp8_ref = full_run(rec)
+        for k, v in got.items():
+            e_tp, e_fp8 = _err(v, exact_ref[k]), _err(fp8_ref[k], exact_ref[k])
+            if os.environ.get("TP2_PRINT"):
+                print(rec_name, sp, k, round(e_tp, 4), round(e_fp8, 4), flush=True)
+            if e_tp > 1.5 * e_fp8 + 1e-3:
+                raise AssertionError(f"{k}: TP error {e_tp:.4f} > 1.5 x single-process FP8 "
+                                     f"error {e_fp8:.4f} (+1e-3)")  # fmt: skip
+    if not sp:  # replicated outputs agree across ranks
+        ys = [torch.empty_like(y) for _ in range(base.WORLD)]
+        dist.all_gather(ys, y)
+        exact("y across ranks", ys[0], ys[1])
+
+
+def _te_params(m: Any) -> dict[str, torch.nn.Parameter]:
+    a, mlp = m.self_attention, m.layernorm_mlp
+    qkv = a.layernorm_qkv
+    return {
+        "self_attention.layernorm_qkv.layer_norm_weight": qkv.layer_norm_weight,
+        "self_attention.layernorm_qkv.weight": qkv.weight,
+        "self_attention.layernorm_qkv.bias": qkv.bias,
+        "self_attention.proj.weight": a.proj.weight, "self_attention.proj.bias": a.proj.bias,
+        "layernorm_mlp.layer_norm_weight": mlp.layer_norm_weight,
+        "layernorm_mlp.fc1_weight": mlp.fc1_weight, "layernorm_mlp.fc1_bias": mlp.fc1_bias,
+        "layernorm_mlp.fc2_weight": mlp.fc2_weight, "layernorm_mlp.fc2_bias": mlp.fc2_bias,
+    }  # fmt: skip
+
+
+for _r in RECIPES:
+    case(f"transformer_layer_{_r}_sp")(lambda r=_r: transformer_layer(r, True))
+case("transformer_layer_none")(lambda: transformer_layer("none", False))
+case("transformer_layer_current")(lambda: transformer_layer("current", False))
+
+
+# ---- GroupedLinear ------------------------------------------------------------------------------
+
+
+def grouped(rec_name: str, mode: str) -> None:
+    rec, g, r = RECIPES[rec_name], dist.group.WORLD, base.RANK
+    n, splits = 3, [32, 0, 32]
+    col = mode == "column"
+    ws = [rand(F, H, seed=100 + i) for i in range(n)] if col else [rand(H, F, seed=100 + i)
+                                                                  for i in range(n)]  # fmt: skip
+    bs = [rand(F, seed=110 + i) for i in range(n)]
+    k_in, n_out = (H, F) if col else (F, H)
+    x, dy = rand(sum(splits), k_in, seed=120), rand(sum(splits), n_out, seed=121)
+    c = base.cols(F, r)
+    tp = fusible.GroupedLinear(n, k_in, n_out, bias=col, tp_group=g, parallel_mode=mode)
+    ref = fusible.GroupedLinear(n, k_in, n_out // base.WORLD if col else n_out, bias=col) if col \
+        else fusible.GroupedLinear(n, F, H, bias=False)  # fmt: skip
+    with torch.no_grad():
+        for i in range(n):
+            getattr(tp, f"weight{i}").copy_(ws[i][c] if col else ws[i][:, c])
+            getattr(ref, f"weight{i}").copy_(ws[i][c] if col else ws[i])
+            if col:
+                getattr(tp, f"bias{i}").copy_(bs[i][c])
+                getattr(ref, f"bias{i}").copy_(bs[i][c])
+    xi = (x if col else x[:, c]).clone().requires_grad_()
+    with fusible.autocast(enabled=rec is not None, recipe=rec):
+        y = tp(xi, splits)
+    y.backward(dy[:, c] if col else dy)
+    xr = x.clone().requires_grad_()
+    with fusible.autocast(enabled=rec is not None, recipe=rec):
+        yr = ref(xr, splits)
+    yr.backward(dy[:, c] if col else dy)
+    tol = 1e-5 if rec is None else 0.25
+    if col:  # this rank's shard as a single-process GroupedLinear: the same arithmetic
+        exact("y", y, yr)
+        exact("dW0", tp.weight0.grad, ref.weight0.grad)
+        close("dx vs full", xi.grad, _full_dx_col(ws, bs, x, dy, splits), tol)
+    else:
+        close("y vs full", y, yr, tol)
+        close("dx vs full", xi.grad, xr.grad[:, c], tol)
+        close("dW0 vs full", tp.weight0.grad, ref.weight0.grad[:, c], tol)
+
+
+def _full_dx_col(ws: Any, bs: Any, x: torch.Tensor, dy: torch.Tensor, splits: Any) -> Any:
+    full = fusible.GroupedLinear(len(ws), H, F)
+    with torch.no_grad():
+        for i, (w, b) in enumerate(zip(ws, bs, strict=True)):
+            getattr(full, f"weight{i}").copy_(w)
+            getattr(full, f"bias{i}").copy_(b)
+    xf = x.clone().requires_grad_()
+    full(xf, splits).backward(torch.cat([dy[:, base.cols(F, q)] for q in range(base.WORLD)], 1))
+    return xf.grad
+
+
+for _r in ("none", "current"):
+    for _m in ("column", "row"):
+        case(f"grouped_{_m}_{_r}")(lambda r=_r, m=_m: grouped(r, m))
 
 
 if __name__ == "__main__":

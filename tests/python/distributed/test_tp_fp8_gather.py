@@ -20,6 +20,9 @@ _WORKER = Path(__file__).with_name("_tp2_worker.py")
 _RECIPES = ("none", "delayed", "current", "mxfp8")
 CASES = [
     "fp8_gather_bits", *(f"fp8_gather_fused_{r}" for r in _RECIPES), "fp8_gather_explain",
+    *(f"transformer_layer_{r}_sp" for r in _RECIPES), "transformer_layer_none",
+    "transformer_layer_current",
+    *(f"grouped_{m}_{r}" for r in ("none", "current") for m in ("column", "row")),
 ]  # fmt: skip
 
 
