@@ -365,6 +365,62 @@ for _r in ("none", "current"):
         case(f"grouped_{_m}_{_r}")(lambda r=_r, m=_m: grouped(r, m))
 
 
+# ---- torch.compile, bad input ---------------------------------------------------------------------
+
+
+def compile_tp(rec_name: str) -> None:
+    """torch.compile(fullgraph=True) of a sequence-parallel column Linear and a row Linear (the
+    comm ops trace: see docs/distributed.md), against eager, bit for bit."""
+    rec, g = RECIPES[rec_name], dist.group.WORLD
+    torch._dynamo.reset()
+    x, dy = toks(rand(S, H, seed=130), base.RANK), rand(S, F // 2, seed=131)
+    for make, xin, d in (
+        (lambda: fusible.Linear(H, F, tp_group=g, parallel_mode="column",
+                                sequence_parallel=True), x, dy),  # fmt: skip
+        (lambda: fusible.Linear(F, H, tp_group=g, parallel_mode="row"),
+         rand(S, F // 2, seed=132), rand(S, H, seed=133)),  # fmt: skip
+    ):
+        torch.manual_seed(0)
+        eager, comp = make(), make()
+        comp.load_state_dict(eager.state_dict())
+        c = torch.compile(comp, fullgraph=True)
+        ye, dxe = run(eager, xin, d, rec)
+        yc, dxc = run(c, xin, d, rec)
+        exact("compiled y", yc, ye)
+        exact("compiled dx", dxc, dxe)
+        exact("compiled dW", comp.weight.grad, eager.weight.grad)
+
+
+case("compile_none")(lambda: compile_tp("none"))
+case("compile_current")(lambda: compile_tp("current"))
+
+
+@case("bad_input_tp2")
+def bad_input_tp2() -> None:
+    g, raises = dist.group.WORLD, base._raises
+    raises(lambda: fusible.TransformerLayer(96, F, 3, tp_group=g),
+           "MultiheadAttention", "num_attention_heads=3", "tp_size=2")  # fmt: skip
+    raises(lambda: fusible.TransformerLayer(H, F, 4, num_gqa_groups=1, tp_group=g),
+           "MultiheadAttention", "num_gqa_groups=1", "divisible by tp_size=2")  # fmt: skip
+    raises(lambda: fusible.TransformerLayer(H, 7, 4, tp_group=g),
+           "LayerNormMLP", "ffn_hidden_size=7")  # fmt: skip
+    raises(lambda: fusible.TransformerLayer(H, F, 4, sequence_parallel=True),
+           "TransformerLayer", "sequence_parallel=True needs tp_group")  # fmt: skip
+    raises(lambda: fusible.TransformerLayer(H, F, 4, tp_group="tp"),  # type: ignore[arg-type]
+           "TransformerLayer", "tp_group must be a torch.distributed.ProcessGroup")  # fmt: skip
+    raises(lambda: fusible.GroupedLinear(2, H, 5, tp_group=g, parallel_mode="column"),
+           "GroupedLinear", "out_features=5", "tp_size=2")  # fmt: skip
+    raises(lambda: fusible.GroupedLinear(2, 5, H, bias=False, tp_group=g, parallel_mode="row"),
+           "GroupedLinear", "in_features=5")  # fmt: skip
+    raises(lambda: fusible.GroupedLinear(2, H, F, tp_group=g, parallel_mode="row"),
+           "GroupedLinear", "parallel_mode='row' needs bias=False")  # fmt: skip
+    raises(lambda: fusible.GroupedLinear(2, H, F, tp_group=g, parallel_mode="column",
+                                         sequence_parallel=True),
+           "GroupedLinear", "sequence_parallel must be False")  # fmt: skip
+    raises(lambda: fusible.GroupedLinear(2, H, F, tp_group=g, parallel_mode="diag"),
+           "GroupedLinear", "parallel_mode must be")  # fmt: skip
+
+
 if __name__ == "__main__":
     base.CASES[:] = CASES
     base.main()
