@@ -194,7 +194,8 @@ class MultiheadAttention(torch.nn.Module):
                 )
         self.tp, self.tp_size, self.sequence_parallel = tp, tp.size, sequence_parallel
         #: This rank's query heads and K/V groups (all of them without tensor parallelism).
-        self.heads_per_rank, self.groups_per_rank = num_attention_heads // tp.size, groups // tp.size
+        self.heads_per_rank = num_attention_heads // tp.size
+        self.groups_per_rank = groups // tp.size
         self.hidden_size, self.num_attention_heads = hidden_size, num_attention_heads
         self.kv_channels, self.num_gqa_groups = kv_channels, groups
         self.attention_dropout, self.attn_mask_type = float(attention_dropout), attn_mask_type

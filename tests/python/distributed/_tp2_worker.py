@@ -13,7 +13,7 @@ from typing import Any
 import _tp_worker as base
 import torch
 import torch.distributed as dist
-from _tp_worker import RECIPES, close, exact, load, rand, run, toks
+from _tp_worker import RECIPES, close, exact, rand, run, toks
 
 import fusible
 from fusible.ops import registry
@@ -139,10 +139,13 @@ def fused_vs_unfused(rec_name: str) -> None:
     g = dist.group.WORLD
     x, dy = toks(rand(S, H, seed=60), base.RANK), toks(rand(S, H, seed=61), base.RANK)
     makers = {
-        "column Linear": (lambda: fusible.Linear(H, F, tp_group=g, parallel_mode="column",
-                                                 sequence_parallel=True), F),  # fmt: skip
-        "LayerNormMLP": (lambda: fusible.LayerNormMLP(H, F, tp_group=g, sequence_parallel=True),
-                         H),  # fmt: skip
+        "column Linear": (
+            lambda: fusible.Linear(
+                H, F, tp_group=g, parallel_mode="column", sequence_parallel=True
+            ),
+            F,
+        ),
+        "LayerNormMLP": (lambda: fusible.LayerNormMLP(H, F, tp_group=g, sequence_parallel=True), H),
     }
     for what, (make, n_out) in makers.items():
         d = dy if n_out == H else rand(S, F // 2, seed=62)
@@ -180,7 +183,10 @@ def fp8_gather_explain() -> None:
         if want not in text:
             raise AssertionError(f"explain() lacks {want!r}:\n{text}")
     plain = tp.explain(recipe=None)
-    if "(rule 'fp8_all_gather" in plain or "no recipe: the all-gather moves high precision" not in plain:
+    if (
+        "(rule 'fp8_all_gather" in plain
+        or "no recipe: the all-gather moves high precision" not in plain
+    ):
         raise AssertionError(plain)
 
 
@@ -321,8 +327,10 @@ def grouped(rec_name: str, mode: str) -> None:
     x, dy = rand(sum(splits), k_in, seed=120), rand(sum(splits), n_out, seed=121)
     c = base.cols(F, r)
     tp = fusible.GroupedLinear(n, k_in, n_out, bias=col, tp_group=g, parallel_mode=mode)
-    ref = fusible.GroupedLinear(n, k_in, n_out // base.WORLD if col else n_out, bias=col) if col \
-        else fusible.GroupedLinear(n, F, H, bias=False)  # fmt: skip
+    if col:
+        ref = fusible.GroupedLinear(n, k_in, n_out // base.WORLD, bias=True)
+    else:
+        ref = fusible.GroupedLinear(n, F, H, bias=False)
     with torch.no_grad():
         for i in range(n):
             getattr(tp, f"weight{i}").copy_(ws[i][c] if col else ws[i][:, c])
@@ -365,7 +373,7 @@ for _r in ("none", "current"):
         case(f"grouped_{_m}_{_r}")(lambda r=_r, m=_m: grouped(r, m))
 
 
-# ---- torch.compile, bad input ---------------------------------------------------------------------
+# ---- torch.compile, bad input -------------------------------------------------------------------
 
 
 def compile_tp(rec_name: str) -> None:
@@ -375,10 +383,18 @@ def compile_tp(rec_name: str) -> None:
     torch._dynamo.reset()
     x, dy = toks(rand(S, H, seed=130), base.RANK), rand(S, F // 2, seed=131)
     for make, xin, d in (
-        (lambda: fusible.Linear(H, F, tp_group=g, parallel_mode="column",
-                                sequence_parallel=True), x, dy),  # fmt: skip
-        (lambda: fusible.Linear(F, H, tp_group=g, parallel_mode="row"),
-         rand(S, F // 2, seed=132), rand(S, H, seed=133)),  # fmt: skip
+        (
+            lambda: fusible.Linear(
+                H, F, tp_group=g, parallel_mode="column", sequence_parallel=True
+            ),
+            x,
+            dy,
+        ),
+        (
+            lambda: fusible.Linear(F, H, tp_group=g, parallel_mode="row"),
+            rand(S, F // 2, seed=132),
+            rand(S, H, seed=133),
+        ),
     ):
         torch.manual_seed(0)
         eager, comp = make(), make()

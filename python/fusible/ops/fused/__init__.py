@@ -1,5 +1,7 @@
 """Built-in fused operations. Every built-in fusion rule is registered here, in one place."""
 
+from typing import Any
+
 from fusible.ops import registry
 from fusible.ops.basic import (
     GEGLU,
@@ -76,7 +78,7 @@ _BUILTIN_RULES = [
 # FP8 all-gather (sequence parallelism): AllGather + each forward Linear fusion above (the
 # quantize moves before the gather), then AllGather + BasicLinear alone; and, backward,
 # BasicLinear + ReduceScatter (the output gradient's all-gather in FP8).
-_FP8_GATHER_RULES = [
+_FP8_GATHER_RULES: list[tuple[Any, ...]] = [
     (
         (AllGather, *_p),
         comm_linear.forward_rule(_c),
