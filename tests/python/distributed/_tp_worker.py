@@ -270,7 +270,8 @@ def delayed_amax() -> None:
 def explain() -> None:
     tp = fusible.LayerNormMLP(H, F, tp_group=dist.group.WORLD, sequence_parallel=True)
     text = tp.explain(recipe=R.Float8CurrentScaling())
-    for want in ("AllGather", "ReduceScatter", "all_gather(dim 0) over 2 ranks [gloo]",
+    for want in ("AllGather", "ReduceScatter",
+                 "all_gather(dim 0) of the FP8 bytes over 2 ranks [gloo]",  # fused: FP8 travels
                  "reduce_scatter(sum, dim 0) over 2 ranks [gloo]"):  # fmt: skip
         if want not in text:
             raise AssertionError(f"explain() lacks {want!r}:\n{text}")
