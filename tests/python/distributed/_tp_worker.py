@@ -313,15 +313,20 @@ def bad_input() -> None:
 
 @case("fsdp2")
 def fsdp2() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # An explicit CPU mesh: without one, FSDP2 builds its mesh on the accelerator when the
+    # machine has one (this case failed on the H200 machine, where CUDA is present but the
+    # group is gloo and the model on CPU).
+    mesh = init_device_mesh("cpu", (WORLD,))
     for name, rec in RECIPES.items():
         for make in (lambda: fusible.Linear(H, F), lambda: fusible.LayerNormMLP(H, F)):
             torch.manual_seed(0)
             ref = make()
             model = make()
             model.load_state_dict(ref.state_dict())
-            fully_shard(model)
+            fully_shard(model, mesh=mesh)
             x = rand(S, H, seed=40 + RANK)
             outs = []
             for m in (model, ref):
