@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from fusible.modules._common import use_te_state_dict_names
+from fusible.modules._tp import TensorParallel
 from fusible.ops import GroupedLinear as _GroupedLinearOp
 from fusible.ops import Sequential
 
@@ -30,6 +31,16 @@ class GroupedLinear(Sequential):
     ``state_dict()`` keys are ``weight0 .. weight{n-1}``, ``bias0 .. bias{n-1}`` and
     ``_extra_state`` (the recipe state of every expert); ``load_state_dict()`` also accepts the
     positional keys (``0.weight0``, ...). ``named_parameters()`` stays positional.
+
+    Tensor parallelism (TransformerEngine's ``tp_group``, ``parallel_mode``): ``"column"``
+    splits every expert's ``out_features`` (``weight<i>`` ``[out / tp_size, in]``, its bias
+    likewise; the input is replicated, its gradient summed over the group by an
+    ``AllReduce("backward")`` before the op), ``"row"`` every expert's ``in_features``
+    (``weight<i>`` ``[out, in / tp_size]``; the input is this rank's features, the partial
+    outputs are summed by an ``AllReduce`` after the op; ``bias=False`` only: a per-expert bias
+    would have to be added once after the sum). ``sequence_parallel=True`` is refused: the rows
+    are grouped by expert on each rank (``m_splits``), so an all-gather along them would
+    interleave the ranks' groups (MoE token dispatch is the caller's, as in Megatron-LM).
     """
 
     def __init__(
@@ -42,17 +53,41 @@ class GroupedLinear(Sequential):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         name: str | None = None,
+        tp_group: Any = None,
+        parallel_mode: str | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
-        op = _GroupedLinearOp(
-            num_gemms, in_features, out_features, bias, device=device, dtype=dtype, name=name
-        )
-        super().__init__(op)
+        tp = TensorParallel.resolve("GroupedLinear", tp_group, parallel_mode, sequence_parallel)
+        if tp.sequence_parallel:
+            raise ValueError(
+                "GroupedLinear: sequence_parallel must be False, got True (the rows are grouped "
+                "by expert on each rank, m_splits; an all-gather along them would interleave "
+                "the ranks' groups)"
+            )
+        if tp.active and tp.mode == "row" and bias:
+            raise ValueError(
+                "GroupedLinear: parallel_mode='row' needs bias=False, got bias=True (a "
+                "per-expert bias must be added once, after the sum over tp_group: not "
+                "implemented)"
+            )
+        k, n = in_features, out_features
+        if tp.active and tp.mode == "column":
+            n = tp.local("out_features", out_features)
+        elif tp.active:
+            k = tp.local("in_features", in_features)
+        op = _GroupedLinearOp(num_gemms, k, n, bias, device=device, dtype=dtype, name=name)
+        pre = tp.before_column() if tp.mode == "column" else []
+        post = tp.after_row() if tp.mode == "row" else []
+        super().__init__(*pre, op, *post)
+        self._op_index = i = len(pre)
+        self.tp = tp
+        self.tp_size, self.parallel_mode, self.sequence_parallel = tp.size, tp.mode, False
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias = bool(bias)
-        names = {f"0.weight{i}": f"weight{i}" for i in range(num_gemms)}
+        names = {f"{i}.weight{j}": f"weight{j}" for j in range(num_gemms)}
         if bias:
-            names.update({f"0.bias{i}": f"bias{i}" for i in range(num_gemms)})
-        use_te_state_dict_names(self, {**names, "0._extra_state": "_extra_state"})
+            names.update({f"{i}.bias{j}": f"bias{j}" for j in range(num_gemms)})
+        use_te_state_dict_names(self, {**names, f"{i}._extra_state": "_extra_state"})
 
     def forward(  # type: ignore[override]
         self,
@@ -64,11 +99,12 @@ class GroupedLinear(Sequential):
 
     @property
     def op(self) -> _GroupedLinearOp:
-        return self[0]  # type: ignore[return-value]
+        return self[self._op_index]  # type: ignore[return-value]
 
     def __getattr__(self, name: str) -> Any:
         if _PARAM.match(name):
-            op = self.__dict__.get("_modules", {}).get("0")
+            key = str(self.__dict__.get("_op_index", 0))
+            op = self.__dict__.get("_modules", {}).get(key)
             if op is not None and name in op._parameters:
                 return op._parameters[name]
         return super().__getattr__(name)

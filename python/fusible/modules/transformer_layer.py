@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fusible.modules._tp import TensorParallel
 from fusible.modules.layernorm_linear import LayerNormLinear
 from fusible.modules.layernorm_mlp import LayerNormMLP
 from fusible.modules.linear import Linear
@@ -155,9 +156,13 @@ class MultiheadAttention(torch.nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         name: str | None = None,
+        tp_group: Any = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
+        tp = TensorParallel.resolve(owner, tp_group, None if tp_group is None else "column",
+                                    sequence_parallel)  # fmt: skip
         _check_choice(owner, "attn_mask_type", attn_mask_type, MASK_TYPES)
         _check_choice(owner, "qkv_format", qkv_format, FORMATS)
         if num_attention_heads <= 0:
@@ -180,6 +185,17 @@ class MultiheadAttention(torch.nn.Module):
                        ("hidden_dropout", hidden_dropout)):  # fmt: skip
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{owner}: {arg} must be in [0, 1), got {p}")
+        for arg, count in (("num_attention_heads", num_attention_heads),
+                           ("num_gqa_groups", groups)):  # fmt: skip
+            if count % tp.size:
+                raise ValueError(
+                    f"{owner}: {arg}={count} must be divisible by tp_size={tp.size} (the size "
+                    "of tp_group): each rank holds whole heads and K/V groups"
+                )
+        self.tp, self.tp_size, self.sequence_parallel = tp, tp.size, sequence_parallel
+        #: This rank's query heads and K/V groups (all of them without tensor parallelism).
+        self.heads_per_rank = num_attention_heads // tp.size
+        self.groups_per_rank = groups // tp.size
         self.hidden_size, self.num_attention_heads = hidden_size, num_attention_heads
         self.kv_channels, self.num_gqa_groups = kv_channels, groups
         self.attention_dropout, self.attn_mask_type = float(attention_dropout), attn_mask_type
@@ -187,17 +203,23 @@ class MultiheadAttention(torch.nn.Module):
         self.residual_connection, self.name = residual_connection, name
         q_dim, kv_dim = num_attention_heads * kv_channels, groups * kv_channels
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        col: dict[str, Any] = {}
+        row: dict[str, Any] = {}
+        if tp_group is not None:
+            col = {"tp_group": tp_group, "parallel_mode": "column",
+                   "sequence_parallel": sequence_parallel}  # fmt: skip
+            row = {**col, "parallel_mode": "row"}
         qkv: Sequential
         if input_layernorm:
             qkv = LayerNormLinear(hidden_size, q_dim + 2 * kv_dim, bias, eps=layernorm_epsilon,
                                   normalization=normalization,
                                   zero_centered_gamma=zero_centered_gamma, name="qkv",
-                                  **kw)  # fmt: skip
+                                  **kw, **col)  # fmt: skip
             self.layernorm_qkv = qkv
         else:
-            qkv = Linear(hidden_size, q_dim + 2 * kv_dim, bias, name="qkv", **kw)
+            qkv = Linear(hidden_size, q_dim + 2 * kv_dim, bias, name="qkv", **kw, **col)
             self.qkv = qkv
-        self.proj = Linear(q_dim, hidden_size, bias, name="proj", **kw)
+        self.proj = Linear(q_dim, hidden_size, bias, name="proj", **kw, **row)
         if residual_connection:
             _residual_tail(self.proj, hidden_dropout)
         elif hidden_dropout > 0.0:
@@ -295,7 +317,7 @@ class MultiheadAttention(torch.nn.Module):
                 f"{owner}.forward: attention_mask is used with attn_mask_type='arbitrary' "
                 f"(and needed there); this module's attn_mask_type is {self.attn_mask_type!r}"
             )
-        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
+        h, g, d = self.heads_per_rank, self.groups_per_rank, self.kv_channels
         qkv = self._qkv_module(hidden_states, is_first_microbatch=is_first_microbatch)
         if self.qkv_format == "sbhd":
             qkv = qkv.transpose(0, 1)  # [batch, seq, ...]
@@ -320,7 +342,7 @@ class MultiheadAttention(torch.nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         kw: dict[str, Any] = {}
-        rep = self.num_attention_heads // self.num_gqa_groups
+        rep = self.heads_per_rank // self.groups_per_rank
         if rep > 1:
             if _SDPA_GQA:
                 kw["enable_gqa"] = True
@@ -392,9 +414,13 @@ class TransformerLayer(torch.nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         name: str | None = None,
+        tp_group: Any = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
+        TensorParallel.resolve(owner, tp_group, None if tp_group is None else "column",
+                               sequence_parallel)  # fmt: skip
         _check_choice(owner, "self_attn_mask_type", self_attn_mask_type, MASK_TYPES)
         _check_choice(owner, "attn_input_format", attn_input_format, FORMATS)
         norm: dict[str, Any] = {"normalization": normalization,
@@ -406,11 +432,13 @@ class TransformerLayer(torch.nn.Module):
             layernorm_epsilon=layernorm_epsilon, input_layernorm=True, bias=bias,
             attn_mask_type=self_attn_mask_type, qkv_format=attn_input_format, rotary=rotary,
             rotary_base=rotary_base, residual_connection=True, hidden_dropout=hidden_dropout,
-            **norm, **kw,
+            tp_group=tp_group, sequence_parallel=sequence_parallel, **norm, **kw,
         )  # fmt: skip
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, bias,
                                           activation=activation, eps=layernorm_epsilon,
+                                          tp_group=tp_group, sequence_parallel=sequence_parallel,
                                           **norm, **kw)  # fmt: skip
+        self.tp_size, self.sequence_parallel = self.self_attention.tp_size, sequence_parallel
         _residual_tail(self.layernorm_mlp, hidden_dropout)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_attention_heads = num_attention_heads

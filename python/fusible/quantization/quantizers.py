@@ -120,6 +120,9 @@ class Float8Data:
         """A container of a quantize kernel's own outputs, which hold by construction what
         ``__post_init__`` checks (``shape`` a ``torch.Size``, the copies of ``fp8_dtype``):
         built without the dataclass machinery, on every cast of the hot path."""
+        if torch.compiler.is_compiling():
+            # dynamo (torch 2.11) cannot trace a frozen dataclass's __dict__: the checked way.
+            return cls(data, data_t, scale_inv, fp8_dtype, shape)
         obj = object.__new__(cls)
         obj.__dict__.update(
             data=data, data_t=data_t, scale_inv=scale_inv, fp8_dtype=fp8_dtype, shape=shape

@@ -270,7 +270,8 @@ def delayed_amax() -> None:
 def explain() -> None:
     tp = fusible.LayerNormMLP(H, F, tp_group=dist.group.WORLD, sequence_parallel=True)
     text = tp.explain(recipe=R.Float8CurrentScaling())
-    for want in ("AllGather", "ReduceScatter", "all_gather(dim 0) over 2 ranks [gloo]",
+    for want in ("AllGather", "ReduceScatter",
+                 "all_gather(dim 0) of the FP8 bytes over 2 ranks [gloo]",  # fused: FP8 travels
                  "reduce_scatter(sum, dim 0) over 2 ranks [gloo]"):  # fmt: skip
         if want not in text:
             raise AssertionError(f"explain() lacks {want!r}:\n{text}")
@@ -312,15 +313,20 @@ def bad_input() -> None:
 
 @case("fsdp2")
 def fsdp2() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # An explicit CPU mesh: without one, FSDP2 builds its mesh on the accelerator when the
+    # machine has one (this case failed on the H200 machine, where CUDA is present but the
+    # group is gloo and the model on CPU).
+    mesh = init_device_mesh("cpu", (WORLD,))
     for name, rec in RECIPES.items():
         for make in (lambda: fusible.Linear(H, F), lambda: fusible.LayerNormMLP(H, F)):
             torch.manual_seed(0)
             ref = make()
             model = make()
             model.load_state_dict(ref.state_dict())
-            fully_shard(model)
+            fully_shard(model, mesh=mesh)
             x = rand(S, H, seed=40 + RANK)
             outs = []
             for m in (model, ref):

@@ -462,14 +462,24 @@ def test_cuda_quantize_equals_cpu(shape, dtype, block_dim, pow2):
 )
 @pytest.mark.parametrize("out", HP)
 def test_cuda_gemm_block_vs_dequantized_reference(dims, mnk, out):
+    """cuBLASLt's block-scaled FP8 GEMM against the exactly dequantized FP64 GEMM.
+
+    Operands of unit scale: _x's spread of 2**+-12 makes dot products of ~1e8, past float16's
+    range (an inf there says nothing about the kernel). The float32 bound is Hopper's FP8 tensor
+    cores, which keep partial sums to about 14 bits inside each 128-long K block before the
+    scaled promotion (the DeepSeek-V3 report, section 3.3.2): 1.4e-4 relative was measured on
+    the H200 for (128, 256, 384) with _x's operands, against 1e-7 for an exact float32 sum."""
     m, n, k = mnk
-    qa, qb = _operands(m, n, k, *dims)
-    qa, qb = qa.to("cuda"), qb.to("cuda")
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    qa = Float8BlockQuantizer(E4M3, block_dim=dims[0]).quantize(a, columnwise=False).to("cuda")
+    qb = Float8BlockQuantizer(E4M3, block_dim=dims[1]).quantize(b, columnwise=False).to("cuda")
     d = K.gemm_block(qa.data, qa.scale_inv, dims[0], qb.data, qb.scale_inv, dims[1], out, None,
                      1.0, 0.0)  # fmt: skip
+    assert torch.isfinite(d).all()
     ref = qa.dequantize().double() @ qb.dequantize().double().t()
     err = ((d.double() - ref).norm() / ref.norm()).item()
-    assert err < {torch.float32: 1e-4, torch.bfloat16: 8e-3, torch.float16: 2e-3}[out], err
+    assert err < {torch.float32: 1e-3, torch.bfloat16: 8e-3, torch.float16: 3e-3}[out], err
 
 
 @cuda
@@ -481,4 +491,8 @@ def test_cuda_linear_matches_cpu():
     x = torch.randn(128, 256)
     with fusible.autocast(recipe=REC):
         y, yg = model(x), gpu(x.cuda())
-    assert ((yg.cpu() - y).norm() / y.norm()).item() < 1e-3
+    # The CPU GEMM is the exact dequantized one, the GPU's keeps ~14-bit partial sums (see
+    # test_cuda_gemm_block_vs_dequantized_reference): fc1's outputs differ by ~1e-4, and the
+    # cast after GELU then rounds a few values to the neighbouring E4M3 code (6-12% each), so
+    # the two agree to about 1e-2, not to the GEMM's own error.
+    assert ((yg.cpu() - y).norm() / y.norm()).item() < 2e-2

@@ -24,9 +24,12 @@ op                        forward                          backward
                           replicated)                       is a partial sum)
 ========================  ===============================  ===================================
 
-Quantized hand-offs are not offered (``input_quantizer()`` is None): the values travel in their
-high-precision dtype and the next op quantizes the whole gathered tensor (FP8 all-gather is not
-implemented yet, see docs/distributed.md).
+On their own the ops move high-precision values (``input_quantizer()`` is None: the op before
+writes high precision, the Linear after an ``AllGather`` quantizes the whole gathered tensor).
+Under a recipe the fusion rules ``fp8_all_gather_linear`` (``AllGather`` then ``BasicLinear``,
+forward) and ``linear_fp8_grad_all_gather`` (``BasicLinear`` then ``ReduceScatter``, backward)
+quantize *before* the all-gather with :func:`gather_quantized` (one scale agreed across the
+ranks): FP8 bytes travel, and the gathered FP8 data feeds the GEMM (see docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -35,10 +38,19 @@ from typing import Any
 
 import torch
 
+from fusible import _kernels as K
 from fusible.ops import _compute as C
 from fusible.ops.op import BasicOperation
+from fusible.quantization.quantizers import (
+    Float8CurrentScalingQuantizer,
+    Float8Data,
+    Float8Quantizer,
+    MXFP8Data,
+    MXFP8Quantizer,
+    Quantizer,
+)
 
-__all__ = ["AllGather", "AllReduce", "ReduceScatter"]
+__all__ = ["AllGather", "AllReduce", "ReduceScatter", "gather_quantized"]
 
 
 def _dist() -> Any:
@@ -66,6 +78,11 @@ def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
     dist = _dist()
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, x, group=group)
+
+
+def _all_reduce_max(t: torch.Tensor, group: Any) -> None:
+    dist = _dist()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
 
 
 def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
@@ -191,3 +208,81 @@ class AllReduce(_Collective):
         if fwd != (self.direction == "forward"):
             return ["(identity)"]
         return [f"all_reduce(sum) over {self.group_size} ranks [{self._backend()}]"]
+
+
+# ---- FP8 all-gather ------------------------------------------------------------------------------
+
+
+def _gather_bytes(t: torch.Tensor, n: int, group: Any) -> torch.Tensor:
+    """All-gather ``t`` along dim 0 as raw bytes (FP8 and E8M0 scales travel as ``uint8``: gloo
+    has no FP8 type; a byte copy is exact on every backend) and return it in ``t``'s dtype."""
+    t = t.contiguous()
+    out = torch.empty((t.shape[0] * n, *t.shape[1:]), dtype=torch.uint8, device=t.device)
+    _all_gather(out, t.view(torch.uint8), group)
+    return out.view(t.dtype)
+
+
+def gather_quantized(
+    op: _Collective, q: Quantizer | None, x: torch.Tensor, *, columnwise: bool
+) -> C.HandOff | None:
+    """``x`` (this rank's rows) quantized with ``q`` *before* the all-gather over ``op.group``,
+    the FP8 bytes and scales gathered, as a hand-off of the gathered tensor for the op after
+    (``columnwise``: whether that op's weight gradient needs the columnwise copy). The result
+    equals ``q`` quantizing the gathered tensor with the scale agreed across the ranks, bit for
+    bit:
+
+    - current scaling: the local amax is max-reduced over the group first (one 4-byte
+      all-reduce, as TransformerEngine does), so every rank casts with the scale of the whole
+      gathered tensor; only the rowwise copy travels, the transposed copy is a byte transpose of
+      the gathered data (made by the Linear when wgrad needs it, same ``scale_inv``);
+    - delayed scaling: the cast uses the state's scale (the same on every rank of the group: the
+      slot's amax history records the max-reduced amax, the gathered tensor's, as the unfused
+      path does); the 4-byte amax all-reduce runs after the cast, off its critical path;
+    - MXFP8: each rank's rowwise blocks are 32 elements of its own rows (nothing to agree on);
+      the columnwise blocks run along the rows, so they are a rank's own only when its row count
+      is a multiple of 32. Both copies (data and E8M0 scales) travel when the weight gradient
+      needs the columnwise copy, which moves more bytes than a 16-bit input.
+
+    None where the FP8 all-gather does not apply or does not pay, so the caller gathers high
+    precision (the unfused path): no quantizer, a quantizer that is not one of the three built-in
+    kinds, MXFP8 with a columnwise copy whose blocks would straddle ranks (rows % 32) or whose
+    two copies outweigh a 16-bit input."""
+    n = op.group_size
+    if q is None or x.dim() == 0:
+        return None
+    x = x.contiguous()
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    shape = torch.Size((x.shape[0] * n, *x.shape[1:]))
+    kind = type(q)
+    if kind is Float8CurrentScalingQuantizer or kind is Float8Quantizer:
+        if kind is Float8CurrentScalingQuantizer:
+            amax = K.compute_amax(x)
+            if n > 1:
+                _all_reduce_max(amax, op.group)
+            scale, _ = K.compute_scale(amax, q.dtype, q.margin)  # type: ignore[attr-defined]
+            data, _, scale_inv, _ = K.quantize_fp8(x, scale, q.dtype, True, False)
+        else:
+            assert isinstance(q, Float8Quantizer)
+            data, _, scale_inv, amax = K.quantize_fp8(x, q.scale, q.dtype, True, False)
+            if n > 1:
+                _all_reduce_max(amax, op.group)
+            C.record_amax(q, amax)
+        if n > 1:
+            data = _gather_bytes(data, n, op.group)
+        return C.HandOff(Float8Data._trusted(data, None, scale_inv, q.dtype, shape), x.dtype)
+    if kind is MXFP8Quantizer:
+        if columnwise and (rows % 32 or x.element_size() <= 2):
+            return None
+        x2 = x.reshape(rows, x.shape[-1])
+        data, scale, col, col_scale = K.quantize_mxfp8(x2, q.dtype, True, columnwise)
+        if n > 1:
+            data, scale = _gather_bytes(data, n, op.group), _gather_bytes(scale, n, op.group)
+            if columnwise:
+                col = _gather_bytes(col, n, op.group)
+                col_scale = _gather_bytes(col_scale, n, op.group)
+        qd = MXFP8Data(
+            data.view(shape), scale, col.view(shape) if columnwise else None,
+            col_scale if columnwise else None, q.dtype, shape,
+        )  # fmt: skip
+        return C.HandOff(qd, x.dtype)
+    return None

@@ -1,13 +1,17 @@
 """Built-in fused operations. Every built-in fusion rule is registered here, in one place."""
 
+from typing import Any
+
 from fusible.ops import registry
 from fusible.ops.basic import (
     GEGLU,
     GELU,
     AddExtraInput,
+    AllGather,
     BasicLinear,
     Bias,
     MakeExtraOutput,
+    ReduceScatter,
     ReLU,
     SiLU,
     SwiGLU,
@@ -15,17 +19,21 @@ from fusible.ops.basic import (
 from fusible.ops.fused import (
     backward_activation_bias,
     backward_linear_add,
+    comm_linear,
     forward_linear_bias_activation,
     forward_linear_bias_add,
 )
 from fusible.ops.fused.backward_activation_bias import BackwardActivationBias
 from fusible.ops.fused.backward_linear_add import BackwardLinearAdd
+from fusible.ops.fused.comm_linear import BackwardLinearFP8GradAllGather, ForwardFP8AllGatherLinear
 from fusible.ops.fused.forward_linear_bias_activation import ForwardLinearBiasActivation
 from fusible.ops.fused.forward_linear_bias_add import ForwardLinearBiasAdd
 
 __all__ = [
     "BackwardActivationBias",
     "BackwardLinearAdd",
+    "BackwardLinearFP8GradAllGather",
+    "ForwardFP8AllGatherLinear",
     "ForwardLinearBiasActivation",
     "ForwardLinearBiasAdd",
 ]
@@ -66,6 +74,38 @@ _BUILTIN_RULES = [
     ),
     ((MakeExtraOutput, BasicLinear), BackwardLinearAdd, backward_linear_add.accepts, False, True),
 ]
+
+# FP8 all-gather (sequence parallelism): AllGather + each forward Linear fusion above (the
+# quantize moves before the gather), then AllGather + BasicLinear alone; and, backward,
+# BasicLinear + ReduceScatter (the output gradient's all-gather in FP8).
+_FP8_GATHER_RULES: list[tuple[Any, ...]] = [
+    (
+        (AllGather, *_p),
+        comm_linear.forward_rule(_c),
+        comm_linear.accepts_forward(_a),
+        True,
+        False,
+    )
+    for _p, _c, _a, _f, _b in _BUILTIN_RULES
+    if _f and _p[0] is BasicLinear
+]
+_FP8_GATHER_RULES += [
+    (
+        (AllGather, BasicLinear),
+        comm_linear.forward_rule(None),
+        comm_linear.accepts_forward(None),
+        True,
+        False,
+    ),
+    (
+        (BasicLinear, ReduceScatter),
+        BackwardLinearFP8GradAllGather,
+        comm_linear.accepts_recipe,
+        False,
+        True,
+    ),
+]
+_BUILTIN_RULES = _FP8_GATHER_RULES + _BUILTIN_RULES
 
 for _pattern, _cls, _pred, _fwd, _bwd in _BUILTIN_RULES:
     registry.register_fusion(
