@@ -750,10 +750,13 @@ def test_dispatch_count_does_not_grow_with_experts(recipe_name, bias):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("recipe_name", ["delayed", "current", "none"])
 @pytest.mark.parametrize("splits", [(0, 16, 48, 32), (7, 0, 33, 1)], ids=str)
-def test_grouped_path_equals_loop_cuda(recipe_name, splits):
+def test_grouped_path_equals_loop_cuda(recipe_name, splits, monkeypatch):
     """On CUDA too: the grouped kernels (cuBLASLt per expert from one call) give the loop's bits;
     an expert whose token count is not a multiple of 16 has its weight gradient from the loop's
-    dequantized GEMM in both."""
+    dequantized GEMM in both. (The grouped path is opt-in on CUDA until this has passed there.)"""
+    from fusible.ops.basic import grouped_linear
+
+    monkeypatch.setattr(grouped_linear, "GROUPED_KERNELS_ON_CUDA", True)
     rec = RECIPES[recipe_name]
     grouped, loop = _pair(len(splits), 64, 32, True, torch.bfloat16)
     grouped.cuda()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -39,6 +40,13 @@ def gemm_index(role: QuantizerRole) -> int | None:
     -> 3), or None for a role without one -- handy in a ``CustomRecipe`` factory."""
     found = _GEMM_NAME.search(role.name or "")
     return None if found is None else int(found.group(1))
+
+
+#: The grouped kernels (one cast, one GEMM call for all experts) serve CUDA tensors only when
+#: True (or ``FUSIBLE_GROUPED_KERNELS_ON_CUDA=1``): their CUDA code is compiled and tested on
+#: CPU against the loop, but has not run on a GPU yet, so CUDA runs the per-expert loop (tested
+#: on the H200) until it has. CPU always takes the grouped path.
+GROUPED_KERNELS_ON_CUDA = os.environ.get("FUSIBLE_GROUPED_KERNELS_ON_CUDA") == "1"
 
 
 class GroupedLinear(BasicOperation):
@@ -259,7 +267,7 @@ class GroupedLinear(BasicOperation):
     # ---- execution ----------------------------------------------------------------------------
 
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
-        if self._grouped:
+        if self._grouped and (x.device.type != "cuda" or GROUPED_KERNELS_ON_CUDA):
             out = self._forward_grouped(ctx, x, params)
             if out is not None:
                 return out
