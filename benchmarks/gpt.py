@@ -189,8 +189,9 @@ class Runner:
             self.opt.zero_grad(set_to_none=True)
 
         if mode == "compiled":
-            # One eager step first: compiling a fresh fusible model fails on its first call
-            # (dynamo: KeyError in the plan lookup after the plan is built at trace time).
+            # One eager step first, as the rows measured before did (a fresh model's first call
+            # may be a compiled one: tests/python/ops/test_compile.py
+            # test_fresh_model_compiled_first).
             step()
             torch._dynamo.reset()  # a fresh cache per variant: no shared recompile limit
             fwd = torch.compile(self.loss, fullgraph=fullgraph)
