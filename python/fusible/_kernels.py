@@ -137,6 +137,7 @@ rowwise, columnwise) -> (y, *quantized, amax, mean, rstd)``
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import math
 import os
@@ -146,7 +147,7 @@ from typing import Any
 import torch
 
 
-def _load_operators() -> Any:
+def _load_operators() -> tuple[Any, str]:
     here = os.path.dirname(os.path.abspath(__file__))
     found = glob.glob(os.path.join(here, "libfusible_torch*.so"))
     if not found:
@@ -156,15 +157,32 @@ def _load_operators() -> Any:
         )
     if not hasattr(torch.ops.fusible, "gemm"):
         torch.ops.load_library(found[0])
-    return torch.ops.fusible
+    return torch.ops.fusible, found[0]
 
 
-_ops = _load_operators()
+_ops, _LIBRARY = _load_operators()
+
+
+def _activation_table(library: str) -> tuple[tuple[str, ...], frozenset[str]]:
+    """The activation kinds in ``fus_activation`` order and the gated ones, read from the core
+    library's one table (``FUS_ACTIVATION_TABLE``, activation.h) through its C API."""
+    lib = ctypes.CDLL(library)
+    lib.fus_activation_name.argtypes = [ctypes.c_int]
+    lib.fus_activation_name.restype = ctypes.c_char_p
+    lib.fus_activation_is_gated.argtypes = [ctypes.c_int]
+    lib.fus_activation_is_gated.restype = ctypes.c_int
+    kinds: list[str] = []
+    while (name := lib.fus_activation_name(len(kinds))) is not None:
+        kinds.append(name.decode())
+    gated = frozenset(k for i, k in enumerate(kinds) if lib.fus_activation_is_gated(i))
+    return tuple(kinds), gated
+
 
 __all__ = [
     "ACTIVATIONS",
     "FP8_BLOCK",
     "FP8_DTYPES",
+    "GATED_ACTIVATIONS",
     "GEMM_EPILOGUES",
     "HIGH_PRECISION_DTYPES",
     "MXFP8_BLOCK",
@@ -238,7 +256,8 @@ GEMM_EPILOGUES = (
     "dgelu_bgrad",
 )
 NORM_KINDS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu")
+# The activation kinds (the torch operators' ``kind``) and the gated ones ([a | b] -> H columns).
+ACTIVATIONS, GATED_ACTIVATIONS = _activation_table(_LIBRARY)
 QUANT_MODES = ("none", "fp8", "mxfp8")
 _GEMM_READS_AUX = frozenset({"dgelu", "dgelu_bgrad"})
 _GEMM_DTYPES = HIGH_PRECISION_DTYPES + FP8_DTYPES
@@ -311,7 +330,6 @@ def _check_choice(op: str, name: str, value: str, choices: Sequence[str]) -> Non
 
 _GEMM_EPILOGUE_CODE = {name: code for code, name in enumerate(GEMM_EPILOGUES)}
 _GEMM_WRITES_AUX = frozenset({"gelu_aux", "bias_gelu_aux"})
-_GATED = frozenset({"swiglu", "geglu"})
 
 
 def _matrix_shape(op: str, x: torch.Tensor, name: str = "x") -> tuple[int, int]:
@@ -522,7 +540,7 @@ def _act_out_shape(op: str, x: torch.Tensor, kind: str) -> tuple[int, ...]:
     if x.dim() == 0:
         raise ValueError(f"fusible.{op}: argument 'x' must have at least one dimension")
     k = x.shape[-1]
-    if kind in _GATED:
+    if kind in GATED_ACTIVATIONS:
         if k % 2 or k == 0:
             raise ValueError(
                 f"fusible.{op}: argument 'x' must have an even, non-zero last dimension for "

@@ -47,17 +47,34 @@
 extern "C" {
 #endif
 
+/*
+ * The activation table: one row a kind, X(ID, value, name, gated, fn). Every list of the family
+ * is read from it: the enum below, the C API's checks and names (activation_api.cpp), the
+ * kernels' dispatch (fn: the elementwise function, a row of FUS_ACT_FUNCTIONS in
+ * src/common/activation_math.h; a gated kind applies it to the first half a of [a | b]). Python
+ * reads the names and gated flags through fus_activation_name / fus_activation_is_gated.
+ * docs/architecture.md says how to add a kind.
+ */
+#define FUS_ACTIVATION_TABLE(X)          \
+  X(GELU, 0, "gelu", 0, GeluTanh)        \
+  X(GELU_ERF, 1, "gelu_erf", 0, GeluErf) \
+  X(RELU, 2, "relu", 0, Relu)            \
+  X(SILU, 3, "silu", 0, Silu)            \
+  X(SWIGLU, 4, "swiglu", 1, Silu)        \
+  X(GEGLU, 5, "geglu", 1, GeluTanh)
+
 typedef enum fus_activation {
-  FUS_ACT_GELU = 0,
-  FUS_ACT_GELU_ERF = 1,
-  FUS_ACT_RELU = 2,
-  FUS_ACT_SILU = 3,
-  FUS_ACT_SWIGLU = 4,
-  FUS_ACT_GEGLU = 5,
+#define FUS_ACT_ENUMERATOR_(id, value, name, gated, fn) FUS_ACT_##id = value,
+  FUS_ACTIVATION_TABLE(FUS_ACT_ENUMERATOR_)
+#undef FUS_ACT_ENUMERATOR_
 } fus_activation;
 
 /* 1 for the gated kinds (SwiGLU, GEGLU), whose input has twice the output's columns; else 0. */
 int fus_activation_is_gated(fus_activation kind);
+
+/* The kind's name ("gelu", "swiglu", ...: the torch operators' and Python's spelling); NULL for a
+ * value that is not a kind (so the kinds are 0, 1, ... up to the first NULL). */
+const char* fus_activation_name(fus_activation kind);
 
 /*
  * Forward: y = act(x). y (optional) [N, H]; q (optional) quantized [N, H]; at least one of them.

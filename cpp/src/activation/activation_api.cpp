@@ -10,27 +10,45 @@ namespace {
 constexpr std::initializer_list<fus_dtype> kHighPrecision = {FUS_FLOAT32, FUS_FLOAT16,
                                                              FUS_BFLOAT16};
 
+// One row of FUS_ACTIVATION_TABLE (fusible/activation.h), indexed by the kind's value.
+struct KindRow {
+  const char* name;    // "gelu"
+  const char* c_name;  // "FUS_ACT_GELU"
+  bool gated;
+  ActFn fn;
+};
+
+constexpr KindRow kKinds[] = {
+#define FUS_ACT_KIND_ROW_(id, value, name, gated, fn) \
+  {name, "FUS_ACT_" #id, gated != 0, ActFn::k##fn},
+    FUS_ACTIVATION_TABLE(FUS_ACT_KIND_ROW_)
+#undef FUS_ACT_KIND_ROW_
+};
+constexpr int kNumKinds = static_cast<int>(sizeof(kKinds) / sizeof(kKinds[0]));
+
+// The table's values are 0, 1, ... in row order (kKinds is indexed by them).
+constexpr bool values_are_row_indices() {
+  int row = 0;
+#define FUS_ACT_KIND_VALUE_(id, value, name, gated, fn) \
+  if (value != row++) return false;
+  FUS_ACTIVATION_TABLE(FUS_ACT_KIND_VALUE_)
+#undef FUS_ACT_KIND_VALUE_
+  return true;
+}
+static_assert(values_are_row_indices(), "FUS_ACTIVATION_TABLE: values must be 0, 1, ... in order");
+
 bool valid_kind(fus_activation kind) {
-  return static_cast<int>(kind) >= FUS_ACT_GELU && static_cast<int>(kind) <= FUS_ACT_GEGLU;
+  return static_cast<int>(kind) >= 0 && static_cast<int>(kind) < kNumKinds;
 }
 
 void check_kind(const char* fn, fus_activation kind) {
   require(valid_kind(kind), fn,
-          "kind must be a fus_activation (FUS_ACT_GELU .. FUS_ACT_GEGLU, 0..5), got " +
+          std::string("kind must be a fus_activation (") + kKinds[0].c_name + " .. " +
+              kKinds[kNumKinds - 1].c_name + ", 0.." + std::to_string(kNumKinds - 1) + "), got " +
               std::to_string(static_cast<int>(kind)));
 }
 
-ActFn fn_of(fus_activation kind) {
-  switch (kind) {
-    case FUS_ACT_GELU: return ActFn::kGeluTanh;
-    case FUS_ACT_GELU_ERF: return ActFn::kGeluErf;
-    case FUS_ACT_RELU: return ActFn::kRelu;
-    case FUS_ACT_SILU: return ActFn::kSilu;
-    case FUS_ACT_SWIGLU: return ActFn::kSilu;
-    case FUS_ACT_GEGLU: return ActFn::kGeluTanh;
-  }
-  return ActFn::kRelu;
-}
+ActFn fn_of(fus_activation kind) { return kKinds[kind].fn; }
 
 // H from x's columns; the gated kinds need an even, non-zero count.
 int64_t output_cols(const char* fn, fus_activation kind, const fus_tensor* x) {
@@ -64,7 +82,11 @@ using namespace fusible;
 extern "C" {
 
 int fus_activation_is_gated(fus_activation kind) {
-  return kind == FUS_ACT_SWIGLU || kind == FUS_ACT_GEGLU ? 1 : 0;
+  return valid_kind(kind) && kKinds[kind].gated ? 1 : 0;
+}
+
+const char* fus_activation_name(fus_activation kind) {
+  return valid_kind(kind) ? kKinds[kind].name : nullptr;
 }
 
 fus_status fus_activation_forward(fus_activation kind, const fus_tensor* x, fus_tensor* y,

@@ -35,17 +35,6 @@ struct OutBuffer {
   }
 };
 
-// dispatch_act, inlined into the caller (so into each instruction-set variant of with_cpu_isa).
-template <typename F>
-FUS_ALWAYS_INLINE void with_act(ActFn fn, F&& f) {
-  switch (fn) {
-    case ActFn::kGeluTanh: return f(ActTag<ActFn::kGeluTanh>{});
-    case ActFn::kGeluErf: return f(ActTag<ActFn::kGeluErf>{});
-    case ActFn::kRelu: return f(ActTag<ActFn::kRelu>{});
-    case ActFn::kSilu: return f(ActTag<ActFn::kSilu>{});
-  }
-}
-
 // Rows per task: at least ~32K elements a task.
 int64_t min_rows(int64_t cols) {
   if (cpu_force_split()) return 1;
@@ -66,7 +55,7 @@ void act_forward_cpu(const ActArgs& a) {
             const int64_t n = std::min(kCpuSeg, cols - c0);
             load_run(a.x.dtype, a.x.data, r * in_cols + c0, n, x);
             if (a.gated) load_run(a.x.dtype, a.x.data, r * in_cols + cols + c0, n, b);
-            with_act(a.fn, [&](auto tag) FUS_INLINE_LAMBDA {
+            dispatch_act(a.fn, [&](auto tag) FUS_INLINE_LAMBDA {
               constexpr ActFn A = decltype(tag)::value;
               if (a.gated) {
                 for (int64_t j = 0; j < n; ++j) y[j] = gated_fwd<A>(x[j], b[j]);
@@ -96,7 +85,7 @@ void act_backward_cpu(const ActArgs& a) {
             load_run(a.grad.dtype, a.grad.data, r * cols + c0, n, g);
             load_run(a.x.dtype, a.x.data, r * out_cols + c0, n, x);
             if (a.gated) load_run(a.x.dtype, a.x.data, r * out_cols + cols + c0, n, b);
-            with_act(a.fn, [&](auto tag) FUS_INLINE_LAMBDA {
+            dispatch_act(a.fn, [&](auto tag) FUS_INLINE_LAMBDA {
               constexpr ActFn A = decltype(tag)::value;
               if (a.gated) {
                 for (int64_t j = 0; j < n; ++j) gated_grad<A>(g[j], x[j], b[j], &da[j], &db[j]);

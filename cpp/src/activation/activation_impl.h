@@ -47,14 +47,22 @@ inline size_t act_bwd_workspace_bytes(int64_t rows, int64_t out_cols) {
 template <ActFn A>
 using ActTag = std::integral_constant<ActFn, A>;
 
-// Calls f(ActTag<A>{}) for the runtime function fn, so every backend runs the same template code.
+#if defined(__GNUC__) || defined(__clang__)
+#define FUS_ACT_DISPATCH_INLINE inline __attribute__((always_inline))
+#else
+#define FUS_ACT_DISPATCH_INLINE inline
+#endif
+
+// Calls f(ActTag<A>{}) for the runtime function fn (one case a row of FUS_ACT_FUNCTIONS), so every
+// backend runs the same template code. Always inlined, so that each instruction-set variant of the
+// CPU backend (with_cpu_isa) compiles f's body for its own target.
 template <typename F>
-void dispatch_act(ActFn fn, F&& f) {
+FUS_ACT_DISPATCH_INLINE void dispatch_act(ActFn fn, F&& f) {
   switch (fn) {
-    case ActFn::kGeluTanh: f(ActTag<ActFn::kGeluTanh>{}); return;
-    case ActFn::kGeluErf: f(ActTag<ActFn::kGeluErf>{}); return;
-    case ActFn::kRelu: f(ActTag<ActFn::kRelu>{}); return;
-    case ActFn::kSilu: f(ActTag<ActFn::kSilu>{}); return;
+#define FUS_ACT_DISPATCH_CASE_(name, fwd, bwd) \
+  case ActFn::k##name: f(ActTag<ActFn::k##name>{}); return;
+    FUS_ACT_FUNCTIONS(FUS_ACT_DISPATCH_CASE_)
+#undef FUS_ACT_DISPATCH_CASE_
   }
   throw Error(FUS_ERROR_INTERNAL, "activation: unknown function");
 }

@@ -34,8 +34,22 @@
 
 namespace fusible {
 
-// The elementwise function of an activation (gated kinds apply it to their first half).
-enum class ActFn : int { kGeluTanh = 0, kGeluErf = 1, kRelu = 2, kSilu = 3 };
+// The elementwise functions of the activations, one row each: X(Name, forward, derivative), both
+// FUS_HD float(float) defined below. The kinds (fusible/activation.h, FUS_ACTIVATION_TABLE) name
+// a row by Name; gated kinds apply it to their first half. ActFn, the compile-time and runtime
+// selections below and every backend's dispatch (dispatch_act) are generated from this list.
+#define FUS_ACT_FUNCTIONS(X)         \
+  X(GeluTanh, gelu_tanh, dgelu_tanh) \
+  X(GeluErf, gelu_erf, dgelu_erf)    \
+  X(Relu, relu, drelu)               \
+  X(Silu, silu, dsilu)
+
+// The elementwise function of an activation, in FUS_ACT_FUNCTIONS order (kGeluTanh = 0, ...).
+enum class ActFn : int {
+#define FUS_ACT_FN_ENUMERATOR_(name, fwd, bwd) k##name,
+  FUS_ACT_FUNCTIONS(FUS_ACT_FN_ENUMERATOR_)
+#undef FUS_ACT_FN_ENUMERATOR_
+};
 
 // ---- exp
 // ------------------------------------------------------------------------------------------
@@ -205,39 +219,39 @@ FUS_HD float dsilu(float x) {
 
 template <ActFn A>
 FUS_HD float act_fn(float x) {
-  if constexpr (A == ActFn::kGeluTanh) return gelu_tanh(x);
-  if constexpr (A == ActFn::kGeluErf) return gelu_erf(x);
-  if constexpr (A == ActFn::kRelu) return relu(x);
-  if constexpr (A == ActFn::kSilu) return silu(x);
+#define FUS_ACT_FN_FWD_(name, fwd, bwd) \
+  if constexpr (A == ActFn::k##name) return fwd(x);
+  FUS_ACT_FUNCTIONS(FUS_ACT_FN_FWD_)
+#undef FUS_ACT_FN_FWD_
   return x;
 }
 
 template <ActFn A>
 FUS_HD float dact_fn(float x) {
-  if constexpr (A == ActFn::kGeluTanh) return dgelu_tanh(x);
-  if constexpr (A == ActFn::kGeluErf) return dgelu_erf(x);
-  if constexpr (A == ActFn::kRelu) return drelu(x);
-  if constexpr (A == ActFn::kSilu) return dsilu(x);
+#define FUS_ACT_FN_BWD_(name, fwd, bwd) \
+  if constexpr (A == ActFn::k##name) return bwd(x);
+  FUS_ACT_FUNCTIONS(FUS_ACT_FN_BWD_)
+#undef FUS_ACT_FN_BWD_
   return 1.0f;
 }
 
 // Runtime-selected versions (host epilogues, tests).
 FUS_HD float act_fn(ActFn a, float x) {
   switch (a) {
-    case ActFn::kGeluTanh: return gelu_tanh(x);
-    case ActFn::kGeluErf: return gelu_erf(x);
-    case ActFn::kRelu: return relu(x);
-    case ActFn::kSilu: return silu(x);
+#define FUS_ACT_FN_CASE_(name, fwd, bwd) \
+  case ActFn::k##name: return fwd(x);
+    FUS_ACT_FUNCTIONS(FUS_ACT_FN_CASE_)
+#undef FUS_ACT_FN_CASE_
   }
   return x;
 }
 
 FUS_HD float dact_fn(ActFn a, float x) {
   switch (a) {
-    case ActFn::kGeluTanh: return dgelu_tanh(x);
-    case ActFn::kGeluErf: return dgelu_erf(x);
-    case ActFn::kRelu: return drelu(x);
-    case ActFn::kSilu: return dsilu(x);
+#define FUS_ACT_FN_CASE_(name, fwd, bwd) \
+  case ActFn::k##name: return bwd(x);
+    FUS_ACT_FUNCTIONS(FUS_ACT_FN_CASE_)
+#undef FUS_ACT_FN_CASE_
   }
   return 1.0f;
 }

@@ -7,17 +7,14 @@ from typing import Any
 
 import torch
 
-from fusible.ops import GEGLU, GELU, LayerNorm, ReLU, RMSNorm, Sequential, SiLU, SwiGLU
+from fusible.ops import LayerNorm, RMSNorm, Sequential
+from fusible.ops.basic.activation import ACTIVATIONS
 from fusible.ops.op import BasicOperation
 
-ACTIVATIONS: dict[str, type[BasicOperation]] = {
-    "gelu": GELU,
-    "relu": ReLU,
-    "silu": SiLU,
-    "swiglu": SwiGLU,
-    "geglu": GEGLU,
-}
-GLU = {"swiglu", "geglu"}
+# The modules' ``activation=`` choices (ops.basic.activation.ACTIVATIONS: each kind offered there)
+# and the gated ones among them (fc1 then has twice the FFN width).
+MODULE_ACTIVATIONS = tuple(k for k, a in ACTIVATIONS.items() if a.in_modules)
+GLU = frozenset(k for k in MODULE_ACTIVATIONS if ACTIVATIONS[k].gated)
 
 
 class NormFirst(Sequential):
@@ -54,11 +51,11 @@ def make_norm(
 
 
 def make_activation(activation: str, owner: str) -> BasicOperation:
-    if activation not in ACTIVATIONS:
+    if activation not in MODULE_ACTIVATIONS:
         raise ValueError(
-            f"{owner}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}"
+            f"{owner}: activation must be one of {sorted(MODULE_ACTIVATIONS)}, got {activation!r}"
         )
-    return ACTIVATIONS[activation]()
+    return ACTIVATIONS[activation].make()
 
 
 # ---- TransformerEngine state_dict names ---------------------------------------------------------

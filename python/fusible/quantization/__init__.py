@@ -1,7 +1,8 @@
 """fusible.quantization: recipes, semantic roles, quantizers, quantized data, RecipeState, autocast.
 
-Import direction inside the package: ``roles``, ``recipe`` <- ``quantizers`` <- ``state`` <-
-``autocast``, ``model_init``. The user guide is ``docs/quantization.md``.
+Import direction inside the package: ``roles``, ``recipe`` <- ``data`` <- ``tensor`` <-
+``quantizers`` (with ``scale_log``) <- ``state`` <- ``autocast``, ``model_init``. The user guide
+is ``docs/quantization.md``.
 
 ``fusible.quantization.autocast`` is the *module* (query functions, update points); the context
 manager is ``fusible.autocast`` (also ``fusible.quantization.autocast.autocast``).

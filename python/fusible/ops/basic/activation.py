@@ -1,15 +1,32 @@
-"""Activations (GELU, ReLU, SiLU, SwiGLU, GEGLU), with quantized output / gradient fused."""
+"""Activations (GELU, ReLU, SiLU, SwiGLU, GEGLU), with quantized output / gradient fused, and
+:data:`ACTIVATIONS`, the one Python table of the family that the modules and the fusion rules read
+(docs/architecture.md: how to add an activation)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 
 from fusible import _kernels as K
 from fusible.ops import _compute as C
 from fusible.ops.op import BasicOperation, OpContext
 from fusible.quantization.quantizers import Float8CurrentScalingQuantizer, Float8Data, Quantizer
 
-__all__ = ["GEGLU", "GELU", "ReLU", "SiLU", "SwiGLU", "activation_backward"]
+__all__ = [
+    "ACTIVATIONS",
+    "GEGLU",
+    "GELU",
+    "ActivationKind",
+    "ReLU",
+    "SiLU",
+    "SwiGLU",
+    "activation_backward",
+]
 
 # Blockwise FP8 output is not fused into these kernels (docs/quantization.md).
 _BLOCKWISE = "; blockwise FP8: a separate blockwise cast"
@@ -94,7 +111,11 @@ def _dact_current_scaling(
 
 class _Activation(BasicOperation):
     kind: str = ""
-    glu: bool = False
+
+    @property
+    def glu(self) -> bool:
+        """Gated ([a | b] in, half the features out): the kernels' table says."""
+        return self.kind in K.GATED_ACTIVATIONS
 
     def kernels(self, fwd: bool) -> list[str]:
         return (
@@ -147,10 +168,65 @@ class SiLU(_Activation):
 class SwiGLU(_Activation):
     """``silu(x[..., :h]) * x[..., h:]``; output has half the input's features."""
 
-    kind, glu = "swiglu", True
+    kind = "swiglu"
 
 
 class GEGLU(_Activation):
     """``gelu_tanh(x[..., :h]) * x[..., h:]``."""
 
-    kind, glu = "geglu", True
+    kind = "geglu"
+
+
+# ---- the registry ------------------------------------------------------------------------------
+
+
+def _gated(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def ref(x: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, dim=-1)
+        return act(a) * b
+
+    return ref
+
+
+_gelu_tanh = partial(F.gelu, approximate="tanh")
+
+
+@dataclass(frozen=True)
+class ActivationKind:
+    """One activation kind: a row of :data:`ACTIVATIONS`. Whether it is gated, and that it exists
+    at all, is the core library's table (``FUS_ACTIVATION_TABLE``, read as ``_kernels``'
+    ``ACTIVATIONS`` / ``GATED_ACTIVATIONS``)."""
+
+    kind: str
+    op: type[_Activation]
+    reference: Callable[[torch.Tensor], torch.Tensor]  # torch: what the kernels compute
+    op_kwargs: dict[str, Any] = field(default_factory=dict)  # op(**op_kwargs).kind == kind
+    in_modules: bool = True  # offered as the modules' ``activation=`` (by its kind)
+    gemm_epilogue: str | None = None  # computed by the GEMM after Linear + Bias (forward fusion)
+
+    @property
+    def gated(self) -> bool:
+        return self.kind in K.GATED_ACTIVATIONS
+
+    def make(self) -> _Activation:
+        return self.op(**self.op_kwargs)
+
+
+# The one table of the Python side, in the kernels' order. The modules' ``activation=`` choices
+# (modules/_common.py) and the fusion rules (ops/fused/__init__.py) are read from it.
+ACTIVATIONS: dict[str, ActivationKind] = {
+    a.kind: a
+    for a in (
+        ActivationKind("gelu", GELU, _gelu_tanh, gemm_epilogue="bias_gelu_aux"),
+        ActivationKind("gelu_erf", GELU, F.gelu, {"approximate": "none"}, in_modules=False),
+        ActivationKind("relu", ReLU, F.relu),
+        ActivationKind("silu", SiLU, F.silu),
+        ActivationKind("swiglu", SwiGLU, _gated(F.silu)),
+        ActivationKind("geglu", GEGLU, _gated(_gelu_tanh)),
+    )
+}
+if tuple(ACTIVATIONS) != K.ACTIVATIONS:
+    raise ImportError(
+        f"fusible: ops.basic.activation.ACTIVATIONS {tuple(ACTIVATIONS)} does not match the core "
+        f"library's activation table {K.ACTIVATIONS} (FUS_ACTIVATION_TABLE, activation.h)"
+    )

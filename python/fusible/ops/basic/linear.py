@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import torch
 
-from fusible._kernels import HIGH_PRECISION_DTYPES
 from fusible.ops import _compute as C
+
+# Split by concern: the quantized-weight lifecycle (quantized_weight.py) and Bias (bias.py); their
+# names stay importable from here.
+from fusible.ops.basic.bias import Bias
+from fusible.ops.basic.quantized_weight import _COMPILE_UNSUPPORTED as _COMPILE_UNSUPPORTED
+from fusible.ops.basic.quantized_weight import (
+    QuantizedWeightOp,
+    _same_quantization,
+    _stored_matches,
+)
 from fusible.ops.op import BasicOperation, OpContext
 from fusible.ops.workspace import WorkspaceCache, quantize_weight
 from fusible.quantization import QuantizerRole
@@ -19,23 +26,19 @@ from fusible.quantization.model_init import get_quantized_model_init_recipe, wei
 from fusible.quantization.quantizers import (
     Float8BlockData,
     Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
     Float8Data,
     Float8Quantizer,
     MXFP8Data,
     MXFP8Quantizer,
-    QuantizedData,
     QuantizedTensor,
     Quantizer,
-    qdata_tensors,
-    same_layout,
 )
 from fusible.quantization.recipe import Recipe
 
 __all__ = ["BasicLinear", "Bias"]
 
 
-class BasicLinear(BasicOperation):
+class BasicLinear(QuantizedWeightOp):
     """``y = x @ weight.T``; ``weight`` is ``[out_features, in_features]``.
 
     Quantizer roles: forward ``input``, ``weight``, ``output``; backward ``grad_output``,
@@ -124,22 +127,6 @@ class BasicLinear(BasicOperation):
         torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
         if self.weight_init_recipe is not None:
             self._quantize_weight_param(self.weight_init_recipe)
-
-    def _quantize_weight_param(self, recipe: Recipe) -> None:
-        """Replace the high-precision weight by its quantization with the weight quantizer
-        ``recipe`` gives this op's weight role (kept high precision if that is None). Per-tensor
-        FP8 stores the rowwise copy only; MXFP8 and blockwise FP8 both."""
-        w = self.weight
-        role = self.get_quantizer_roles(True)[1]
-        q = weight_init_quantizer(recipe, role, w.device)
-        if q is None:
-            return
-        # Blockwise: both copies too (a 1x128 columnwise copy has its own scales; a 128x128 one
-        # could be transposed on demand, but keeping it costs no second pass).
-        both = isinstance(q, (MXFP8Quantizer, Float8BlockQuantizer))
-        qdata, _ = quantize_weight(w.detach(), q, None, False, columnwise=both)
-        qt = QuantizedTensor.wrap(qdata, dtype=w.dtype, quantizer=q)
-        self.weight = torch.nn.Parameter(qt, requires_grad=w.requires_grad)
 
     def set_role_scope(self, scope: str, name: str | None = None) -> None:
         """Re-scope the roles (see :class:`BasicOperation`). A weight built inside
@@ -449,104 +436,8 @@ class BasicLinear(BasicOperation):
         dx, dw = self.linear_backward(ctx, dy)
         return dx, [dw], []
 
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        # nn.Module._apply would give a quantized weight the converted tensor's storage
-        # (``param.data = fn(param)``, a dequantized copy for a dtype change): it is converted
-        # here instead, see _convert_quantized.
-        w = self._parameters.get("weight")
-        if not isinstance(w, QuantizedTensor):
-            out = super()._apply(fn, recurse)
-            if self.weight_init_recipe is not None and self.weight.device.type != "meta":
-                # Built on meta inside quantized_model_init, now materialised (to_empty()): FP8
-                # from here on; reset_parameters() or load_state_dict() fill in the values.
-                self._quantize_weight_param(self.weight_init_recipe)
-            return out
-        self._parameters["weight"] = None
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            self._parameters["weight"] = w
-        _convert_quantized(w, fn)
-        self._move_recipe_states()
-        return self
-
-    # ---- checkpoints: a quantized weight is saved dequantized, loaded re-quantized ------------
-
-    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        w = self.weight
-        if isinstance(w, QuantizedTensor) and not keep_vars:
-            # A plain tensor of the nominal dtype: loadable with torch.load(weights_only=True)
-            # and by a model with high-precision weights.
-            destination[prefix + "weight"] = w.dequantize()
-
-    def get_extra_state(self) -> dict[str, torch.Tensor]:
-        """Recipe state, and a quantized weight's exact data and scales (copies) under
-        ``weight.<field>`` (``weight.data``, ``weight.scale_inv`` / ``weight.scale``,
-        ``weight.col_data``, ``weight.col_scale``), so that loading restores it bit for bit."""
-        out = super().get_extra_state()
-        w = self.weight
-        if isinstance(w, QuantizedTensor):
-            for name, t in qdata_tensors(w.qdata).items():
-                out[f"weight.{name}"] = t.detach().clone()
-        return out
-
-    def set_extra_state(self, state: Any) -> None:
-        # ``weight.*`` entries are read by _load_from_state_dict (they need the checkpoint's
-        # weight); a model with a high-precision weight ignores them.
-        if isinstance(state, Mapping):
-            state = {k: v for k, v in state.items() if not str(k).startswith("weight.")}
-        super().set_extra_state(state)
-
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
-        w, key = self.weight, prefix + "weight"
-        value = state_dict.get(key)
-        if isinstance(value, QuantizedTensor):
-            state_dict[key] = value = value.dequantize()
-        super()._load_from_state_dict(state_dict, prefix, *args)
-        new = self.weight
-        if isinstance(w, QuantizedTensor) and new is not w and not isinstance(new, QuantizedTensor):
-            # load_state_dict(assign=True) put the checkpoint's plain tensor in: quantize it
-            # like the weight it replaced (same quantizer, same copies).
-            assert w.quantizer is not None
-            qdata = w.quantizer.quantize(new.detach(), rowwise=w.qdata.has_rowwise,
-                                         columnwise=w.qdata.has_columnwise)  # fmt: skip
-            qt = QuantizedTensor.wrap(qdata, dtype=new.dtype, quantizer=w.quantizer)
-            self.weight = new = torch.nn.Parameter(qt, requires_grad=new.requires_grad)
-        extra = state_dict.get(prefix + "_extra_state")
-        if isinstance(new, QuantizedTensor) and isinstance(value, torch.Tensor):
-            _restore_exact(new, value, extra)
-
 
 _WGRAD_FIRST, _DGRAD_FIRST = (True, False), (False, True)  # linear_backward's GEMM orders
-_COMPILE_UNSUPPORTED = (
-    "{op}: torch.compile does not support quantized weights (fusible.quantized_model_init) yet: "
-    "QuantizedTensor is not a traceable tensor subclass, and a traced graph would not route the "
-    "weight gradient to the parameter. Run the model eagerly, or build it without "
-    "quantized_model_init to compile it"
-)
-
-
-def _restore_exact(w: QuantizedTensor, value: torch.Tensor, extra: Any) -> None:
-    """After ``w`` was re-quantized from a checkpoint's dequantized ``value``: if the checkpoint
-    also holds the exact quantized weight (``weight.*`` in its extra state) with ``w``'s layout,
-    and that is what ``value`` was dequantized from (it was not edited), write it into ``w`` in
-    place. Re-quantizing a dequantized weight is not always exact: an MXFP8 columnwise copy, or
-    a per-tensor scale derived from an amax that the nominal dtype rounds, can come out
-    different."""
-    if not isinstance(extra, Mapping):
-        return
-    raw = {k[len("weight.") :]: v for k, v in extra.items() if str(k).startswith("weight.")}
-    mine = qdata_tensors(w.qdata)
-    if raw.keys() != mine.keys() or not all(isinstance(v, torch.Tensor) for v in raw.values()):
-        return
-    exact = replace(w.qdata, **{k: v.to(w.device) for k, v in raw.items()})
-    if not same_layout(exact, w.qdata):
-        return
-    if value.dtype in HIGH_PRECISION_DTYPES and torch.equal(
-        exact.dequantize(value.dtype), value.to(exact.device)
-    ):
-        w.load_qdata_(exact)
 
 
 def _inference() -> bool:
@@ -572,67 +463,6 @@ def _with_columnwise(xq: Any, op: str) -> Any:
             "weight gradient needs (the quantizer's usage said columnwise=False)"
         )
     return C.ensure_fp8_copy(xq, "c")
-
-
-def _stored_matches(qdata: QuantizedData, qw: Quantizer | None, *, need_columnwise: bool) -> bool:
-    """Whether a stored quantized weight is what the active weight quantizer ``qw`` asks for:
-    per-tensor FP8 for a per-tensor quantizer (delayed or current scaling: the stored scale is
-    as good as any), MXFP8 for MXFP8 (with the columnwise copy if dgrad needs it), same FP8
-    dtype."""
-    if qw is None or qdata.fp8_dtype != qw.dtype:
-        return False
-    if isinstance(qdata, Float8Data):
-        return isinstance(qw, (Float8Quantizer, Float8CurrentScalingQuantizer))
-    if isinstance(qdata, Float8BlockData):
-        return (
-            isinstance(qw, Float8BlockQuantizer)
-            and qw.block_dim == qdata.block_dim
-            and qdata.has_rowwise
-            and (qdata.has_columnwise or not need_columnwise or qdata.block_dim == 2)
-        )
-    return (
-        isinstance(qw, MXFP8Quantizer)
-        and qdata.has_rowwise
-        and (qdata.has_columnwise or not need_columnwise)
-    )
-
-
-def _convert_quantized(w: QuantizedTensor, fn: Any) -> None:
-    """Apply a module conversion ``fn`` (``.to()``, ``.cuda()``, ``.bfloat16()``, ``to_empty()``)
-    to a quantized weight parameter, in place (``torch.utils.swap_tensors``, as torch does for
-    tensor subclasses): a device change moves the quantized data; a dtype change sets the nominal
-    dtype (fp32 / fp16 / bf16) and leaves the data as it is. Its gradient follows ``fn``."""
-    probe = fn(torch.empty(0, dtype=w.dtype, device=w.device))
-    if probe.dtype == w.dtype and probe.device == w.device:
-        return
-    if probe.dtype not in HIGH_PRECISION_DTYPES:
-        raise TypeError(
-            f"BasicLinear: a quantized weight's nominal dtype must be float32, float16 or "
-            f"bfloat16, got a conversion to {probe.dtype}"
-        )
-    qdata = w.qdata
-    if probe.device != w.device:
-        if w.device.type == "meta":  # to_empty(): storage without values, as for any tensor
-            qdata = qdata._map(lambda t: torch.empty_like(t, device=probe.device))
-        else:
-            qdata = qdata.to(probe.device)
-    qt = QuantizedTensor.wrap(qdata, dtype=probe.dtype, quantizer=w.quantizer)
-    new = torch.nn.Parameter(qt, requires_grad=w.requires_grad)
-    grad = w.grad
-    w.grad = None
-    torch.utils.swap_tensors(w, new)
-    if grad is not None:
-        w.grad = fn(grad)
-
-
-def _same_quantization(a: Quantizer, b: Quantizer) -> bool:
-    """Whether ``a`` and ``b`` quantize every tensor to the same bits."""
-
-    def key(q: Quantizer) -> tuple[Any, ...]:
-        block = tuple(getattr(q, k, None) for k in ("block_dim", "power_2_scale", "amax_epsilon"))
-        return (type(q), q.dtype, getattr(q, "margin", 0), block)
-
-    return key(a) == key(b)
 
 
 def check_blockwise_sizes(op: str, in_features: int, out_features: int, tokens: int) -> None:
@@ -666,47 +496,3 @@ def blockwise_gemm_note(op: BasicLinear, what: str, qw: Float8BlockQuantizer) ->
     a, b = (dims[q.block_dim] for q in pair)  # type: ignore[union-attr]
     return (f" blockwise FP8 ({a} x {b} blocks, fp32 scales; cuBLASLt block scaling on CUDA, "
             "exactly dequantized operands on the CPU)")  # fmt: skip
-
-
-class Bias(BasicOperation):
-    """``y = x + bias`` (bias ``[features]``)."""
-
-    def __init__(
-        self,
-        features: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        name: str | None = None,
-    ) -> None:
-        super().__init__(name=name)
-        if features <= 0:
-            raise ValueError(f"Bias: features must be positive, got {features}")
-        self.features = features
-        self.bias = torch.nn.Parameter(torch.zeros(features, device=device, dtype=dtype))
-
-    def reset_parameters(self) -> None:
-        """The initial value (zeros): what materialises a model built on the ``meta`` device,
-        after ``to_empty()``."""
-        with torch.no_grad():
-            self.bias.zero_()
-
-    def extra_repr(self) -> str:
-        return f"features={self.features}"
-
-    def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
-        (b,) = params
-        x = C.dequantize(x)
-        if x.shape[-1] != self.features:
-            raise ValueError(
-                f"Bias: input feature size {x.shape[-1]} does not match features {self.features}"
-            )
-        ctx.attrs["dtype"] = b.dtype
-        return x + b.to(x.dtype), []
-
-    def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
-        db = None
-        if ctx.params_requires_grad[0]:
-            # fp32 accumulation without an fp32 copy of dy (the copy cost more than the sum).
-            db = C.as_2d(dy).sum(0, dtype=torch.float32).to(ctx.attrs["dtype"])
-        return dy, [db], []

@@ -4,18 +4,14 @@ from typing import Any
 
 from fusible.ops import registry
 from fusible.ops.basic import (
-    GEGLU,
-    GELU,
     AddExtraInput,
     AllGather,
     BasicLinear,
     Bias,
     MakeExtraOutput,
     ReduceScatter,
-    ReLU,
-    SiLU,
-    SwiGLU,
 )
+from fusible.ops.basic.activation import ACTIVATIONS
 from fusible.ops.fused import (
     backward_activation_bias,
     backward_linear_add,
@@ -38,14 +34,23 @@ __all__ = [
     "ForwardLinearBiasAdd",
 ]
 
+# The activation op classes, in ACTIVATIONS order (one class may serve several kinds): those with
+# a kind that a GEMM epilogue computes fuse into Linear + Bias (the rule checks the op's kind), and
+# every one fuses its backward with the bias gradient.
+_ACTS = tuple(dict.fromkeys(a.op for a in ACTIVATIONS.values()))
+_EPILOGUE_ACTS = tuple(dict.fromkeys(a.op for a in ACTIVATIONS.values() if a.gemm_epilogue))
+
 # Longer patterns first: at each position the first accepted rule wins.
 _BUILTIN_RULES = [
-    (
-        (BasicLinear, Bias, GELU),
-        ForwardLinearBiasActivation,
-        forward_linear_bias_activation.accepts,
-        True,
-        False,
+    *(
+        (
+            (BasicLinear, Bias, act),
+            ForwardLinearBiasActivation,
+            forward_linear_bias_activation.accepts,
+            True,
+            False,
+        )
+        for act in _EPILOGUE_ACTS
     ),
     (
         (BasicLinear, Bias, AddExtraInput),
@@ -70,7 +75,7 @@ _BUILTIN_RULES = [
     ),
     *(
         ((Bias, act), BackwardActivationBias, backward_activation_bias.accepts, False, True)
-        for act in (GELU, ReLU, SiLU, SwiGLU, GEGLU)
+        for act in _ACTS
     ),
     ((MakeExtraOutput, BasicLinear), BackwardLinearAdd, backward_linear_add.accepts, False, True),
 ]

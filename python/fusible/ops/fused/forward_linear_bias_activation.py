@@ -1,4 +1,5 @@
-"""Forward: BasicLinear + Bias (+ GELU) as one GEMM with a bias (+ GELU-aux) epilogue."""
+"""Forward: BasicLinear + Bias (+ an activation that a GEMM epilogue computes: GELU) as one GEMM
+with a bias (+ activation-aux) epilogue (ops.basic.activation.ACTIVATIONS' ``gemm_epilogue``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from fusible.ops import _compute as C
-from fusible.ops.basic import GELU, BasicLinear, Bias
+from fusible.ops.basic import BasicLinear, Bias
+from fusible.ops.basic.activation import ACTIVATIONS, _Activation
 from fusible.ops.op import BasicOperation, FusedOperation
 
 __all__ = ["ForwardLinearBiasActivation", "accepts"]
@@ -14,15 +16,25 @@ __all__ = ["ForwardLinearBiasActivation", "accepts"]
 
 def accepts(ops: Sequence[BasicOperation], recipe: Any) -> str | None:
     """Fusion rule. Rejections:
-    - GELU with approximate="none": cuBLASLt's GELU epilogue computes the tanh form only;
+    - an activation kind with no GEMM epilogue (GELU with approximate="none": cuBLASLt's GELU
+      epilogue computes the tanh form only);
     - a Bias whose size differs from the Linear's output (the unfused path reports the error)."""
     linear, bias = ops[0], ops[1]
     assert isinstance(linear, BasicLinear) and isinstance(bias, Bias)
     if bias.features != linear.out_features:
         return "bias size differs from out_features"
-    if len(ops) == 3 and isinstance(ops[2], GELU) and ops[2].approximate != "tanh":
-        return "GELU(approximate='none') has no GEMM epilogue (only the tanh form)"
+    if len(ops) == 3 and _epilogue(ops) == "bias":
+        act = ops[2]
+        return f"{type(act).__name__}({act.extra_repr()}) has no GEMM epilogue (kind {act.kind!r})"
     return None
+
+
+def _epilogue(ops: Sequence[BasicOperation]) -> str:
+    """The GEMM epilogue of Linear + Bias (+ activation): the activation kind's, else ``bias``."""
+    if len(ops) < 3:
+        return "bias"
+    act: _Activation = ops[2]  # type: ignore[assignment]
+    return ACTIVATIONS[act.kind].gemm_epilogue or "bias"
 
 
 class ForwardLinearBiasActivation(FusedOperation):
@@ -30,7 +42,7 @@ class ForwardLinearBiasActivation(FusedOperation):
     forward, backward = True, False
 
     def kernels(self, fwd: bool) -> list[str]:
-        epi = "bias_gelu_aux" if len(self.ops) == 3 else "bias"
+        epi = _epilogue(self.ops)
         linear: BasicLinear = self.ops[0]  # type: ignore[assignment]
         return [*linear.weight_kernels(fwd), linear.gemm_kernel(f"fprop, epilogue={epi}")]
 
@@ -41,15 +53,13 @@ class ForwardLinearBiasActivation(FusedOperation):
         out_dtype = C.hp_dtype(x)
         lead = x.shape[:-1]
         xq, wq, _ = linear.fprop_operands(ctxs[0], x, w, out_dtype)
-        gelu = len(self.ops) == 3
-        y, aux = C.gemm_fprop(
-            xq, wq, out_dtype, bias=b.to(out_dtype), epilogue="bias_gelu_aux" if gelu else "bias"
-        )
+        act = len(self.ops) == 3
+        y, aux = C.gemm_fprop(xq, wq, out_dtype, bias=b.to(out_dtype), epilogue=_epilogue(self.ops))
         del xq, wq  # freed before a hand-off cast allocates
         n = linear.out_features
         ctxs[1].attrs["dtype"] = b.dtype
         y = y.view(*lead, n)
-        if gelu:  # GELU backward reads the pre-activation (when a gradient reaches it)
+        if act:  # the activation's backward reads the pre-activation (when a gradient reaches it)
             ctxs[2].saved = [aux.view(*lead, n) if ctxs[2].input_requires_grad else None]
         if next_input_quantizer is not None:
             # The GEMM epilogue cannot cast for the next op here; one cast kernel does.

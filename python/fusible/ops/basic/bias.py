@@ -1,0 +1,55 @@
+"""Bias: ``y = x + b`` over the last dimension (fused into the preceding GEMM's epilogue, or
+into the activation backward's bias gradient, by the fusion rules)."""
+
+from __future__ import annotations
+
+import torch
+
+from fusible.ops import _compute as C
+from fusible.ops.op import BasicOperation
+
+__all__ = ["Bias"]
+
+
+class Bias(BasicOperation):
+    """``y = x + bias`` (bias ``[features]``)."""
+
+    def __init__(
+        self,
+        features: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        if features <= 0:
+            raise ValueError(f"Bias: features must be positive, got {features}")
+        self.features = features
+        self.bias = torch.nn.Parameter(torch.zeros(features, device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        """The initial value (zeros): what materialises a model built on the ``meta`` device,
+        after ``to_empty()``."""
+        with torch.no_grad():
+            self.bias.zero_()
+
+    def extra_repr(self) -> str:
+        return f"features={self.features}"
+
+    def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
+        (b,) = params
+        x = C.dequantize(x)
+        if x.shape[-1] != self.features:
+            raise ValueError(
+                f"Bias: input feature size {x.shape[-1]} does not match features {self.features}"
+            )
+        ctx.attrs["dtype"] = b.dtype
+        return x + b.to(x.dtype), []
+
+    def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
+        db = None
+        if ctx.params_requires_grad[0]:
+            # fp32 accumulation without an fp32 copy of dy (the copy cost more than the sum).
+            db = C.as_2d(dy).sum(0, dtype=torch.float32).to(ctx.attrs["dtype"])
+        return dy, [db], []

@@ -1,0 +1,378 @@
+"""Quantized data containers: plain frozen dataclasses of tensors, the pytree nodes that flow
+through the framework.
+
+* :class:`Float8Data` -- per-tensor FP8: ``data`` (``x``'s shape), ``data_t`` (the transposed
+  matrix ``[k, rows]``, what a GEMM needs for the other operand layout), ``scale_inv``;
+* :class:`MXFP8Data` -- MXFP8: rowwise ``data`` + E8M0 ``scale`` ``[rows, ceil(k/32)]`` and
+  columnwise ``col_data`` (``x``'s shape, blocks run down columns) + ``col_scale``
+  ``[ceil(rows/32), k]``;
+* :class:`Float8BlockData` -- blockwise FP8 (1x128 or 128x128 blocks, fp32 scales): rowwise
+  ``data`` + ``scale_inv`` and the transposed ``data_t`` ``[k, rows]`` + ``col_scale_inv``.
+
+The quantizers that make them are in :mod:`fusible.quantization.quantizers`; the user-facing
+tensor subclass that wraps them in :mod:`fusible.quantization.tensor`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fusible import _kernels as _ops  # torch.ops.fusible.*
+from fusible._kernels import FP8_DTYPES, HIGH_PRECISION_DTYPES
+
+__all__ = [
+    "Float8BlockData",
+    "Float8Data",
+    "MXFP8Data",
+    "QuantizedData",
+    "qdata_tensors",
+    "same_layout",
+]
+
+
+def _nbytes(*ts: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _check_fp8_dtype(owner: str, dtype: object) -> None:
+    if dtype not in FP8_DTYPES:
+        raise TypeError(
+            f"{owner}: 'dtype' must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}"
+        )
+
+
+def _check_out_dtype(owner: str, dtype: object) -> None:
+    if dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"{owner}: 'dtype' must be torch.float32, torch.float16 or torch.bfloat16, "
+            f"got {dtype!r}"
+        )
+
+
+# ---- quantized data containers ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Float8Data:
+    """Per-tensor FP8 data: ``x ~= float(data) * scale_inv``.
+
+    ``data``: rowwise copy with the original ``shape`` (None if not produced); ``data_t``: the
+    transposed matrix ``[k, rows]`` where ``x`` is viewed as ``[rows, k]`` (None if not produced);
+    ``scale_inv``: float32 ``(1,)``; ``fp8_dtype``: the FP8 dtype of both copies.
+    """
+
+    data: torch.Tensor | None
+    data_t: torch.Tensor | None
+    scale_inv: torch.Tensor
+    fp8_dtype: torch.dtype
+    shape: torch.Size
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", torch.Size(self.shape))
+        if self.data is None and self.data_t is None:
+            raise ValueError("Float8Data: at least one of 'data' and 'data_t' must be given")
+        for name in ("data", "data_t"):
+            t = getattr(self, name)
+            if t is not None and t.dtype != self.fp8_dtype:
+                raise ValueError(
+                    f"Float8Data: '{name}' has dtype {t.dtype}, expected fp8_dtype {self.fp8_dtype}"
+                )
+
+    @classmethod
+    def _trusted(
+        cls,
+        data: torch.Tensor | None,
+        data_t: torch.Tensor | None,
+        scale_inv: torch.Tensor,
+        fp8_dtype: torch.dtype,
+        shape: torch.Size,
+    ) -> Float8Data:
+        """A container of a quantize kernel's own outputs, which hold by construction what
+        ``__post_init__`` checks (``shape`` a ``torch.Size``, the copies of ``fp8_dtype``):
+        built without the dataclass machinery, on every cast of the hot path."""
+        if torch.compiler.is_compiling():
+            # dynamo (torch 2.11) cannot trace a frozen dataclass's __dict__: the checked way.
+            return cls(data, data_t, scale_inv, fp8_dtype, shape)
+        obj = object.__new__(cls)
+        obj.__dict__.update(
+            data=data, data_t=data_t, scale_inv=scale_inv, fp8_dtype=fp8_dtype, shape=shape
+        )
+        return obj
+
+    @property
+    def device(self) -> torch.device:
+        return self.scale_inv.device
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self.data is not None
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self.data_t is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all tensors of this container (its memory footprint)."""
+        return _nbytes(self.data, self.data_t, self.scale_inv)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Exact dequantization ``float(q) * scale_inv`` rounded to ``dtype``, in ``shape``."""
+        _check_out_dtype("Float8Data.dequantize", dtype)
+        if self.data is not None:
+            return _ops.dequantize_fp8(self.data, self.scale_inv, dtype)
+        assert self.data_t is not None
+        out_t = _ops.dequantize_fp8(self.data_t, self.scale_inv, dtype)
+        return out_t.t().reshape(self.shape)
+
+    def _map(self, fn: Any) -> Float8Data:
+        return replace(
+            self,
+            data=None if self.data is None else fn(self.data),
+            data_t=None if self.data_t is None else fn(self.data_t),
+            scale_inv=fn(self.scale_inv),
+        )
+
+    def to(self, device: torch.device | str) -> Float8Data:
+        return self._map(lambda t: t.to(device))
+
+    def detach(self) -> Float8Data:
+        return self._map(lambda t: t.detach())
+
+    def clone(self) -> Float8Data:
+        return self._map(lambda t: t.clone())
+
+
+@dataclass(frozen=True, eq=False)
+class MXFP8Data:
+    """MXFP8 data: ``x ~= float(q) * 2**(s - 127)`` per 32-element block.
+
+    ``data`` / ``scale``: rowwise copy (``x``'s shape) and its E8M0 scales ``[rows, ceil(k/32)]``
+    (uint8); ``col_data`` / ``col_scale``: columnwise copy (also ``x``'s shape) and its scales
+    ``[ceil(rows/32), k]``. Either pair may be None.
+    """
+
+    data: torch.Tensor | None
+    scale: torch.Tensor | None
+    col_data: torch.Tensor | None
+    col_scale: torch.Tensor | None
+    fp8_dtype: torch.dtype
+    shape: torch.Size
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", torch.Size(self.shape))
+        if (self.data is None) != (self.scale is None) or (self.col_data is None) != (
+            self.col_scale is None
+        ):
+            raise ValueError("MXFP8Data: each copy needs both its data and its scale")
+        if self.data is None and self.col_data is None:
+            raise ValueError("MXFP8Data: at least one of 'data' and 'col_data' must be given")
+        for name in ("data", "col_data"):
+            t = getattr(self, name)
+            if t is not None and t.dtype != self.fp8_dtype:
+                raise ValueError(
+                    f"MXFP8Data: '{name}' has dtype {t.dtype}, expected fp8_dtype {self.fp8_dtype}"
+                )
+
+    @property
+    def device(self) -> torch.device:
+        t = self.data if self.data is not None else self.col_data
+        assert t is not None
+        return t.device
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self.data is not None
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self.col_data is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all tensors of this container (its memory footprint)."""
+        return _nbytes(self.data, self.scale, self.col_data, self.col_scale)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Exact dequantization of the rowwise copy (else the columnwise one), to ``dtype``."""
+        _check_out_dtype("MXFP8Data.dequantize", dtype)
+        if self.data is not None:
+            assert self.scale is not None
+            return _ops.dequantize_mxfp8(self.data, self.scale, False, dtype)
+        assert self.col_data is not None and self.col_scale is not None
+        return _ops.dequantize_mxfp8(self.col_data, self.col_scale, True, dtype)
+
+    def _map(self, fn: Any) -> MXFP8Data:
+        def f(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return replace(
+            self,
+            data=f(self.data),
+            scale=f(self.scale),
+            col_data=f(self.col_data),
+            col_scale=f(self.col_scale),
+        )
+
+    def to(self, device: torch.device | str) -> MXFP8Data:
+        return self._map(lambda t: t.to(device))
+
+    def detach(self) -> MXFP8Data:
+        return self._map(lambda t: t.detach())
+
+    def clone(self) -> MXFP8Data:
+        return self._map(lambda t: t.clone())
+
+
+@dataclass(frozen=True, eq=False)
+class Float8BlockData:
+    """Blockwise FP8 data: ``x ~= float(q) * scale_inv`` of the element's block.
+
+    ``block_dim`` 1: 1x128 blocks along the rows of each copy; 2: 128x128 blocks. Each copy is a
+    matrix ``[R, C]`` whose blocks run along its rows: ``data`` (``x``'s shape, viewed as
+    ``[rows, k]``) with ``scale_inv``, and ``data_t`` (``[k, rows]``, the transpose, so its 1x128
+    blocks run down the columns of ``x``) with ``col_scale_inv``. Scale layouts of a copy
+    ``[R, C]`` (float32): 1D ``[ceil(C/128), R]`` (R contiguous: cuBLASLt's layout), 2D
+    ``[ceil(R/128), ceil(C/128)]``. Either pair may be None.
+    """
+
+    data: torch.Tensor | None
+    scale_inv: torch.Tensor | None
+    data_t: torch.Tensor | None
+    col_scale_inv: torch.Tensor | None
+    fp8_dtype: torch.dtype
+    shape: torch.Size
+    block_dim: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", torch.Size(self.shape))
+        if (self.data is None) != (self.scale_inv is None) or (self.data_t is None) != (
+            self.col_scale_inv is None
+        ):
+            raise ValueError("Float8BlockData: each copy needs both its data and its scale_inv")
+        if self.data is None and self.data_t is None:
+            raise ValueError("Float8BlockData: at least one of 'data' and 'data_t' must be given")
+        if self.block_dim not in (1, 2):
+            raise ValueError(f"Float8BlockData: 'block_dim' must be 1 or 2, got {self.block_dim!r}")
+        for name in ("data", "data_t"):
+            t = getattr(self, name)
+            if t is not None and t.dtype != self.fp8_dtype:
+                raise ValueError(
+                    f"Float8BlockData: '{name}' has dtype {t.dtype}, expected fp8_dtype "
+                    f"{self.fp8_dtype}"
+                )
+
+    @property
+    def device(self) -> torch.device:
+        t = self.data if self.data is not None else self.data_t
+        assert t is not None
+        return t.device
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self.data is not None
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self.data_t is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all tensors of this container (its memory footprint)."""
+        return _nbytes(self.data, self.scale_inv, self.data_t, self.col_scale_inv)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Exact dequantization of the rowwise copy (else of the columnwise one, transposed back),
+        rounded to ``dtype``, in ``shape``."""
+        _check_out_dtype("Float8BlockData.dequantize", dtype)
+        if self.data is not None:
+            return _ops.dequantize_fp8_block(self.data, self.scale_inv, self.block_dim, dtype)
+        out_t = _ops.dequantize_fp8_block(self.data_t, self.col_scale_inv, self.block_dim, dtype)
+        return out_t.t().reshape(self.shape)
+
+    def _map(self, fn: Any) -> Float8BlockData:
+        def f(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return replace(
+            self,
+            data=f(self.data),
+            scale_inv=f(self.scale_inv),
+            data_t=f(self.data_t),
+            col_scale_inv=f(self.col_scale_inv),
+        )
+
+    def to(self, device: torch.device | str) -> Float8BlockData:
+        return self._map(lambda t: t.to(device))
+
+    def detach(self) -> Float8BlockData:
+        return self._map(lambda t: t.detach())
+
+    def clone(self) -> Float8BlockData:
+        return self._map(lambda t: t.clone())
+
+
+QuantizedData = Float8Data | MXFP8Data | Float8BlockData
+
+
+# The containers are pytree nodes (their tensors are the children), so that code flattening
+# saved state -- the ops' autograd function passing what backward needs through
+# save_for_backward -- sees the quantized tensors themselves: saved-tensor hooks such as
+# activation checkpointing then free and recompute them like any other activation.
+def _flatten_float8(d: Float8Data) -> tuple[list[Any], Any]:
+    return [d.data, d.data_t, d.scale_inv], (d.fp8_dtype, tuple(d.shape))
+
+
+def _unflatten_float8(children: Any, context: Any) -> Float8Data:
+    data, data_t, scale_inv = children
+    return Float8Data(data, data_t, scale_inv, context[0], torch.Size(context[1]))
+
+
+def _flatten_mxfp8(d: MXFP8Data) -> tuple[list[Any], Any]:
+    return [d.data, d.scale, d.col_data, d.col_scale], (d.fp8_dtype, tuple(d.shape))
+
+
+def _unflatten_mxfp8(children: Any, context: Any) -> MXFP8Data:
+    data, scale, col_data, col_scale = children
+    return MXFP8Data(data, scale, col_data, col_scale, context[0], torch.Size(context[1]))
+
+
+def _flatten_block(d: Float8BlockData) -> tuple[list[Any], Any]:
+    children = [d.data, d.scale_inv, d.data_t, d.col_scale_inv]
+    return children, (d.fp8_dtype, tuple(d.shape), d.block_dim)
+
+
+def _unflatten_block(children: Any, context: Any) -> Float8BlockData:
+    data, scale_inv, data_t, col_scale_inv = children
+    dtype, shape, block_dim = context
+    shape = torch.Size(shape)
+    return Float8BlockData(data, scale_inv, data_t, col_scale_inv, dtype, shape, block_dim)
+
+
+pytree.register_pytree_node(Float8Data, _flatten_float8, _unflatten_float8)
+pytree.register_pytree_node(MXFP8Data, _flatten_mxfp8, _unflatten_mxfp8)
+pytree.register_pytree_node(Float8BlockData, _flatten_block, _unflatten_block)
+
+
+def qdata_tensors(qdata: QuantizedData) -> dict[str, torch.Tensor]:
+    """A container's tensors by field name, in field order (absent copies left out)."""
+    out = {}
+    for f in fields(qdata):
+        t = getattr(qdata, f.name)
+        if isinstance(t, torch.Tensor):
+            out[f.name] = t
+    return out
+
+
+def same_layout(a: QuantizedData, b: QuantizedData) -> bool:
+    """Same container type, same copies, and their tensors of the same shapes and dtypes."""
+    ta, tb = qdata_tensors(a), qdata_tensors(b)
+    return (
+        type(a) is type(b)
+        and ta.keys() == tb.keys()
+        and all(t.shape == tb[k].shape and t.dtype == tb[k].dtype for k, t in ta.items())
+    )
