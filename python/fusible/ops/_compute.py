@@ -174,9 +174,10 @@ def _gemm(
     no kernel for (gemm.h) is applied after it by the same bias add and GELU kernel the unfused
     ops use, so the result does not depend on which path ran.
     """
-    if _block_gemm(a, b):
+    ta_, tb_ = type(a), type(b)
+    if ta_ is Float8BlockData and tb_ is Float8BlockData and _block_gemm(a, b):
         return _gemm_blockwise(a, b, which, out_dtype, bias=bias, epilogue=epilogue, c=c)
-    if isinstance(a, Float8Data) and isinstance(b, Float8Data):
+    if ta_ is Float8Data and tb_ is Float8Data:
         am, bm = _fp8_copy(a, which[0]), _fp8_copy(b, which[1])
         scales: tuple[torch.Tensor | None, torch.Tensor | None] = (a.scale_inv, b.scale_inv)
         transa, transb = False, True  # the NT form: both operands K-contiguous

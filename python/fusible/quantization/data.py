@@ -94,8 +94,10 @@ class Float8Data:
         """A container of a quantize kernel's own outputs, which hold by construction what
         ``__post_init__`` checks (``shape`` a ``torch.Size``, the copies of ``fp8_dtype``):
         built without the dataclass machinery, on every cast of the hot path."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             # dynamo (torch 2.11) cannot trace a frozen dataclass's __dict__: the checked way.
+            # (is_dynamo_compiling: one call eagerly; dynamo folds it to True, as it does
+            # is_compiling -- torch/_dynamo/variables/torch.py, tracing_state_functions.)
             return cls(data, data_t, scale_inv, fp8_dtype, shape)
         obj = object.__new__(cls)
         obj.__dict__.update(

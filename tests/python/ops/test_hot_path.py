@@ -74,7 +74,9 @@ def test_parameter_dtype_change_builds_a_new_plan():
 # (CPU, Python 3.11, benchmarks/overhead.py; torch eager makes about 71). Measured with the kernels
 # as C++ torch operators (cpp/bindings/): bf16 404, delayed 771, current 656, mxfp8 719 (with the
 # peak-memory work of issue 13 -- operands dropped after their GEMMs, the weight quantized again
-# for dgrad -- 407, 797, 687, 743); with the
+# for dgrad -- 407, 797, 687, 743; at 7b8f1fd 407, 841, 689, 745; with session 7's trims 408,
+# 813, 677, 741, and after Float8BlockScaling, grouped operators and the activation table 418,
+# 820, 677, 757); with the
 # Python kernel wrappers before them: 702, 1566, 1409, 1611; before the executor rewrite
 # (60c0229): 1431, 2896, 2667, 3077. The issue's target (<= 2x torch eager) is not met: the rest
 # is the ops' and the executor's Python (README, "Host overhead").

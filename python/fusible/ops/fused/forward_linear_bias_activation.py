@@ -41,8 +41,12 @@ class ForwardLinearBiasActivation(FusedOperation):
     name = "linear_bias_activation"
     forward, backward = True, False
 
+    def __init__(self, ops: list[BasicOperation]) -> None:
+        super().__init__(ops)
+        self.epilogue = _epilogue(ops)  # fixed by the ops; read at every step
+
     def kernels(self, fwd: bool) -> list[str]:
-        epi = _epilogue(self.ops)
+        epi = self.epilogue
         linear: BasicLinear = self.ops[0]  # type: ignore[assignment]
         return [*linear.weight_kernels(fwd), linear.gemm_kernel(f"fprop, epilogue={epi}")]
 
@@ -54,7 +58,7 @@ class ForwardLinearBiasActivation(FusedOperation):
         lead = x.shape[:-1]
         xq, wq, _ = linear.fprop_operands(ctxs[0], x, w, out_dtype)
         act = len(self.ops) == 3
-        y, aux = C.gemm_fprop(xq, wq, out_dtype, bias=b.to(out_dtype), epilogue=_epilogue(self.ops))
+        y, aux = C.gemm_fprop(xq, wq, out_dtype, bias=b.to(out_dtype), epilogue=self.epilogue)
         del xq, wq  # freed before a hand-off cast allocates
         n = linear.out_features
         ctxs[1].attrs["dtype"] = b.dtype
