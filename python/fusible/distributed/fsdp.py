@@ -334,7 +334,7 @@ def fully_shard_fp8(
         if not isinstance(m, BasicLinear):
             continue
         w = m._parameters.get("weight")
-        where = f"{where}.weight"
+        where = f"{where}.weight" + (f" ({m.quantizer_name})" if m.quantizer_name else "")
         if w is None or isinstance(w, (DTensor, Float8AllGatherWeight)):
             continue  # sharded by an inner fully_shard, or already converted
         if isinstance(w, QuantizedTensor):
