@@ -40,6 +40,7 @@ from fusible import _kernels as K
 from fusible._kernels import HIGH_PRECISION_DTYPES
 from fusible.ops.basic.linear import BasicLinear
 from fusible.quantization.data import Float8Data
+from fusible.quantization.quantizers import Float8Quantizer
 from fusible.quantization.recipe import DelayedScaling, Float8CurrentScaling
 from fusible.quantization.roles import QuantizerRole
 from fusible.quantization.state import RecipeState, update_delayed_scaling
@@ -209,11 +210,11 @@ class Float8AllGatherWeight(torch.Tensor):
                 # resharded weight casts with its forward's scale, so dgrad reads the same bits.
                 update_delayed_scaling([state])
             q = state.quantizers[0]
-            assert q is not None
+            assert isinstance(q, Float8Quantizer)
             data, _, scale_inv, amax = K.quantize_fp8(x, q.scale, spec.fp8_dtype, True, False)
             if n > 1:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-            q.record_amax(amax)  # type: ignore[attr-defined]
+            q.record_amax(amax)
         if not _in_backward():
             spec.gathers += 1
         scale_bytes = scale_inv.reshape(1).to(torch.float32).view(torch.uint8)

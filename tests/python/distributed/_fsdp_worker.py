@@ -228,10 +228,14 @@ def all_gather_bytes() -> None:
             moved[how] = spy.inputs
         for got in moved["fp8"]:
             if got != (torch.uint8, n + 4):
-                raise AssertionError(f"fp8 {dtype}: all-gather input {got}, expected uint8 x {n + 4}")
+                raise AssertionError(
+                    f"fp8 {dtype}: all-gather input {got}, expected uint8 x {n + 4}"
+                )
         for got in moved["plain"]:
             if got != (dtype, n):
-                raise AssertionError(f"plain {dtype}: all-gather input {got}, expected {dtype} x {n}")
+                raise AssertionError(
+                    f"plain {dtype}: all-gather input {got}, expected {dtype} x {n}"
+                )
         # bf16: half the bytes (plus the 4-byte scale); fp32: a quarter.
         ratio = (n + 4) / (n * dtype.itemsize)
         if ratio > 1 / dtype.itemsize + 4 / n:
@@ -318,7 +322,7 @@ def compile_case() -> None:
     try:
         with fusible.autocast(recipe=R.Float8CurrentScaling()):
             c(rand(S, H, seed=1))
-    except Exception as e:  # noqa: BLE001 (dynamo wraps the op's RuntimeError)
+    except Exception as e:  # dynamo may wrap the op's RuntimeError
         if "torch.compile does not support quantized weights" not in str(e):
             raise
         return
