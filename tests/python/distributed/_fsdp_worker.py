@@ -99,10 +99,11 @@ def count_dequantize() -> Iterator[list[int]]:
             cls.dequantize = orig  # type: ignore[method-assign]
 
 
-def train(kind: str, rec_name: str) -> None:
+def train(kind: str, rec_name: str, reshard: bool = True) -> None:
     """Two SGD steps of ``fully_shard_fp8`` (inside a root ``fully_shard``, so the weights are
-    resharded after forward and all-gathered again for backward) against the unsharded module
-    whose Linear weights are the reference FP8 weights: quantize(full master, expected scale)."""
+    resharded after forward and all-gathered again for backward, unless ``reshard`` is False)
+    against the unsharded module whose Linear weights are the reference FP8 weights:
+    quantize(full master, expected scale)."""
     rec = R.Float8CurrentScaling() if rec_name == "current" else R.DelayedScaling()
     torch.manual_seed(0)
     ref = MAKERS[kind]()
@@ -111,7 +112,7 @@ def train(kind: str, rec_name: str) -> None:
     masters = [op.weight.detach().clone() for op in linears(ref)]
     names = [n for n, _ in ref.named_parameters()]
     model = torch.nn.Sequential(inner)
-    fully_shard_fp8(inner, recipe=rec, mesh=mesh())
+    fully_shard_fp8(inner, recipe=rec, mesh=mesh(), reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh())
     for op in linears(inner):
         local = op.weight.to_local()
@@ -126,6 +127,8 @@ def train(kind: str, rec_name: str) -> None:
             got.append((w.qdata.data.view(torch.uint8).clone(), w.qdata.scale_inv.clone()))
         seen.append(got)
 
+    spy = SpyAllGather()
+    inner.set_custom_all_gather(spy)
     inner.register_forward_pre_hook(capture)  # runs after FSDP2's (prepended) unshard hook
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     history: list[torch.Tensor] = []  # delayed: the amaxes of earlier steps' weights
@@ -179,6 +182,11 @@ def train(kind: str, rec_name: str) -> None:
             local = op.weight.to_local()
             exact(f"{tag} master shard after the step", local.master,
                   w.chunk(base.WORLD)[base.RANK])  # fmt: skip
+    gathers = 4 if reshard else 2  # per step: forward (+ backward when resharded)
+    if len(spy.inputs) != gathers:
+        raise AssertionError(
+            f"{kind} {rec_name}: {len(spy.inputs)} all-gathers, expected {gathers}"
+        )
     if len(seen) != 2:
         raise AssertionError(f"{kind} {rec_name}: {len(seen)} forward passes seen, expected 2")
 
@@ -186,6 +194,8 @@ def train(kind: str, rec_name: str) -> None:
 for _kind in MAKERS:
     for _rec in ("current", "delayed"):
         case(f"train_{_kind}_{_rec}")(lambda k=_kind, r=_rec: train(k, r))
+# Kept unsharded from forward to backward: one all-gather per step, no backward re-gather.
+case("train_lnmlp_delayed_no_reshard")(lambda: train("lnmlp", "delayed", reshard=False))
 
 
 class SpyAllGather(AllGather):
