@@ -5,12 +5,13 @@
 RecipeState), the modules ``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``
 (MoE experts), ``MultiheadAttention``, ``TransformerLayer`` (with ``RotaryPositionEmbedding``),
 and FP8 weights: ``fusible.quantized_model_init`` (build Linear weights quantized) with
-``fusible.optim`` (``MasterWeightOptimizer``: fp32 master weights on the optimizer side).
+``fusible.optim`` (``MasterWeightOptimizer``: fp32 master weights on the optimizer side), and
+``fusible.distributed`` (``fully_shard_fp8``: FSDP2 with an FP8 weight all-gather).
 """
 
 __version__ = "0.1.0"
 
-from fusible import ops, optim, quantization, recipe
+from fusible import distributed, ops, optim, quantization, recipe
 from fusible.modules import (
     GroupedLinear,
     LayerNormLinear,
@@ -35,6 +36,7 @@ __all__ = [
     "__version__",
     "autocast",
     "checkpoint",
+    "distributed",
     "ops",
     "optim",
     "quantization",

@@ -143,6 +143,10 @@ class QuantizedTensor(torch.Tensor):
                 return src._same(src._qdata.detach())
             if func is _aten.clone.default:
                 return src._same(src._qdata.clone())
+            if func is _aten.as_strided.default and _is_identity_view(src, args, kwargs):
+                # FSDP2 views the tensor fsdp_post_all_gather returns with its own size and
+                # contiguous stride (fusible.distributed.fully_shard_fp8): an alias, still FP8.
+                return src._same(src._qdata)
             if func is _aten._to_copy.default:
                 dtype = kwargs.get("dtype")
                 device = kwargs.get("device")
@@ -184,6 +188,20 @@ class QuantizedTensor(torch.Tensor):
             return t.dequantize() if isinstance(t, QuantizedTensor) else t
 
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def _is_identity_view(src: QuantizedTensor, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``as_strided(src, size, stride, offset)`` is ``src`` itself: its shape, the
+    contiguous strides of that shape, offset 0."""
+    params = list(args[1:]) + [kwargs.get(k) for k in ("size", "stride", "storage_offset")
+                               if k in kwargs]  # fmt: skip
+    size, stride = tuple(params[0]), tuple(params[1])
+    offset = params[2] if len(params) > 2 and params[2] is not None else 0
+    contiguous, n = [], 1
+    for d in reversed(size):
+        contiguous.append(n)
+        n *= max(int(d), 1)
+    return size == tuple(src.shape) and stride == tuple(reversed(contiguous)) and offset == 0
 
 
 def _copy_into(dst: QuantizedData, src: QuantizedData) -> None:

@@ -295,6 +295,12 @@ def test_quantized_tensor(kind):
     # kept quantized: detach / clone / to(device)
     for t2 in (t.detach(), t.clone(), t.to("cpu"), t.to(torch.bfloat16)):
         assert type(t2) is type(t) and torch.equal(t2.dequantize(), ref)
+    # as_strided to its own size and contiguous strides (FSDP2's view of an all-gathered
+    # parameter) is an alias, still quantized; any other as_strided sees the dequantized tensor
+    a = torch.as_strided(t, (4, 64), (64, 1), 0)
+    assert type(a) is type(t) and a.qdata.data is t.qdata.data
+    b = torch.as_strided(t, (2, 64), (64, 1), 0)
+    assert type(b) is torch.Tensor and torch.equal(b, ref[:2])
     # dtype change -> plain dequantized tensor
     f = t.float()
     assert type(f) is torch.Tensor and torch.equal(f, q.quantize(x).dequantize(torch.float32))

@@ -1,0 +1,365 @@
+"""FSDP2 with an FP8 weight all-gather: :func:`fully_shard_fp8`.
+
+``torch.distributed.fsdp.fully_shard`` all-gathers each parameter as it is stored (fp32 / bf16).
+``fully_shard_fp8`` makes every Linear weight of the module (``BasicLinear`` inside
+``fusible.Linear``, ``LayerNormLinear``, ``LayerNormMLP``) a :class:`Float8AllGatherWeight` --
+a tensor subclass holding the high-precision master *shard* -- and then calls ``fully_shard``.
+FSDP2 calls the subclass's all-gather extension points (torch's ``FSDPParam``:
+``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)`` on the sharded local
+tensor before the all-gather, ``fsdp_post_all_gather(outputs, metadata, param_dtype, *,
+out=None)`` after it, the same pair torchao's float8 training and TransformerEngine's
+``Float8Tensor`` implement):
+
+- ``fsdp_pre_all_gather`` quantizes this rank's shard to per-tensor FP8 with the scale agreed
+  across the FSDP group and returns its bytes (``uint8``, 1 byte per element) and its
+  ``scale_inv`` (4 bytes) as the all-gather inputs. Current scaling: the shard's amax is
+  ``all_reduce(MAX)``-ed over the group *before* the cast (as torchao's float8 FSDP2 path does),
+  so every rank casts with the whole weight's scale. Delayed scaling: the weight's own
+  one-slot state; the cast uses its scale, the amax is max-reduced after the cast and recorded
+  (so every rank's history, hence scale, is the same).
+- ``fsdp_post_all_gather`` wraps the gathered bytes and rank 0's ``scale_inv`` (views of FSDP's
+  all-gather output, no copy) in a ``Float8Tensor``: the unsharded parameter the Linear sees is
+  FP8, and ``BasicLinear`` uses a stored per-tensor FP8 weight as its GEMM operand as it is (no
+  weight quantize, no dequantize) when the autocast recipe's weight quantizer is per-tensor FP8
+  of the same FP8 dtype. The weight gradient is a plain tensor; FSDP2 reduce-scatters it into
+  the master shard's gradient as for any parameter.
+
+Everything else (the sharding, the flat all-gather buffer, the reduce-scatter, resharding,
+prefetching) is FSDP2's own. See docs/distributed.md, "FSDP2 with an FP8 weight all-gather".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from fusible import _kernels as K
+from fusible._kernels import HIGH_PRECISION_DTYPES
+from fusible.ops.basic.linear import BasicLinear
+from fusible.quantization.data import Float8Data
+from fusible.quantization.quantizers import Float8Quantizer
+from fusible.quantization.recipe import DelayedScaling, Float8CurrentScaling
+from fusible.quantization.roles import QuantizerRole
+from fusible.quantization.state import RecipeState, update_delayed_scaling
+from fusible.quantization.tensor import Float8Tensor, QuantizedTensor
+
+__all__ = ["Float8AllGatherWeight", "fully_shard_fp8"]
+
+_aten = torch.ops.aten
+
+# Ops whose result stays a Float8AllGatherWeight: what FSDP2 does to a parameter while sharding
+# it (chunk -> split, new_zeros + narrow -> slice + copy_, view) and moving it (_to_copy,
+# _pin_memory), and detach / clone / empty_like. Every other op sees the high-precision shard
+# and returns a plain tensor (the optimizer's in-place updates write into the shard).
+_PRESERVE = frozenset(
+    {
+        _aten.empty_like.default,
+        _aten.new_zeros.default,
+        _aten.slice.Tensor,
+        _aten.copy_.default,
+        _aten.view.default,
+        _aten.as_strided.default,
+        _aten._to_copy.default,
+        _aten._pin_memory.default,
+        _aten.split.Tensor,
+        _aten.clone.default,
+    }
+)
+
+
+@dataclass(eq=False)
+class _GatherSpec:
+    """How one weight is gathered: shared by every Float8AllGatherWeight made from it (the
+    shard, its padded copy, ...)."""
+
+    where: str  # "<Module>.<path>.weight", for messages
+    fp8_dtype: torch.dtype
+    margin: int
+    delayed: RecipeState | None = None  # DelayedScaling: the weight's own one-slot state
+    gathers: int = field(default=0)  # forward all-gathers so far (for tests and messages)
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass (FSDP2's pre-backward all-gather
+    of a resharded weight)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+class Float8AllGatherWeight(torch.Tensor):
+    """A Linear weight's high-precision master shard whose FSDP2 all-gather moves FP8.
+
+    Made by :func:`fully_shard_fp8` (before ``fully_shard`` shards it: FSDP2 keeps the subclass
+    as the local tensor of the sharded ``DTensor`` parameter). It behaves as the high-precision
+    tensor it holds (``.master``) for every op -- the optimizer updates the master in place --
+    and implements FSDP2's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (see the module
+    docstring): the unsharded parameter is a ``Float8Tensor`` of the whole weight.
+    """
+
+    _tensor: torch.Tensor
+    _spec: _GatherSpec
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, spec: _GatherSpec) -> Float8AllGatherWeight:
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            requires_grad=False,
+        )
+        self._tensor = tensor
+        self._spec = spec
+        return self
+
+    @property
+    def master(self) -> torch.Tensor:
+        """The high-precision tensor held (this rank's master shard under FSDP2)."""
+        return self._tensor
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self._spec.fp8_dtype
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        kind = "delayed" if self._spec.delayed is not None else "current"
+        return (
+            f"Float8AllGatherWeight({self._spec.where}, shape={tuple(self.shape)}, "
+            f"dtype={self.dtype}, fp8_dtype={self._spec.fp8_dtype}, scaling={kind})"
+        )
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["_tensor"], self._spec
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], spec: Any, outer_size: Any, outer_stride: Any
+    ) -> Float8AllGatherWeight:
+        return Float8AllGatherWeight(inner["_tensor"], spec)
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is _aten.detach.default:
+            src = args[0]
+            return cls(src._tensor.detach(), src._spec)
+        spec: _GatherSpec | None = None
+
+        def unwrap(t: Float8AllGatherWeight) -> torch.Tensor:
+            nonlocal spec
+            spec = spec or t._spec
+            return t._tensor
+
+        a, k = tree_map_only(cls, unwrap, (args, kwargs))
+        out = func(*a, **k)
+        schema = getattr(func, "_schema", None)
+        if schema is not None and schema.is_mutable and args and isinstance(args[0], cls):
+            return args[0]  # in place: the inner tensor was written, the wrapper is the result
+        if func not in _PRESERVE or spec is None:
+            return out
+        final = spec
+        return tree_map_only(torch.Tensor, lambda t: cls(t, final), out)
+
+    # ---- FSDP2's all-gather extension points ------------------------------------------------
+
+    def fsdp_pre_all_gather(
+        self,
+        mesh: Any,
+        outer_size: torch.Size,
+        outer_stride: tuple[int, ...],
+        module: torch.nn.Module,
+        mp_policy: Any,
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """This rank's shard, quantized with the scale agreed over ``mesh``'s group: its FP8
+        bytes (``uint8``, the shard's shape) and its ``scale_inv`` (4 ``uint8`` bytes). The
+        master is cast as it is (an fp32 master rounds once, straight to FP8);
+        ``mp_policy.param_dtype`` only sets the gathered tensor's nominal dtype."""
+        import torch.distributed as dist
+
+        spec = self._spec
+        x = self._tensor.contiguous()
+        n = int(mesh.size())
+        if x.shape[0] * n != outer_size[0]:
+            raise RuntimeError(
+                f"fully_shard_fp8: {spec.where}: expected an even shard of {outer_size[0]} rows "
+                f"over {n} ranks, got {x.shape[0]} rows on this rank"
+            )
+        group = mesh.get_group()
+        if spec.delayed is None:
+            amax = K.compute_amax(x)
+            if n > 1:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+            scale, _ = K.compute_scale(amax, spec.fp8_dtype, spec.margin)
+            data, _, scale_inv, _ = K.quantize_fp8(x, scale, spec.fp8_dtype, True, False)
+        else:
+            state = spec.delayed
+            if state.device != x.device:
+                state.to(x.device)
+            if not _in_backward():
+                # A new forward pass: the scale from the amaxes recorded so far (each step's
+                # forward casts with the previous steps' history); the backward re-gather of a
+                # resharded weight casts with its forward's scale, so dgrad reads the same bits.
+                update_delayed_scaling([state])
+            q = state.quantizers[0]
+            assert isinstance(q, Float8Quantizer)
+            data, _, scale_inv, amax = K.quantize_fp8(x, q.scale, spec.fp8_dtype, True, False)
+            if n > 1:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+            q.record_amax(amax)
+        if not _in_backward():
+            spec.gathers += 1
+        scale_bytes = scale_inv.reshape(1).to(torch.float32).view(torch.uint8)
+        return (data.view(torch.uint8), scale_bytes), (spec.fp8_dtype,)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        """The unsharded weight: a ``Float8Tensor`` viewing FSDP2's all-gather outputs (the
+        bytes as the FP8 dtype, rank 0's ``scale_inv``: every rank's is the same). With
+        ``out`` (the unsharded parameter of an earlier all-gather, whose views already alias
+        the refilled outputs) nothing is left to do."""
+        data_u8, scale_u8 = all_gather_outputs
+        (fp8_dtype,) = metadata
+        data = data_u8.view(fp8_dtype)
+        scale_inv = scale_u8.view(torch.float32)[:1]
+        if out is not None:
+            if not isinstance(out, Float8Tensor):
+                raise RuntimeError(
+                    f"fully_shard_fp8: {self._spec.where}: FSDP2 passed an unsharded parameter "
+                    f"of type {type(out).__name__}, expected the Float8Tensor it was given"
+                )
+            held = out.qdata
+            assert isinstance(held, Float8Data) and held.data is not None
+            if held.data.data_ptr() != data.data_ptr():
+                held.data.copy_(data)
+                held.scale_inv.copy_(scale_inv)
+            return None
+        qdata = Float8Data(data, None, scale_inv, fp8_dtype, torch.Size(data.shape))
+        return Float8Tensor(qdata, dtype=param_dtype), (data_u8, scale_u8)
+
+
+def _recipe_spec(recipe: Any, where: str, op: BasicLinear, device: torch.device) -> _GatherSpec:
+    dtype = recipe.fp8_format.dtype("forward")
+    if isinstance(recipe, Float8CurrentScaling):
+        return _GatherSpec(where, dtype, recipe.margin)
+    role = QuantizerRole("weight", op.scope, op.quantizer_name)
+    state = RecipeState.create(recipe, mode="forward", num_quantizers=1, roles=[role],
+                               device=device)  # fmt: skip
+    return _GatherSpec(where, dtype, recipe.margin, delayed=state)
+
+
+def fully_shard_fp8(
+    module: torch.nn.Module, *, recipe: Any = None, mesh: Any = None, **kwargs: Any
+) -> Any:
+    """``torch.distributed.fsdp.fully_shard(module, mesh=mesh, **kwargs)`` with the Linear
+    weights of ``module`` all-gathered in FP8 (see the module docstring); returns what
+    ``fully_shard`` returns (the module, now an ``FSDPModule``).
+
+    ``recipe``: how the weights are quantized for the all-gather -- ``Float8CurrentScaling()``
+    (the default; its ``fp8_format`` forward dtype and ``margin``) or ``DelayedScaling()`` (each
+    weight gets its own one-slot amax history, updated at each forward all-gather). Run the
+    model under a ``fusible.autocast`` whose weight quantizer is per-tensor FP8 of the same FP8
+    dtype (``Float8CurrentScaling`` or ``DelayedScaling`` with the same format): the gathered
+    weight is then the GEMM's operand as it is. Under another recipe, or without autocast, the
+    Linear computes with the gathered weight dequantized (correct, but the full weight exists in
+    high precision for that GEMM).
+
+    Every ``BasicLinear`` weight inside ``module`` not already sharded by an inner
+    ``fully_shard`` is converted; other parameters (norms, biases) are gathered by FSDP2 as
+    usual. Apply it per layer and then ``fully_shard`` (or ``fully_shard_fp8``) on the root, as
+    with ``fully_shard``. Plain ``fully_shard`` is unchanged.
+
+    Errors (``ValueError`` / ``TypeError``, on every rank, before any collective): a recipe
+    other than the two above; ``shard_placement_fn`` (the FP8 gather shards the rows); a mesh
+    that is not 1-D; a weight whose rows (``out_features``) do not divide by the mesh size; a
+    quantized weight (``quantized_model_init``); a non-fp32/bf16/fp16 weight; a tensor-parallel
+    module (``tp_group`` with more than one rank); a module without a Linear weight to gather.
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    fn = "fully_shard_fp8"
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{fn}: 'module' must be a torch.nn.Module, got {type(module).__name__}")
+    top = type(module).__name__
+    if recipe is None:
+        recipe = Float8CurrentScaling()
+    if not isinstance(recipe, (Float8CurrentScaling, DelayedScaling)):
+        raise ValueError(
+            f"{fn} ({top}): 'recipe' must be Float8CurrentScaling() or DelayedScaling() (one "
+            f"per-tensor FP8 scale per weight, agreed across the ranks), got {recipe!r}; "
+            "MXFP8 and blockwise weights are not gathered in FP8 (use plain fully_shard)"
+        )
+    if kwargs.get("shard_placement_fn") is not None:
+        raise ValueError(
+            f"{fn} ({top}): 'shard_placement_fn' is not supported: the FP8 all-gather shards "
+            "each weight by rows (FSDP2's default Shard(0))"
+        )
+    if mesh is not None:
+        if int(mesh.ndim) != 1:
+            raise ValueError(
+                f"{fn} ({top}): 'mesh' must be a 1-D DeviceMesh (FSDP; HSDP is not supported), "
+                f"got {mesh.ndim} dimensions"
+            )
+        world = int(mesh.size())
+    else:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"{fn} ({top}): torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group() first"
+            )
+        world = int(dist.get_world_size())
+    targets: list[tuple[BasicLinear, str]] = []
+    for path, m in module.named_modules():
+        where = top + (f".{path}" if path else "")
+        if int(getattr(m, "tp_size", 1) or 1) > 1:
+            raise ValueError(
+                f"{fn}: {where} is tensor-parallel (tp_size {m.tp_size}); FSDP2 + tensor "
+                "parallelism (2-D meshes) is not supported"
+            )
+        if not isinstance(m, BasicLinear):
+            continue
+        w = m._parameters.get("weight")
+        where = f"{where}.weight" + (f" ({m.quantizer_name})" if m.quantizer_name else "")
+        if w is None or isinstance(w, (DTensor, Float8AllGatherWeight)):
+            continue  # sharded by an inner fully_shard, or already converted
+        if isinstance(w, QuantizedTensor):
+            raise ValueError(
+                f"{fn}: {where} is a quantized weight ({type(w).__name__}, from "
+                "quantized_model_init); the FP8 all-gather quantizes high-precision master "
+                "weights: build the model without quantized_model_init"
+            )
+        if w.dtype not in HIGH_PRECISION_DTYPES:
+            raise ValueError(f"{fn}: {where} must be float32, bfloat16 or float16, got {w.dtype}")
+        if w.shape[0] % world:
+            raise ValueError(
+                f"{fn}: {where} has {w.shape[0]} rows (out_features), not divisible by the "
+                f"{world} ranks of the mesh; the FP8 all-gather needs an even shard per rank"
+            )
+        targets.append((m, where))
+    if not targets:
+        raise ValueError(
+            f"{fn}: {top} has no Linear weight to all-gather in FP8 (no BasicLinear with a "
+            "high-precision weight that is not already sharded)"
+        )
+    for m, where in targets:
+        w = m.weight
+        spec = _recipe_spec(recipe, where, m, w.device)
+        wrapped = Float8AllGatherWeight(w.detach(), spec)
+        m.weight = torch.nn.Parameter(wrapped, requires_grad=w.requires_grad)
+    return fully_shard(module, mesh=mesh, **kwargs)

@@ -1,0 +1,344 @@
+"""One rank of the FSDP2 FP8 weight all-gather tests (test_fsdp_fp8.py): ``fully_shard_fp8``
+against the unsharded module running with the same FP8 weights. Same harness as _tp_worker.py
+(whose helpers and ``main`` it reuses): ``python _fsdp_worker.py RANK WORLD PORT OUT_DIR
+[CASES]``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import _tp_worker as base
+import torch
+import torch.distributed as dist
+from _tp_worker import exact, rand
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+import fusible
+from fusible import _kernels as K
+from fusible import recipe as R
+from fusible.distributed import Float8AllGatherWeight, fully_shard_fp8
+from fusible.ops.basic.linear import BasicLinear
+from fusible.quantization.data import Float8Data
+from fusible.quantization.tensor import Float8Tensor, QuantizedTensor
+
+S, H, F = base.S, base.H, base.F
+E4M3 = torch.float8_e4m3fn
+LR = 0.5
+CASES: list[Any] = []
+MAKERS: dict[str, Callable[[], torch.nn.Module]] = {
+    "linear": lambda: fusible.Linear(H, F),
+    "lnlinear": lambda: fusible.LayerNormLinear(H, F),
+    "lnmlp": lambda: fusible.LayerNormMLP(H, F),
+}
+
+
+def case(name: str) -> Any:
+    def deco(fn: Any) -> Any:
+        CASES.append((name, fn))
+        return fn
+
+    return deco
+
+
+def mesh() -> Any:
+    # An explicit CPU mesh (see _tp_worker.fsdp2: the default follows the accelerator).
+    return init_device_mesh("cpu", (base.WORLD,))
+
+
+def linears(m: torch.nn.Module) -> list[BasicLinear]:
+    return [o for o in m.modules() if isinstance(o, BasicLinear)]
+
+
+def amax(w: torch.Tensor) -> torch.Tensor:
+    return K.compute_amax(w.contiguous())
+
+
+def scale_of(a: torch.Tensor) -> torch.Tensor:
+    return K.compute_scale(a, E4M3, 0)[0]
+
+
+def fp8_param(w: torch.Tensor, scale: torch.Tensor) -> torch.nn.Parameter:
+    """The whole weight ``w`` cast to E4M3 with ``scale`` (the reference's FP8 weight)."""
+    data, _, scale_inv, _ = K.quantize_fp8(w.contiguous(), scale, E4M3, True, False)
+    qd = Float8Data(data, None, scale_inv, E4M3, w.shape)
+    return torch.nn.Parameter(Float8Tensor(qd, dtype=w.dtype), requires_grad=True)
+
+
+def step(m: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, rec: Any) -> tuple[Any, Any]:
+    x = x.detach().clone().requires_grad_()
+    with fusible.autocast(recipe=rec):
+        y = m(x)
+    y.backward(dy)
+    return y.detach(), x.grad
+
+
+@contextlib.contextmanager
+def count_dequantize() -> Iterator[list[int]]:
+    """Counts calls of every dequantize of a quantized weight (the tensor subclass and the
+    containers): none may run while the FSDP model computes with its gathered FP8 weights."""
+    calls = [0]
+    originals = {cls: cls.dequantize for cls in (QuantizedTensor, Float8Data)}
+
+    def wrap(orig: Any) -> Any:
+        def fn(self: Any, *a: Any, **k: Any) -> Any:
+            calls[0] += 1
+            return orig(self, *a, **k)
+
+        return fn
+
+    for cls, orig in originals.items():
+        cls.dequantize = wrap(orig)  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        for cls, orig in originals.items():
+            cls.dequantize = orig  # type: ignore[method-assign]
+
+
+def train(kind: str, rec_name: str, reshard: bool = True) -> None:
+    """Two SGD steps of ``fully_shard_fp8`` (inside a root ``fully_shard``, so the weights are
+    resharded after forward and all-gathered again for backward, unless ``reshard`` is False)
+    against the unsharded module whose Linear weights are the reference FP8 weights:
+    quantize(full master, expected scale)."""
+    rec = R.Float8CurrentScaling() if rec_name == "current" else R.DelayedScaling()
+    torch.manual_seed(0)
+    ref = MAKERS[kind]()
+    inner = MAKERS[kind]()
+    inner.load_state_dict(ref.state_dict())
+    masters = [op.weight.detach().clone() for op in linears(ref)]
+    names = [n for n, _ in ref.named_parameters()]
+    model = torch.nn.Sequential(inner)
+    fully_shard_fp8(inner, recipe=rec, mesh=mesh(), reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh())
+    for op in linears(inner):
+        local = op.weight.to_local()
+        assert isinstance(local, Float8AllGatherWeight), type(local)
+    seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+
+    def capture(mod: torch.nn.Module, args: Any) -> None:
+        got = []
+        for op in linears(mod):
+            w = op.weight
+            assert type(w) is Float8Tensor or isinstance(w, Float8Tensor), type(w)
+            got.append((w.qdata.data.view(torch.uint8).clone(), w.qdata.scale_inv.clone()))
+        seen.append(got)
+
+    spy = SpyAllGather()
+    inner.set_custom_all_gather(spy)
+    inner.register_forward_pre_hook(capture)  # runs after FSDP2's (prepended) unshard hook
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    history: list[torch.Tensor] = []  # delayed: the amaxes of earlier steps' weights
+    out_dim = H if kind == "lnmlp" else F
+    for k in range(2):
+        x = rand(S, H, seed=60 + 10 * k + base.RANK)
+        dy = rand(S, out_dim, seed=61 + 10 * k + base.RANK)
+        if rec_name == "current":
+            scales = [scale_of(amax(w)) for w in masters]
+        elif k == 0:
+            scales = [torch.ones(1) for _ in masters]
+        else:
+            scales = [scale_of(torch.stack([h[i] for h in history]).amax(0)) for i in
+                      range(len(masters))]  # fmt: skip
+        history.append(torch.stack([amax(w) for w in masters]))
+        for op, w, s in zip(linears(ref), masters, scales, strict=True):
+            op.weight = fp8_param(w, s)
+        y_ref, dx_ref = step(ref, x, dy, rec)
+        with count_dequantize() as calls:
+            y, dx = step(model, x, dy, rec)
+        tag = f"{kind} {rec_name} step {k}"
+        if calls[0]:
+            raise AssertionError(f"{tag}: {calls[0]} dequantize call(s) of a quantized weight")
+        # The gathered FP8 weight == quantize(full weight, agreed scale), bit for bit.
+        for i, (op, (data, scale_inv)) in enumerate(zip(linears(ref), seen[-1], strict=True)):
+            exact(f"{tag} gathered weight {i} bytes", data, op.weight.qdata.data.view(torch.uint8))
+            exact(f"{tag} gathered weight {i} scale_inv", scale_inv, op.weight.qdata.scale_inv)
+        exact(f"{tag} output", y, y_ref)
+        exact(f"{tag} dx", dx, dx_ref)
+        # FSDP2's gradient is the mean over ranks of every rank's gradient (reduce-scatter).
+        avg = {}
+        for n, q in ref.named_parameters():
+            g = q.grad.clone()
+            dist.all_reduce(g)
+            avg[n] = g / base.WORLD
+        for (n, p), n_ref in zip(inner.named_parameters(), names, strict=True):
+            assert n == n_ref, (n, n_ref)
+            exact(f"{tag} grad {n}", p.grad.full_tensor(), avg[n])
+        opt.step()
+        opt.zero_grad()
+        # The same update of the reference's masters (SGD: p += -lr * grad).
+        lin_names = [n for n, q in ref.named_parameters() if isinstance(q, QuantizedTensor)]
+        for n, q in ref.named_parameters():
+            if n not in lin_names:
+                with torch.no_grad():
+                    q.add_(avg[n], alpha=-LR)
+            q.grad = None
+        for w, n in zip(masters, lin_names, strict=True):
+            w.add_(avg[n], alpha=-LR)
+        for op, w in zip(linears(inner), masters, strict=True):
+            local = op.weight.to_local()
+            exact(f"{tag} master shard after the step", local.master,
+                  w.chunk(base.WORLD)[base.RANK])  # fmt: skip
+    gathers = 4 if reshard else 2  # per step: forward (+ backward when resharded)
+    if len(spy.inputs) != gathers:
+        raise AssertionError(
+            f"{kind} {rec_name}: {len(spy.inputs)} all-gathers, expected {gathers}"
+        )
+    if len(seen) != 2:
+        raise AssertionError(f"{kind} {rec_name}: {len(seen)} forward passes seen, expected 2")
+
+
+for _kind in MAKERS:
+    for _rec in ("current", "delayed"):
+        case(f"train_{_kind}_{_rec}")(lambda k=_kind, r=_rec: train(k, r))
+# Kept unsharded from forward to backward: one all-gather per step, no backward re-gather.
+case("train_lnmlp_delayed_no_reshard")(lambda: train("lnmlp", "delayed", reshard=False))
+
+
+class SpyAllGather(AllGather):
+    """FSDP2's all-gather (the same collective), recording each input's dtype and size."""
+
+    def __init__(self) -> None:
+        self.inputs: list[tuple[torch.dtype, int]] = []
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+        async_op: bool = False,
+    ) -> Any:  # fmt: skip
+        self.inputs.append((input_tensor.dtype, input_tensor.numel()))
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+@case("all_gather_bytes")
+def all_gather_bytes() -> None:
+    """The all-gather input is the FP8 bytes plus the 4-byte scale_inv: 1 byte per element,
+    half of bf16's 2, a quarter of fp32's 4; plain fully_shard moves the weight as stored."""
+    n = F * H // base.WORLD  # elements of a rank's shard
+    for dtype in (torch.float32, torch.bfloat16):
+        moved = {}
+        for how in ("fp8", "plain"):
+            torch.manual_seed(0)
+            m = fusible.Linear(H, F, bias=False, dtype=dtype)
+            if how == "fp8":
+                fully_shard_fp8(m, mesh=mesh())
+            else:
+                fully_shard(m, mesh=mesh())
+            spy = SpyAllGather()
+            m.set_custom_all_gather(spy)
+            x = rand(S, H, seed=7).to(dtype)
+            step(m, x, torch.ones(S, F, dtype=dtype), R.Float8CurrentScaling())
+            if not spy.inputs:
+                raise AssertionError(f"{how} {dtype}: no all-gather seen")
+            moved[how] = spy.inputs
+        for got in moved["fp8"]:
+            if got != (torch.uint8, n + 4):
+                raise AssertionError(
+                    f"fp8 {dtype}: all-gather input {got}, expected uint8 x {n + 4}"
+                )
+        for got in moved["plain"]:
+            if got != (dtype, n):
+                raise AssertionError(
+                    f"plain {dtype}: all-gather input {got}, expected {dtype} x {n}"
+                )
+        # bf16: half the bytes (plus the 4-byte scale); fp32: a quarter.
+        ratio = (n + 4) / (n * dtype.itemsize)
+        if ratio > 1 / dtype.itemsize + 4 / n:
+            raise AssertionError(f"{dtype}: fp8 moved {n + 4} bytes, plain {n * dtype.itemsize}")
+
+
+@case("mixed_group")
+def mixed_group() -> None:
+    """A module whose FSDP group mixes an FP8-gathered weight with plain parameters (norm,
+    bias) and a second gathered weight: FSDP2 packs them into one uint8 buffer; the norm and
+    the bias arrive as stored."""
+    torch.manual_seed(0)
+    m = fusible.LayerNormMLP(H, F)
+    fully_shard_fp8(m, mesh=mesh())
+    spy = SpyAllGather()
+    m.set_custom_all_gather(spy)
+    step(m, rand(S, H, seed=3), torch.ones(S, H), R.Float8CurrentScaling())
+    fp8 = (F * H // base.WORLD + 4) * 2  # fc1 [F, H] and fc2 [H, F], each with its scale_inv
+    plain = (H + H + F + H) * 4 // base.WORLD  # norm weight + bias, fc1 bias, fc2 bias (fp32)
+    for got in spy.inputs:
+        if got != (torch.uint8, fp8 + plain):
+            raise AssertionError(f"all-gather input {got}, expected uint8 x {fp8 + plain}")
+
+
+@case("plain_fully_shard_unchanged")
+def plain_fully_shard_unchanged() -> None:
+    """After fully_shard_fp8 on one model, plain fully_shard on another behaves as before: the
+    output equals the unsharded module's bit for bit and its weight stays a plain DTensor."""
+    torch.manual_seed(0)
+    ref = fusible.Linear(H, F)
+    m = fusible.Linear(H, F)
+    m.load_state_dict(ref.state_dict())
+    fully_shard_fp8(fusible.Linear(H, F), mesh=mesh())
+    fully_shard(m, mesh=mesh())
+    assert type(m.get_parameter("0.weight").to_local()) is torch.Tensor
+    x, dy = rand(S, H, seed=5), rand(S, F, seed=6)
+    for rec in (None, R.Float8CurrentScaling()):
+        a = step(m, x, dy, rec)[0]
+        b = step(ref, x, dy, rec)[0]
+        exact(f"plain fully_shard output ({rec})", a, b)
+
+
+@case("bad_input")
+def bad_input() -> None:
+    raises = base._raises
+    g = dist.group.WORLD
+    raises(lambda: fully_shard_fp8("model"), "fully_shard_fp8", "'module'")  # type: ignore[arg-type]
+    raises(lambda: fully_shard_fp8(fusible.Linear(H, F), recipe=R.MXFP8BlockScaling(), mesh=mesh()),
+           "fully_shard_fp8 (Linear)", "'recipe'", "MXFP8BlockScaling")  # fmt: skip
+    raises(lambda: fully_shard_fp8(fusible.Linear(H, F), recipe=R.Float8BlockScaling(),
+                                   mesh=mesh()),
+           "'recipe'", "Float8BlockScaling")  # fmt: skip
+    raises(lambda: fully_shard_fp8(fusible.Linear(H, 63), mesh=mesh()),
+           "Linear.0.weight", "63 rows", "2 ranks")  # fmt: skip
+    raises(lambda: fully_shard_fp8(fusible.LayerNormMLP(H, 63), mesh=mesh()),
+           "LayerNormMLP.1.weight (fc1)", "63 rows")  # fmt: skip
+    raises(lambda: fully_shard_fp8(fusible.Linear(H, F), mesh=mesh(),
+                                   shard_placement_fn=lambda p: None),
+           "'shard_placement_fn'")  # fmt: skip
+    raises(lambda: fully_shard_fp8(fusible.Linear(H, F, tp_group=g, parallel_mode="column"),
+                                   mesh=mesh()),
+           "fully_shard_fp8", "Linear", "tensor-parallel")  # fmt: skip
+    with fusible.quantized_model_init(recipe=R.Float8CurrentScaling()):
+        qm = fusible.Linear(H, F)
+    raises(lambda: fully_shard_fp8(qm, mesh=mesh()), "Linear.0.weight", "quantized_model_init")
+    raises(lambda: fully_shard_fp8(torch.nn.LayerNorm(H), mesh=mesh()),
+           "LayerNorm", "no Linear weight")  # fmt: skip
+    two_d = init_device_mesh("cpu", (1, base.WORLD), mesh_dim_names=("rep", "shard"))
+    raises(lambda: fully_shard_fp8(fusible.Linear(H, F), mesh=two_d), "'mesh'", "1-D")
+    # Nothing was converted by a refused call: the module is still usable as it was.
+    m = fusible.Linear(H, 63)
+    raises(lambda: fully_shard_fp8(m, mesh=mesh()), "63 rows")
+    assert type(m.get_parameter("0.weight")) is torch.nn.Parameter
+
+
+@case("compile")
+def compile_case() -> None:
+    """torch.compile of a fully_shard_fp8 module is not supported: it fails with the quantized
+    weight's message (a stored FP8 weight is not traceable), not silently."""
+    torch.manual_seed(0)
+    m = fusible.Linear(H, F)
+    fully_shard_fp8(m, mesh=mesh())
+    c = torch.compile(m, fullgraph=True)
+    try:
+        with fusible.autocast(recipe=R.Float8CurrentScaling()):
+            c(rand(S, H, seed=1))
+    except Exception as e:  # dynamo may wrap the op's RuntimeError
+        if "torch.compile does not support quantized weights" not in str(e):
+            raise
+        return
+    raise AssertionError("torch.compile of a fully_shard_fp8 module ran; document it instead")
+
+
+if __name__ == "__main__":
+    base.CASES[:] = CASES
+    base.main()
