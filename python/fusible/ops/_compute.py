@@ -285,6 +285,24 @@ def _fp8_copy(x: Float8Data, which: str) -> torch.Tensor:
     return as_2d(m) if which == "r" else m
 
 
+def _replaced(x: Any, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+    """``dataclasses.replace(x, **dict(zip(names, values)))`` for a valid container whose change
+    keeps it valid (a copy dropped, or one made from the other): eagerly without the dataclass
+    machinery (a dozen calls), which dynamo cannot trace on a frozen dataclass's ``__dict__``."""
+    if torch.compiler.is_dynamo_compiling():
+        return replace(x, **dict(zip(names, values, strict=True)))
+    d = x.__dict__.copy()
+    for name, value in zip(names, values, strict=True):
+        d[name] = value
+    obj = object.__new__(type(x))
+    obj.__dict__.update(d)
+    return obj
+
+
+_DATA, _DATA_T, _DATA_SCALE = ("data",), ("data_t",), ("data", "scale")
+_NONE1, _NONE2 = (None,), (None, None)
+
+
 def ensure_fp8_copy(x: Any, which: str) -> Any:
     """``x`` with the per-tensor FP8 copy ``which`` ("r": rowwise, "c": transposed) a GEMM needs,
     made when missing by a byte transpose of the other copy (exact, same ``scale_inv``): how a
@@ -302,13 +320,15 @@ def ensure_fp8_copy(x: Any, which: str) -> Any:
         assert x.data_t is not None and x.col_scale_inv is not None
         data = _byte_transpose(x.data_t).reshape(x.shape)
         return replace(x, data=data, scale_inv=x.col_scale_inv.t().contiguous())
+    if type(x) is torch.Tensor:
+        return x
     if not isinstance(x, Float8Data) or (x.data if which == "r" else x.data_t) is not None:
         return x
     if which == "c":
         assert x.data is not None
-        return replace(x, data_t=_byte_transpose(as_2d(x.data)))
+        return _replaced(x, _DATA_T, (_byte_transpose(as_2d(x.data)),))
     assert x.data_t is not None
-    return replace(x, data=_byte_transpose(x.data_t).reshape(x.shape))
+    return _replaced(x, _DATA, (_byte_transpose(x.data_t).reshape(x.shape),))
 
 
 def can_requantize_columnwise(q: Quantizer) -> bool:
@@ -345,12 +365,17 @@ def keep_columnwise(x: Any) -> Any:
     The kept tensors are shared, not copied (a cached weight workspace stays the one storage).
     Containers without that copy (a stored FP8 weight keeps its rowwise copy only; backward
     transposes it, see :func:`ensure_fp8_copy`) and high-precision tensors are returned as is."""
-    if isinstance(x, Float8Data) and x.data is not None and x.data_t is not None:
-        return replace(x, data=None)
+    t = type(x)
+    if t is torch.Tensor:
+        return x
+    if t is Float8Data or (t is not MXFP8Data and isinstance(x, Float8Data)):
+        if x.data is not None and x.data_t is not None:
+            return _replaced(x, _DATA, _NONE1)
+        return x
     if isinstance(x, MXFP8Data) and x.data is not None and x.col_data is not None:
-        return replace(x, data=None, scale=None)
+        return _replaced(x, _DATA_SCALE, _NONE2)
     if isinstance(x, Float8BlockData) and x.data is not None and x.data_t is not None:
-        return replace(x, data=None, scale_inv=None)
+        return _replaced(x, ("data", "scale_inv"), _NONE2)
     return x
 
 
@@ -359,16 +384,21 @@ def without_copy(x: Any, which: str) -> Any:
     ``data`` / ``data_t``, MXFP8 ``data`` + ``scale`` / ``col_data`` + ``col_scale`` -- so that
     copy is freed once nothing else holds it. ``x`` as it is when it has no other copy (a
     container keeps at least one) or is not quantized."""
-    if isinstance(x, Float8Data) and x.data is not None and x.data_t is not None:
-        return replace(x, data_t=None) if which == "c" else replace(x, data=None)
+    t = type(x)
+    if t is torch.Tensor:
+        return x
+    if t is Float8Data or (t is not MXFP8Data and isinstance(x, Float8Data)):
+        if x.data is not None and x.data_t is not None:
+            return _replaced(x, _DATA_T if which == "c" else _DATA, _NONE1)
+        return x
     if isinstance(x, MXFP8Data) and x.data is not None and x.col_data is not None:
         if which == "c":
-            return replace(x, col_data=None, col_scale=None)
-        return replace(x, data=None, scale=None)
+            return _replaced(x, ("col_data", "col_scale"), _NONE2)
+        return _replaced(x, _DATA_SCALE, _NONE2)
     if isinstance(x, Float8BlockData) and x.data is not None and x.data_t is not None:
         if which == "c":
-            return replace(x, data_t=None, col_scale_inv=None)
-        return replace(x, data=None, scale_inv=None)
+            return _replaced(x, ("data_t", "col_scale_inv"), _NONE2)
+        return _replaced(x, ("data", "scale_inv"), _NONE2)
     return x
 
 
