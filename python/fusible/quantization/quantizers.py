@@ -129,13 +129,16 @@ class Quantizer:
 
     def _check_input(self, x: object) -> torch.Tensor:
         name = type(self).__name__
-        if not isinstance(x, torch.Tensor) or isinstance(x, QuantizedTensor):
+        # By type first: isinstance is a call (a QuantizedTensor is a subclass, never this).
+        if type(x) is not torch.Tensor and (
+            not isinstance(x, torch.Tensor) or isinstance(x, QuantizedTensor)
+        ):
             raise TypeError(f"{name}.quantize: 'x' must be a plain torch.Tensor, got {type(x)}")
         if x.dtype not in HIGH_PRECISION_DTYPES:
             raise TypeError(
                 f"{name}.quantize: 'x' must be float32, float16 or bfloat16, got {x.dtype}"
             )
-        if x.dim() == 0:
+        if x.ndim == 0:
             raise ValueError(f"{name}.quantize: 'x' must have at least one dimension, got a scalar")
         return x.contiguous()
 

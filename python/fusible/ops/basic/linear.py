@@ -500,6 +500,8 @@ def _with_columnwise(xq: Any, op: str) -> Any:
     quantized with this op's quantizer) carries the copies the quantizer's usage asked for; if
     that lacked the columnwise copy, a per-tensor one is made by an exact byte transpose; an
     MXFP8 columnwise copy cannot be made without the high-precision values."""
+    if type(xq) is Float8Data:
+        return C.ensure_fp8_copy(xq, "c")
     if isinstance(xq, Float8BlockData) and xq.data_t is None and xq.block_dim == 1:
         raise RuntimeError(
             f"{op}: the blockwise FP8 input or gradient handed over has no columnwise copy, which "
