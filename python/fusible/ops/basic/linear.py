@@ -352,7 +352,7 @@ class BasicLinear(QuantizedWeightOp):
                 # rowwise copy only, and saves the parameter (no copy) and, for delayed
                 # scaling, the scale it cast with.
                 requant = qw
-                w_scale = qw.scale.clone() if delayed else None
+                w_scale = qw.scale.clone() if delayed else None  # type: ignore[attr-defined]
                 wq, ctx.new_workspace = quantize_weight(wq, qw, None, False, columnwise=False)
             else:
                 wq, ctx.new_workspace = quantize_weight(
@@ -473,7 +473,8 @@ class LinearPrep:
         self.qx, self.qw = qx, qw
         self.qg = op.get_quantizer(False, "grad_output")
         self.need_wgrad, self.need_dgrad = need_wgrad, need_dgrad
-        self.blockwise = isinstance(qx, Float8BlockQuantizer) or isinstance(qw, Float8BlockQuantizer)
+        block = Float8BlockQuantizer
+        self.blockwise = isinstance(qx, block) or isinstance(qw, block)
         self.mx = isinstance(qx, MXFP8Quantizer) or isinstance(qw, MXFP8Quantizer)
         # Whether an operand may be MXFP8 data (the GEMM's operands are then dequantized first).
         self.may_mx = any(q is not None and type(q) not in _NOT_MX for q in (qx, qw, self.qg))
