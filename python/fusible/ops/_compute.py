@@ -178,7 +178,15 @@ def _gemm(
     if ta_ is Float8BlockData and tb_ is Float8BlockData and _block_gemm(a, b):
         return _gemm_blockwise(a, b, which, out_dtype, bias=bias, epilogue=epilogue, c=c)
     if ta_ is Float8Data and tb_ is Float8Data:
-        am, bm = _fp8_copy(a, which[0]), _fp8_copy(b, which[1])
+        wa, wb = which[0], which[1]
+        am = a.data if wa == "r" else a.data_t
+        bm = b.data if wb == "r" else b.data_t
+        if am is None or bm is None:
+            _fp8_copy(a, wa), _fp8_copy(b, wb)  # raises, naming the missing copy
+        if wa == "r":
+            am = am.reshape(-1, am.shape[-1])  # as_2d
+        if wb == "r":
+            bm = bm.reshape(-1, bm.shape[-1])
         scales: tuple[torch.Tensor | None, torch.Tensor | None] = (a.scale_inv, b.scale_inv)
         transa, transb = False, True  # the NT form: both operands K-contiguous
         if am.is_cuda and not _fp8_gemm_aligned(am, bm, out_dtype):
@@ -202,20 +210,27 @@ def _gemm(
         fused = False  # accumulation only composes with the none / bias epilogues
     bias_arg = None
     if fused and bias is not None:
-        bias_arg = bias.to(torch.bfloat16 if fp8 and gemm_out == torch.float32 else gemm_out)
+        bias_arg = _to(bias, torch.bfloat16 if fp8 and gemm_out == torch.float32 else gemm_out)
     d, aux, _, _ = K.gemm(
         am, bm, transa, transb, scales[0], scales[1], gemm_out, bias_arg,
-        epilogue if fused else "none", None, None if c is None else c.to(gemm_out), 1.0,
+        epilogue if fused else "none", None, None if c is None else _to(c, gemm_out), 1.0,
         0.0 if c is None else 1.0, None, False, fast_accum=fast_accum and fp8,
     )  # fmt: skip
     if not fused and epilogue != "none":
         if bias is not None:
-            d = d + bias.to(d.dtype)
+            d = d + _to(bias, d.dtype)
         if epilogue == "bias_gelu_aux":
             aux = d.contiguous()
             d = K.act_fwd(aux, "gelu", aux.dtype, "none", torch.float8_e4m3fn, None, True, False)[0]
-    d = d.to(out_dtype)
-    return d, (aux.to(out_dtype) if epilogue == "bias_gelu_aux" else None)
+    if d.dtype != out_dtype:
+        d = d.to(out_dtype)
+    return d, (_to(aux, out_dtype) if epilogue == "bias_gelu_aux" else None)
+
+
+def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, which is ``t`` itself when it has that dtype (checked here: a call less
+    on the hot path)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _block_gemm(a: Any, b: Any) -> bool:
@@ -285,6 +300,24 @@ def _fp8_copy(x: Float8Data, which: str) -> torch.Tensor:
     return as_2d(m) if which == "r" else m
 
 
+def _replaced(x: Any, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+    """``dataclasses.replace(x, **dict(zip(names, values)))`` for a valid container whose change
+    keeps it valid (a copy dropped, or one made from the other): eagerly without the dataclass
+    machinery (a dozen calls), which dynamo cannot trace on a frozen dataclass's ``__dict__``."""
+    if torch.compiler.is_dynamo_compiling():
+        return replace(x, **dict(zip(names, values, strict=True)))
+    d = x.__dict__.copy()
+    for name, value in zip(names, values, strict=True):
+        d[name] = value
+    obj = object.__new__(type(x))
+    obj.__dict__.update(d)
+    return obj
+
+
+_DATA, _DATA_T, _DATA_SCALE = ("data",), ("data_t",), ("data", "scale")
+_NONE1, _NONE2 = (None,), (None, None)
+
+
 def ensure_fp8_copy(x: Any, which: str) -> Any:
     """``x`` with the per-tensor FP8 copy ``which`` ("r": rowwise, "c": transposed) a GEMM needs,
     made when missing by a byte transpose of the other copy (exact, same ``scale_inv``): how a
@@ -292,23 +325,29 @@ def ensure_fp8_copy(x: Any, which: str) -> Any:
     128x128 blockwise copy likewise (its tile scales, transposed).
     The new copy lives in the returned container only (freed with it); ``x``'s tensors are
     shared. Anything else (high precision, MXFP8, a copy already there) is returned as is."""
-    if isinstance(x, Float8BlockData) and x.block_dim == 2:
-        if (x.data if which == "r" else x.data_t) is not None:
+    t = type(x)
+    if t is torch.Tensor or t is MXFP8Data:
+        return x
+    if t is not Float8Data:  # by type first: isinstance is a call
+        if isinstance(x, Float8BlockData) and x.block_dim == 2:
+            if (x.data if which == "r" else x.data_t) is not None:
+                return x
+            if which == "c":
+                assert x.data is not None and x.scale_inv is not None
+                data_t = _byte_transpose(as_2d(x.data))
+                return replace(x, data_t=data_t, col_scale_inv=x.scale_inv.t().contiguous())
+            assert x.data_t is not None and x.col_scale_inv is not None
+            data = _byte_transpose(x.data_t).reshape(x.shape)
+            return replace(x, data=data, scale_inv=x.col_scale_inv.t().contiguous())
+        if not isinstance(x, Float8Data):
             return x
-        if which == "c":
-            assert x.data is not None and x.scale_inv is not None
-            data_t = _byte_transpose(as_2d(x.data))
-            return replace(x, data_t=data_t, col_scale_inv=x.scale_inv.t().contiguous())
-        assert x.data_t is not None and x.col_scale_inv is not None
-        data = _byte_transpose(x.data_t).reshape(x.shape)
-        return replace(x, data=data, scale_inv=x.col_scale_inv.t().contiguous())
-    if not isinstance(x, Float8Data) or (x.data if which == "r" else x.data_t) is not None:
+    if (x.data if which == "r" else x.data_t) is not None:
         return x
     if which == "c":
         assert x.data is not None
-        return replace(x, data_t=_byte_transpose(as_2d(x.data)))
+        return _replaced(x, _DATA_T, (_byte_transpose(as_2d(x.data)),))
     assert x.data_t is not None
-    return replace(x, data=_byte_transpose(x.data_t).reshape(x.shape))
+    return _replaced(x, _DATA, (_byte_transpose(x.data_t).reshape(x.shape),))
 
 
 def can_requantize_columnwise(q: Quantizer) -> bool:
@@ -345,12 +384,17 @@ def keep_columnwise(x: Any) -> Any:
     The kept tensors are shared, not copied (a cached weight workspace stays the one storage).
     Containers without that copy (a stored FP8 weight keeps its rowwise copy only; backward
     transposes it, see :func:`ensure_fp8_copy`) and high-precision tensors are returned as is."""
-    if isinstance(x, Float8Data) and x.data is not None and x.data_t is not None:
-        return replace(x, data=None)
+    t = type(x)
+    if t is torch.Tensor:
+        return x
+    if t is Float8Data or (t is not MXFP8Data and isinstance(x, Float8Data)):
+        if x.data is not None and x.data_t is not None:
+            return _replaced(x, _DATA, _NONE1)
+        return x
     if isinstance(x, MXFP8Data) and x.data is not None and x.col_data is not None:
-        return replace(x, data=None, scale=None)
+        return _replaced(x, _DATA_SCALE, _NONE2)
     if isinstance(x, Float8BlockData) and x.data is not None and x.data_t is not None:
-        return replace(x, data=None, scale_inv=None)
+        return _replaced(x, ("data", "scale_inv"), _NONE2)
     return x
 
 
@@ -359,16 +403,21 @@ def without_copy(x: Any, which: str) -> Any:
     ``data`` / ``data_t``, MXFP8 ``data`` + ``scale`` / ``col_data`` + ``col_scale`` -- so that
     copy is freed once nothing else holds it. ``x`` as it is when it has no other copy (a
     container keeps at least one) or is not quantized."""
-    if isinstance(x, Float8Data) and x.data is not None and x.data_t is not None:
-        return replace(x, data_t=None) if which == "c" else replace(x, data=None)
+    t = type(x)
+    if t is torch.Tensor:
+        return x
+    if t is Float8Data or (t is not MXFP8Data and isinstance(x, Float8Data)):
+        if x.data is not None and x.data_t is not None:
+            return _replaced(x, _DATA_T if which == "c" else _DATA, _NONE1)
+        return x
     if isinstance(x, MXFP8Data) and x.data is not None and x.col_data is not None:
         if which == "c":
-            return replace(x, col_data=None, col_scale=None)
-        return replace(x, data=None, scale=None)
+            return _replaced(x, ("col_data", "col_scale"), _NONE2)
+        return _replaced(x, _DATA_SCALE, _NONE2)
     if isinstance(x, Float8BlockData) and x.data is not None and x.data_t is not None:
         if which == "c":
-            return replace(x, data_t=None, col_scale_inv=None)
-        return replace(x, data=None, scale_inv=None)
+            return _replaced(x, ("data_t", "col_scale_inv"), _NONE2)
+        return _replaced(x, ("data", "scale_inv"), _NONE2)
     return x
 
 

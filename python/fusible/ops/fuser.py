@@ -86,6 +86,12 @@ class Plan:
     id: int = -1
     # Per op: (params_requires_grad, input_requires_grad) as the op's OpContext gets them.
     flags: list[tuple[tuple[bool, ...], bool]] = field(default_factory=list)
+    # Per op: what it resolved for these flags (BasicOperation.prepare), its OpContext's ``prep``.
+    preps: list[Any] = field(default_factory=list)
+    # Templates of the backward's gradient lists (copied per step).
+    ctx_args: list[tuple[Any, Any]] = field(default_factory=list)  # (flags, prep) per op
+    param_grads_init: tuple[tuple[None, ...], ...] = ()
+    extra_in_grads_init: tuple[tuple[None, ...], ...] = ()
     param_bounds: list[tuple[int, int]] = field(default_factory=list)
     extra_in_bounds: list[tuple[int, int]] = field(default_factory=list)
     n_extra_in: int = 0
@@ -207,6 +213,10 @@ def build_plan(
         prg = tuple(p.requires_grad and grad_enabled for p in ps)
         plan.flags.append((prg, upstream))
         upstream = upstream or any(prg) or (grad_enabled and any(extra_rg[a:b]))
+    plan.preps = [op.prepare(f[0], f[1]) for op, f in zip(ops, plan.flags, strict=True)]
+    plan.ctx_args = list(zip(plan.flags, plan.preps, strict=True))
+    plan.param_grads_init = tuple((None,) * n for n in counts)
+    plan.extra_in_grads_init = tuple((None,) * n for n in n_in)
     h = plan.handoff
     for u in fwd:
         nxt = ops[u.stop].input_quantizer() if h and u.stop < len(ops) else None
@@ -294,8 +304,8 @@ def _backward_units(
     plan: Plan, ctxs: list[OpContext], dy: Any, extra_out_grads: list[Any]
 ) -> tuple[Any, list[Any], list[Any]]:
     ops = plan.ops
-    param_grads: list[Any] = [(None,) * n for n in plan.param_counts]
-    extra_in_grads: list[Any] = [(None,) * op.num_extra_inputs for op in ops]
+    param_grads: list[Any] = list(plan.param_grads_init)
+    extra_in_grads: list[Any] = list(plan.extra_in_grads_init)
     for start, stop, fused, prev, needed in plan.backward_steps:
         if not needed:
             break  # nothing at or before this unit needs a gradient
@@ -345,68 +355,102 @@ _QCONSTS: dict[type, tuple[str, ...]] = {
 }
 
 
-def _pack(saved_lists: list[list[Any]], tensors: list[torch.Tensor]) -> list[Any]:
+def _pack(saved_lists: list[list[Any]], tensors: list[torch.Tensor], fast: bool) -> list[Any]:
+    """The layout of ``saved_lists`` (one spec per op: an int per tensor -- its position in
+    ``tensors``, which gets it --, None, a container's spec, a pytree's spec). ``fast``
+    (eager): a container's fields are read from its ``__dict__`` (dynamo cannot trace that of a
+    frozen dataclass) and its spec is that dict with each tensor field replaced by its
+    position. Written without builtin calls per value: they are most of a step's Python."""
     layout: list[Any] = []
+    n = 0
     for saved in saved_lists:
         spec: list[Any] = []
         for v in saved:
             t = type(v)
             if v is None:
-                spec.append(None)
-            elif isinstance(v, torch.Tensor):
-                spec.append(len(tensors))
-                tensors.append(v)
+                spec += (None,)
+            elif t is torch.Tensor or t is torch.nn.Parameter:
+                spec += (n,)
+                tensors += (v,)
+                n += 1
             elif t in _QFIELDS:
+                if fast:
+                    d = v.__dict__.copy()
+                    for name in _QFIELDS[t]:
+                        f = d[name]
+                        if f is not None:
+                            d[name] = n
+                            tensors += (f,)
+                            n += 1
+                    spec += ((d, t),)
+                    continue
                 fields, consts = {}, {}
                 for name in _QFIELDS[t]:
                     f = getattr(v, name)
                     if f is not None:
-                        fields[name] = len(tensors)
-                        tensors.append(f)
+                        fields[name] = n
+                        tensors += (f,)
+                        n += 1
                 for name in _QCONSTS[t]:
                     consts[name] = getattr(v, name)
-                spec.append((t, fields, consts))
+                spec += ((t, fields, consts),)
+            elif isinstance(v, torch.Tensor):
+                spec += (n,)
+                tensors += (v,)
+                n += 1
             else:
                 leaves, tree = pytree.tree_flatten(v)
-                is_t = [isinstance(leaf, torch.Tensor) for leaf in leaves]
                 idx: list[int | None] = []
                 leaf_consts: list[Any] = []
-                for leaf, it in zip(leaves, is_t, strict=True):
-                    idx.append(len(tensors) if it else None)
-                    leaf_consts.append(None if it else leaf)
+                for leaf in leaves:
+                    it = isinstance(leaf, torch.Tensor)
+                    idx += (n if it else None,)
+                    leaf_consts += (None if it else leaf,)
                     if it:
-                        tensors.append(leaf)
-                spec.append(("tree", tree, leaf_consts, idx))
-        layout.append(spec)
+                        tensors += (leaf,)
+                        n += 1
+                spec += (("tree", tree, leaf_consts, idx),)
+        layout += (spec,)
     return layout
 
 
 def _unpack(layout: list[Any], tensors: Sequence[torch.Tensor], fast: bool) -> list[list[Any]]:
-    out = []
+    """The saved lists of :func:`_pack`'s ``layout``. ``fast``: the layout is a fast one and
+    nothing could have changed the saved tensors (no saved-tensor hooks at forward time),
+    so containers are rebuilt from a validated one's fields without a second validation."""
+    out: list[Any] = []
     for spec in layout:
         saved: list[Any] = []
         for s in spec:
             if s is None:
-                saved.append(None)
+                saved += (None,)
             elif type(s) is int:
-                saved.append(tensors[s])
+                saved += (tensors[s],)
             elif s[0] == "tree":
                 _, tree, leaves, idx = s
                 pairs = zip(leaves, idx, strict=True)
                 vals = [leaf if i is None else tensors[i] for leaf, i in pairs]
-                saved.append(pytree.tree_unflatten(vals, tree))
+                saved += (pytree.tree_unflatten(vals, tree),)
+            elif type(s[0]) is dict:  # a fast spec: the container's fields, tensors by position
+                d, cls = s
+                d = d.copy()
+                for name in _QFIELDS[cls]:
+                    i = d[name]
+                    if i is not None:
+                        d[name] = tensors[i]
+                if fast:
+                    obj = object.__new__(cls)
+                    obj.__dict__.update(d)
+                    saved += (obj,)
+                else:
+                    saved += (cls(**d),)
             else:
                 cls, fields, attrs = s
                 d = dict(attrs)
                 for name in _QFIELDS[cls]:
                     d[name] = tensors[fields[name]] if name in fields else None
-                if fast:  # rebuilt from a validated container: no second validation
-                    obj = object.__new__(cls)
-                    obj.__dict__.update(d)
-                    saved.append(obj)
-                else:
-                    saved.append(cls(**d))
-        out.append(saved)
+                saved += (cls(**d),)
+        out += (saved,)
     return out
 
 
@@ -432,7 +476,7 @@ class _PlanFunction(torch.autograd.Function):
         n_extra = plan.n_extra_in
         extra_in = [args[a:b] for a, b in plan.extra_in_bounds]
         params = [args[n_extra + a : n_extra + b] for a, b in plan.param_bounds]
-        ctxs = [OpContext(f[0], f[1]) for f in plan.flags]
+        ctxs = [OpContext(f[0], f[1], None, None, p) for f, p in plan.ctx_args]
         if calls is not None:
             for (i, _), call in zip(plan.call_ops, calls, strict=True):
                 ctxs[i].call = call
@@ -453,20 +497,26 @@ class _PlanFunction(torch.autograd.Function):
                 c.workspace[slot.key] = ws
             c.cache_weight[slot.key] = mode == 2
         y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
-        if not isinstance(y, torch.Tensor):
+        compiling = torch.compiler.is_compiling()
+        if type(y) is not torch.Tensor and not isinstance(y, torch.Tensor):
             y = y.dequantize()
-        elif not torch.compiler.is_compiling() and y._base is not None:
+        elif not compiling and y._base is not None:
             # A view (a GEMM's 2-D output reshaped) would make the output a view of an autograd
             # output, which in-place ops (y += residual) reject: an alias that is not a view.
             y = y.detach()
         tensors: list[torch.Tensor] = []
-        layout = _pack([c.saved for c in ctxs], tensors)
+        saved_lists: list[Any] = []
+        for c in ctxs:
+            saved_lists += (c.saved,)
+        layout = _pack(saved_lists, tensors, not compiling)
+        del saved_lists
         ctx.save_for_backward(*tensors)
         # Saved-tensor hooks (activation checkpointing, offloading, user hooks) may hand backward
         # other tensors than forward saved: their containers are then rebuilt with validation.
-        same = not torch.compiler.is_compiling() and not _saved_tensor_hooks_active()
-        ctx.fusible = (plan, layout, [c.attrs for c in ctxs], same)
-        flat_out = [t for eo in extra_out for t in eo]
+        same = not compiling and not _saved_tensor_hooks_active()
+        flat_out: list[Any] = []
+        for eo in extra_out:
+            flat_out += eo
         new_ws: list[torch.Tensor] = []
         for slot, mode in zip(plan.workspace_slots, ws_modes, strict=True):
             if mode == 2:
@@ -476,11 +526,19 @@ class _PlanFunction(torch.autograd.Function):
                 new_ws.extend(flatten_workspace(made)[0])  # type: ignore[arg-type]
         if new_ws:
             ctx.mark_non_differentiable(*new_ws)
+        if compiling:
+            ctx.fusible = (plan, layout, [c.attrs for c in ctxs], same)
+        else:
+            # Eagerly backward reuses the forward's contexts (their flags, prep, attrs), with
+            # the saved values handed back in place of what forward put there.
+            for c in ctxs:
+                c.saved, c.workspace, c.new_workspace = [], None, None
+            ctx.fusible = (plan, layout, ctxs, same)
         return (y, *flat_out, *new_ws)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor | None, *out_grads: torch.Tensor | None) -> Any:  # type: ignore[override]
-        plan, layout, attrs, same = ctx.fusible
+        plan, layout, held, same = ctx.fusible
         compiling = torch.compiler.is_compiling()
         # Containers are rebuilt without validation only when nothing could have changed the
         # saved tensors (no saved-tensor hooks at forward time). ``saved_tensors`` once:
@@ -493,26 +551,40 @@ class _PlanFunction(torch.autograd.Function):
             # (_backward_units), so an activation is freed after the last backward that reads
             # it instead of after the whole plan's backward.
             ctx.maybe_clear_saved_tensors()
-        ctxs = [
-            OpContext(f[0], f[1], s, a)
-            for f, s, a in zip(plan.flags, saved_lists, attrs, strict=True)
-        ]
+        if compiling:
+            ctxs = [
+                OpContext(f[0], f[1], s, a, p)
+                for (f, p), s, a in zip(plan.ctx_args, saved_lists, held, strict=True)
+            ]
+        else:
+            ctxs = held
+            for c, s in zip(ctxs, saved_lists, strict=True):
+                c.saved = s
+            del s  # the last list: its op's backward must hold the only reference
         del saved_lists
         eog: list[Any] = []
         pos = 0
         for n in plan.n_extra_out:
-            eog.append(list(out_grads[pos : pos + n]))
+            eog += (list(out_grads[pos : pos + n]),)
             pos += n
         if dy is not None and not dy.is_contiguous():
             dy = dy.contiguous()  # e.g. the expanded gradient of a sum(): kernels read rows
         dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
         if plan.backward_states:
             _autocast.end_backward_pass(plan.backward_states)
-        dx = _dequantize_if_needed(dx) if dx is not None and ctx.needs_input_grad[2] else None
-        flat_eg = [g for eg in extra_in_grads for g in eg]
-        flat_pg = [g for pg in param_grads for g in pg]
-        n_rest = len(ctx.needs_input_grad) - 3 - len(flat_eg) - len(flat_pg)
-        return (None, None, dx, *flat_eg, *flat_pg, *([None] * n_rest))
+        if dx is not None and ctx.needs_input_grad[2]:
+            if type(dx) is not torch.Tensor:
+                dx = _dequantize_if_needed(dx)
+        else:
+            dx = None
+        grads: list[Any] = [None, None, dx]
+        for eg in extra_in_grads:
+            grads += eg
+        for pg in param_grads:
+            grads += pg
+        # The rest: the workspace inputs (not differentiable).
+        grads += (None,) * (len(ctx.needs_input_grad) - 3 - plan.n_extra_in - plan.n_params)
+        return tuple(grads)
 
 
 def _cache(op: BasicOperation, key: int | None) -> WorkspaceCache:

@@ -43,12 +43,14 @@ class OpContext:
     with keys), dicts keyed by the workspace key (``workspace``: the keys handed in;
     ``cache_weight``: key -> bool; ``new_workspace``: the op fills one entry per key to cache);
     ``call``: the op's per-call constant (:meth:`BasicOperation.prepare_call`, e.g. the split
-    sizes of ``GroupedLinear``; None for ops without call keywords). A plain class with slots:
-    one is made per op per call."""
+    sizes of ``GroupedLinear``; None for ops without call keywords); ``prep``: what the op
+    resolved once for the plan running it (:meth:`BasicOperation.prepare`; None for a context
+    made outside a plan, where the op resolves it per call). A plain class with slots: one is
+    made per op per call (and reused by the plan's backward eagerly)."""
 
     __slots__ = (
         "attrs", "cache_weight", "call", "input_requires_grad", "new_workspace",
-        "params_requires_grad", "saved", "workspace",
+        "params_requires_grad", "prep", "saved", "workspace",
     )  # fmt: skip
 
     def __init__(
@@ -57,6 +59,7 @@ class OpContext:
         input_requires_grad: bool = True,
         saved: list[Any] | None = None,
         attrs: dict[str, Any] | None = None,
+        prep: Any = None,
     ) -> None:
         self.params_requires_grad = params_requires_grad
         self.input_requires_grad = input_requires_grad
@@ -66,6 +69,7 @@ class OpContext:
         self.cache_weight: Any = False
         self.new_workspace: Any = None
         self.call: Any = None
+        self.prep: Any = prep
 
 
 _UIDS = itertools.count()
@@ -356,6 +360,15 @@ class BasicOperation(torch.nn.Module):
         and keeps its caches in ``self.workspace_caches[key]``."""
         spec = self.workspace_spec()
         return [] if spec is None else [(None, spec[0], spec[1])]
+
+    def prepare(self, params_requires_grad: tuple[bool, ...], input_requires_grad: bool) -> Any:
+        """What this op's forward and backward decide from the plan's key alone (quantizers and
+        their kinds, which copies backward reads, ...), resolved once when a plan is built with
+        these requires-grad flags (grad mode folded in: with it off, nothing needs a gradient,
+        and ``torch.inference_mode`` turns it off); it reaches the op as ``ctx.prep``. None
+        (the default): nothing prepared. An op must also run with ``ctx.prep`` None (a context
+        made outside a plan), resolving it per call."""
+        return None
 
     def prepare_call(self, kwargs: Mapping[str, Any]) -> Any:
         """The per-call constant (hashable: ints, tuples, None) of this op from the keyword

@@ -129,13 +129,16 @@ class Quantizer:
 
     def _check_input(self, x: object) -> torch.Tensor:
         name = type(self).__name__
-        if not isinstance(x, torch.Tensor) or isinstance(x, QuantizedTensor):
+        # By type first: isinstance is a call (a QuantizedTensor is a subclass, never this).
+        if type(x) is not torch.Tensor and (
+            not isinstance(x, torch.Tensor) or isinstance(x, QuantizedTensor)
+        ):
             raise TypeError(f"{name}.quantize: 'x' must be a plain torch.Tensor, got {type(x)}")
         if x.dtype not in HIGH_PRECISION_DTYPES:
             raise TypeError(
                 f"{name}.quantize: 'x' must be float32, float16 or bfloat16, got {x.dtype}"
             )
-        if x.dim() == 0:
+        if x.ndim == 0:
             raise ValueError(f"{name}.quantize: 'x' must have at least one dimension, got a scalar")
         return x.contiguous()
 
@@ -184,6 +187,7 @@ class Float8Quantizer(Quantizer):
     """
 
     scaling = "delayed"
+    _views2: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -202,6 +206,7 @@ class Float8Quantizer(Quantizer):
         self.buffers = buffers
         self.slot = slot
         self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._views2 = None  # (scale buffer, amax buffer, their slot views): see _pair
 
     @classmethod
     def standalone(
@@ -224,7 +229,7 @@ class Float8Quantizer(Quantizer):
     def scale(self) -> torch.Tensor:
         """This slot's current scale, a float32 ``(1,)`` view into the state's buffer (inside a
         checkpoint recomputation: the copy its forward used, see :class:`ScaleLog`)."""
-        live = self._slot_view("scale")
+        live = self._pair()[0]
         if not _log_stack:
             return live
         key = (id(self.buffers), self.slot)
@@ -243,10 +248,15 @@ class Float8Quantizer(Quantizer):
     ) -> Float8Data:
         x = self._check_input(x)
         r, c = self._usage(rowwise, columnwise)
-        data, data_t, scale_inv, amax = _ops.quantize_fp8(x, self.scale, self.dtype, r, c)
+        if _log_stack:
+            scale, seen = self.scale, None  # through the checkpoint's scale log
+        else:
+            scale, seen = self._pair()
+        data, data_t, scale_inv, amax = _ops.quantize_fp8(x, scale, self.dtype, r, c)
         if not (_log_stack and replaying_scales()):
             # The kernel's amax: float32 (1,) on the state's device (record_amax's fast case).
-            seen = self._slot_view("amax_history")
+            if seen is None:
+                seen = self._pair()[1]
             torch.maximum(seen, amax, out=seen)
         return Float8Data._trusted(
             data if r else None, data_t if c else None, scale_inv, self.dtype, x.shape
@@ -272,7 +282,7 @@ class Float8Quantizer(Quantizer):
         checkpoint recomputation records nothing (its forward did)."""
         if _log_stack and replaying_scales():
             return
-        seen = self._slot_view("amax_history")
+        seen = self._pair()[1]
         if amax.dtype == torch.float32 and amax.shape == (1,) and amax.device == seen.device:
             torch.maximum(seen, amax, out=seen)
         else:
@@ -283,7 +293,24 @@ class Float8Quantizer(Quantizer):
         # storage) makes its own from its buffers.
         state = self.__dict__.copy()
         state["_views"] = {}
+        state["_views2"] = None
         return state
+
+    def _pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale view, amax view)``: :meth:`_slot_view` of both buffers in one call (a cast
+        reads both), cached for the buffer tensors they were made of."""
+        b = self.buffers
+        scale, hist = b.scale, b.amax_history
+        if _dynamo_compiling():  # see _slot_view
+            s = self.slot
+            return scale[s : s + 1], hist[0][s : s + 1]
+        v = self._views2
+        if v is not None and v[0] is scale and v[1] is hist:
+            return v[2], v[3]
+        sv, hv = self._slot_view("scale"), self._slot_view("amax_history")
+        if not torch.compiler.is_compiling():  # traced (make_fx): no state changes
+            self._views2 = (scale, hist, sv, hv)
+        return sv, hv
 
     def _slot_view(self, name: str) -> torch.Tensor:
         """This slot's ``(1,)`` view of ``buffers.scale`` / of this step's row of

@@ -26,6 +26,7 @@ from fusible.quantization.model_init import get_quantized_model_init_recipe, wei
 from fusible.quantization.quantizers import (
     Float8BlockData,
     Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
     Float8Data,
     Float8Quantizer,
     MXFP8Data,
@@ -238,6 +239,23 @@ class BasicLinear(QuantizedWeightOp):
             return [f"fp8 byte transpose of the stored {name} weight (for dgrad)"]
         return []
 
+    def prepare(self, params_requires_grad: tuple[bool, ...], input_requires_grad: bool) -> Any:
+        """The :class:`LinearPrep` of a plan with these flags (see
+        :meth:`BasicOperation.prepare`)."""
+        return LinearPrep(self, bool(params_requires_grad and params_requires_grad[0]),
+                          bool(input_requires_grad))  # fmt: skip
+
+    def _prep(self, ctx: OpContext) -> LinearPrep:
+        """``ctx.prep``, or (a context made outside a plan) resolved now, with
+        ``torch.inference_mode`` checked (a plan's flags have grad mode folded in)."""
+        prep = ctx.prep
+        if prep is None:
+            grad = not _inference()
+            prg = ctx.params_requires_grad
+            prep = LinearPrep(self, grad and bool(prg and prg[0]),
+                              grad and bool(ctx.input_requires_grad))  # fmt: skip
+        return prep  # type: ignore[no-any-return]
+
     def check_input(self, x: Any) -> None:
         k = x.shape[-1]
         if k != self.in_features:
@@ -278,14 +296,13 @@ class BasicLinear(QuantizedWeightOp):
         operands are its dequantized rowwise copies (see :func:`_compute.dequant_dtype`), made
         here one at a time so that each rowwise MXFP8 copy is freed once dequantized."""
         attrs = ctx.attrs
-        grad = not _inference()
-        need_wgrad = grad and bool(ctx.params_requires_grad and ctx.params_requires_grad[0])
-        need_dgrad = grad and ctx.input_requires_grad
-        qx, qw = self.get_quantizer(True, "input"), self.get_quantizer(True, "weight")
-        if isinstance(qx, Float8BlockQuantizer) or isinstance(qw, Float8BlockQuantizer):
+        prep = self._prep(ctx)
+        need_wgrad, need_dgrad = prep.need_wgrad, prep.need_dgrad
+        qx, qw = prep.qx, prep.qw
+        if prep.blockwise:
             check_blockwise_sizes(type(self).__name__, self.in_features, self.out_features,
                                   math.prod(x.shape[:-1]))  # fmt: skip
-        if isinstance(qx, MXFP8Quantizer) or isinstance(qw, MXFP8Quantizer):
+        if prep.mx:
             # MXFP8 GEMMs scale 32-element blocks along K for fprop and along M / N for the
             # backward GEMMs; partial blocks have no hardware GEMM layout.
             tokens = math.prod(x.shape[:-1])
@@ -301,7 +318,7 @@ class BasicLinear(QuantizedWeightOp):
             xq = x.take()  # this op's alone: its rowwise copy is freed after the forward GEMM
         else:
             xq = x if qx is None else C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
-        if need_wgrad:
+        if need_wgrad and type(xq) is not torch.Tensor:
             xq = _with_columnwise(xq, type(self).__name__)
         # w_own: whether what backward reads for dgrad is its own (freed after dgrad), not a
         # parameter's or a cached workspace's (see linear_backward); w_requant: the quantizer
@@ -309,7 +326,7 @@ class BasicLinear(QuantizedWeightOp):
         # w_hp: wq is a high-precision tensor.
         w_own, requant, w_scale, w_hp = False, None, None, True
         wq: Any = w
-        if isinstance(w, QuantizedTensor):
+        if type(w) is not torch.nn.Parameter and isinstance(w, QuantizedTensor):
             if torch.compiler.is_compiling():
                 raise RuntimeError(_COMPILE_UNSUPPORTED.format(op=type(self).__name__))
             if _stored_matches(w.qdata, qw, need_columnwise=need_dgrad):
@@ -323,12 +340,11 @@ class BasicLinear(QuantizedWeightOp):
         if qw is not None:
             w_hp = False
             w_own = ctx.workspace is None and not ctx.cache_weight
-            delayed = isinstance(qw, Float8Quantizer)
+            delayed = prep.delayed
             if (
-                need_dgrad
+                prep.requant
                 and w_own
                 and wq is self.weight  # not a torch.autocast cast or a dequantized stored weight
-                and C.can_requantize_columnwise(qw)
                 # A traced graph may re-read the scale in backward, after the update.
                 and not (delayed and torch.compiler.is_compiling())
             ):
@@ -336,7 +352,7 @@ class BasicLinear(QuantizedWeightOp):
                 # rowwise copy only, and saves the parameter (no copy) and, for delayed
                 # scaling, the scale it cast with.
                 requant = qw
-                w_scale = qw.scale.clone() if isinstance(qw, Float8Quantizer) else None
+                w_scale = qw.scale.clone() if delayed else None  # type: ignore[attr-defined]
                 wq, ctx.new_workspace = quantize_weight(wq, qw, None, False, columnwise=False)
             else:
                 wq, ctx.new_workspace = quantize_weight(
@@ -344,12 +360,14 @@ class BasicLinear(QuantizedWeightOp):
                 )
         wsave = None
         if need_dgrad:
-            wsave = w if requant is not None else C.keep_columnwise(wq)
-        ctx.saved = [C.keep_columnwise(xq) if need_wgrad else None, wsave, w_scale]
+            wsave = w if requant is not None else _keep_columnwise(wq)
+        xsave = _keep_columnwise(xq) if need_wgrad else None
+        ctx.saved = [xsave, wsave, w_scale]
         attrs["dtype"], attrs["w_dtype"] = out_dtype, w.dtype
         attrs["w_own"], attrs["w_requant"] = w_own, requant
         hp = qx is None and w_hp
-        dt = None if hp else C.dequant_dtype(xq, wq, out_dtype)
+        may_mx = prep.may_mx or type(w) is not torch.nn.Parameter
+        dt = None if hp or not may_mx else C.dequant_dtype(xq, wq, out_dtype)
         if dt is not None:
             xq = C.dequantized(xq, "r", dt)
             wq = C.dequantized(wq, "r", dt)
@@ -373,7 +391,8 @@ class BasicLinear(QuantizedWeightOp):
         attrs = ctx.attrs
         need_dgrad, need_wgrad = attrs["need_dgrad"], attrs["need_wgrad"]
         dtype, w_dtype = attrs["dtype"], attrs["w_dtype"]
-        qg = self.get_quantizer(False, "grad_output")
+        prep = ctx.prep
+        qg = self.get_quantizer(False, "grad_output") if prep is None else prep.qg
         lead = dy.shape[:-1]
         if type(dy) is C.HandOff:
             dy = dy.take()  # quantized for this op by the next one's backward: this call's now
@@ -382,9 +401,9 @@ class BasicLinear(QuantizedWeightOp):
         if qg is not None and need_wgrad:
             dy = _with_columnwise(dy, type(self).__name__)
         hp = (
-            isinstance(dy, torch.Tensor)
-            and (xq is None or isinstance(xq, torch.Tensor))
-            and (wq is None or isinstance(wq, torch.Tensor))
+            (type(dy) in _PLAIN or isinstance(dy, torch.Tensor))
+            and (xq is None or type(xq) in _PLAIN or isinstance(xq, torch.Tensor))
+            and (wq is None or type(wq) in _PLAIN or isinstance(wq, torch.Tensor))
         )
         if hp:
             dy = C.as_2d(dy)
@@ -439,6 +458,36 @@ class BasicLinear(QuantizedWeightOp):
 
 _WGRAD_FIRST, _DGRAD_FIRST = (True, False), (False, True)  # linear_backward's GEMM orders
 
+# Quantizer types whose data is never MXFP8 (a custom quantizer may make any container).
+_NOT_MX = (Float8Quantizer, Float8CurrentScalingQuantizer, Float8BlockQuantizer)
+
+
+class LinearPrep:
+    """What a :class:`BasicLinear` decides once per plan (``BasicOperation.prepare``): its
+    quantizers, which GEMMs backward runs (grad mode folded in by the plan), which size
+    checks apply, whether backward may quantize the parameter again. A plain object (read by
+    attribute, also while torch.compile traces)."""
+
+    def __init__(self, op: BasicLinear, need_wgrad: bool, need_dgrad: bool) -> None:
+        qx, qw = op.get_quantizer(True, "input"), op.get_quantizer(True, "weight")
+        self.qx, self.qw = qx, qw
+        self.qg = op.get_quantizer(False, "grad_output")
+        self.need_wgrad, self.need_dgrad = need_wgrad, need_dgrad
+        block = Float8BlockQuantizer
+        self.blockwise = isinstance(qx, block) or isinstance(qw, block)
+        self.mx = isinstance(qx, MXFP8Quantizer) or isinstance(qw, MXFP8Quantizer)
+        # Whether an operand may be MXFP8 data (the GEMM's operands are then dequantized first).
+        self.may_mx = any(q is not None and type(q) not in _NOT_MX for q in (qx, qw, self.qg))
+        self.delayed = isinstance(qw, Float8Quantizer)
+        self.requant = need_dgrad and qw is not None and C.can_requantize_columnwise(qw)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tested by type first (isinstance is a call)
+
+
+def _keep_columnwise(x: Any) -> Any:
+    return x if type(x) in _PLAIN else C.keep_columnwise(x)
+
 
 def _inference() -> bool:
     """Whether ``torch.inference_mode`` is on (no backward can follow). ``torch.no_grad`` cannot
@@ -452,6 +501,8 @@ def _with_columnwise(xq: Any, op: str) -> Any:
     quantized with this op's quantizer) carries the copies the quantizer's usage asked for; if
     that lacked the columnwise copy, a per-tensor one is made by an exact byte transpose; an
     MXFP8 columnwise copy cannot be made without the high-precision values."""
+    if type(xq) is Float8Data:
+        return C.ensure_fp8_copy(xq, "c")
     if isinstance(xq, Float8BlockData) and xq.data_t is None and xq.block_dim == 1:
         raise RuntimeError(
             f"{op}: the blockwise FP8 input or gradient handed over has no columnwise copy, which "
