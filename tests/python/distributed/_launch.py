@@ -1,0 +1,65 @@
+"""The launcher of the distributed tests: ``world`` processes run one worker script once (every
+case, in order), each writing ``rank<r>.json`` (case name -> "ok" or the error) into a folder;
+every process under a timeout, so a hung collective fails the test instead of the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_workers(worker: Path, out: Path, timeout_s: float, what: str) -> list[dict[str, str]]:
+    """Every rank's results of ``worker`` (run as ``python worker RANK WORLD PORT OUT``)."""
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(r), str(WORLD), str(port), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout_s)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} workers did not finish within {timeout_s} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    res = []
+    for r in range(WORLD):
+        path = out / f"rank{r}.json"
+        if not path.exists():
+            pytest.fail(f"rank {r} wrote no results (exit {procs[r].returncode}):\n{logs[r]}")
+        res.append(json.loads(path.read_text()))
+    return res
+
+
+def check_case(results: list[dict[str, str]], name: str) -> None:
+    for r, res in enumerate(results):
+        assert name in res, f"rank {r} did not run {name}"
+        assert res[name] == "ok", f"rank {r}: {res[name]}"
