@@ -75,29 +75,39 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quantize_fp8_current(
   return {data, data_t, scale, scale_inv, amax};
 }
 
+// One copy (rowwise, or MXFP8's columnwise) of quantized data, dequantized into a new tensor of
+// data's shape: the C call every dequantize operator makes once its arguments are checked.
+Tensor dequantize_copy(const char* op, fus_scaling_mode mode, const Tensor& data,
+                       const Tensor& scale, bool columnwise, int64_t rows, int64_t cols,
+                       at::ScalarType out_dtype) {
+  Tensor out = empty(data.sizes(), out_dtype, data);
+  if (!shapes_only(data)) {
+    void* p = ptr(data);
+    void* sc = ptr(scale);
+    const fus_quantized q{mode,
+                          code_of(data.scalar_type()),
+                          rows,
+                          cols,
+                          columnwise ? nullptr : p,
+                          columnwise ? p : nullptr,
+                          columnwise ? nullptr : sc,
+                          columnwise ? sc : nullptr,
+                          nullptr,
+                          nullptr};
+    fus_tensor o = mat(out, rows, cols);
+    const fus_context ctx = context_of(data);
+    check_status(op, fus_dequantize(&q, columnwise ? 1 : 0, &o, &ctx));
+  }
+  return out;
+}
+
 Tensor dequantize_fp8(const Tensor& data, const Tensor& scale_inv, at::ScalarType out_dtype) {
   const char* op = "dequantize_fp8";
   check_tensor(op, "data", data, fp8_dtypes());
   check_scalar(op, "scale_inv", scale_inv, data.device());
   check_out_dtype(op, out_dtype);
   auto [rows, cols] = matrix_shape(op, data, "data");
-  Tensor out = empty(data.sizes(), out_dtype, data);
-  if (!shapes_only(data)) {
-    const fus_quantized q{FUS_SCALING_PER_TENSOR,
-                          code_of(data.scalar_type()),
-                          rows,
-                          cols,
-                          ptr(data),
-                          nullptr,
-                          ptr(scale_inv),
-                          nullptr,
-                          nullptr,
-                          nullptr};
-    fus_tensor o = mat(out, rows, cols);
-    const fus_context ctx = context_of(data);
-    check_status(op, fus_dequantize(&q, 0, &o, &ctx));
-  }
-  return out;
+  return dequantize_copy(op, FUS_SCALING_PER_TENSOR, data, scale_inv, false, rows, cols, out_dtype);
 }
 
 Tensor transpose_fp8(const Tensor& x) {
@@ -166,25 +176,7 @@ Tensor dequantize_mxfp8(const Tensor& data, const Tensor& scale, bool columnwise
                   "argument 'scale' has shape ", shape_str(scale.sizes()), ", expected ",
                   shape_str(expected), " for ", columnwise ? "columnwise" : "rowwise",
                   " data of matrix shape (", rows, ", ", cols, ")");
-  Tensor out = empty(data.sizes(), out_dtype, data);
-  if (!shapes_only(data)) {
-    void* p = ptr(data);
-    void* s = ptr(scale);
-    const fus_quantized q{FUS_SCALING_MXFP8,
-                          code_of(data.scalar_type()),
-                          rows,
-                          cols,
-                          columnwise ? nullptr : p,
-                          columnwise ? p : nullptr,
-                          columnwise ? nullptr : s,
-                          columnwise ? s : nullptr,
-                          nullptr,
-                          nullptr};
-    fus_tensor o = mat(out, rows, cols);
-    const fus_context ctx = context_of(data);
-    check_status(op, fus_dequantize(&q, columnwise ? 1 : 0, &o, &ctx));
-  }
-  return out;
+  return dequantize_copy(op, FUS_SCALING_MXFP8, data, scale, columnwise, rows, cols, out_dtype);
 }
 
 // Shape of a blockwise copy [R, C]'s scale_inv matrix (fusible/common.h).
@@ -251,24 +243,9 @@ Tensor dequantize_fp8_block(const Tensor& data, const Tensor& scale_inv, int64_t
                   "argument 'scale_inv' has shape ", shape_str(scale_inv.sizes()), ", expected ",
                   shape_str(expected), " for ", block_dim == 1 ? "1x128" : "128x128",
                   " blocks of data viewed as the matrix (", R, ", ", C, ")");
-  Tensor out = empty(data.sizes(), out_dtype, data);
-  if (!shapes_only(data)) {
-    // The copy is dequantized as a rowwise copy of its own [R, C] (both copies share the layouts).
-    const fus_quantized q{block_dim == 1 ? FUS_SCALING_BLOCK_1D : FUS_SCALING_BLOCK_2D,
-                          code_of(data.scalar_type()),
-                          R,
-                          C,
-                          ptr(data),
-                          nullptr,
-                          ptr(scale_inv),
-                          nullptr,
-                          nullptr,
-                          nullptr};
-    fus_tensor o = mat(out, R, C);
-    const fus_context ctx = context_of(data);
-    check_status(op, fus_dequantize(&q, 0, &o, &ctx));
-  }
-  return out;
+  // The copy is dequantized as a rowwise copy of its own [R, C] (both copies share the layouts).
+  return dequantize_copy(op, block_dim == 1 ? FUS_SCALING_BLOCK_1D : FUS_SCALING_BLOCK_2D, data,
+                         scale_inv, false, R, C, out_dtype);
 }
 
 }  // namespace
