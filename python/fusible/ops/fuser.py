@@ -343,9 +343,7 @@ def _dequantize_if_needed(x: Any) -> torch.Tensor:
 # OpContext stays on the function's ctx. The ops' saved lists hold tensors, None and quantized
 # containers, packed here without pytree's generic walk; anything else goes through pytree.
 _QFIELDS: dict[type, tuple[str, ...]] = {
-    Float8Data: ("data", "data_t", "scale_inv"),
-    MXFP8Data: ("data", "scale", "col_data", "col_scale"),
-    Float8BlockData: ("data", "scale_inv", "data_t", "col_scale_inv"),
+    cls: cls.TENSORS for cls in (Float8Data, MXFP8Data, Float8BlockData)
 }
 # The other fields (dtype, shape): read by name (torch.compile cannot trace __dict__ of a frozen
 # dataclass on every torch version).

@@ -16,7 +16,7 @@ tensor subclass that wraps them in :mod:`fusible.quantization.tensor`.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -56,8 +56,38 @@ def _check_out_dtype(owner: str, dtype: object) -> None:
 # ---- quantized data containers ------------------------------------------------------------------
 
 
+_C = TypeVar("_C", bound="_Tensors")
+
+
+class _Tensors:
+    """What every container does with its tensor fields, ``TENSORS`` (in pytree child order;
+    the executor packs saved containers by them too)."""
+
+    TENSORS: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all tensors of this container (its memory footprint)."""
+        return _nbytes(*(getattr(self, n) for n in self.TENSORS))
+
+    def _map(self: _C, fn: Any) -> _C:
+        """A copy with ``fn`` applied to each tensor present."""
+        new = {n: None if (t := getattr(self, n)) is None else fn(t) for n in self.TENSORS}
+        # Every subclass is a dataclass; mypy cannot see that through the mixin.
+        return replace(self, **new)  # type: ignore[type-var]
+
+    def to(self: _C, device: torch.device | str) -> _C:
+        return self._map(lambda t: t.to(device))
+
+    def detach(self: _C) -> _C:
+        return self._map(lambda t: t.detach())
+
+    def clone(self: _C) -> _C:
+        return self._map(lambda t: t.clone())
+
+
 @dataclass(frozen=True, eq=False)
-class Float8Data:
+class Float8Data(_Tensors):
     """Per-tensor FP8 data: ``x ~= float(data) * scale_inv``.
 
     ``data``: rowwise copy with the original ``shape`` (None if not produced); ``data_t``: the
@@ -70,6 +100,8 @@ class Float8Data:
     scale_inv: torch.Tensor
     fp8_dtype: torch.dtype
     shape: torch.Size
+
+    TENSORS = ("data", "data_t", "scale_inv")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", torch.Size(self.shape))
@@ -117,11 +149,6 @@ class Float8Data:
     def has_columnwise(self) -> bool:
         return self.data_t is not None
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by all tensors of this container (its memory footprint)."""
-        return _nbytes(self.data, self.data_t, self.scale_inv)
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Exact dequantization ``float(q) * scale_inv`` rounded to ``dtype``, in ``shape``."""
         _check_out_dtype("Float8Data.dequantize", dtype)
@@ -131,26 +158,9 @@ class Float8Data:
         out_t = _ops.dequantize_fp8(self.data_t, self.scale_inv, dtype)
         return out_t.t().reshape(self.shape)
 
-    def _map(self, fn: Any) -> Float8Data:
-        return replace(
-            self,
-            data=None if self.data is None else fn(self.data),
-            data_t=None if self.data_t is None else fn(self.data_t),
-            scale_inv=fn(self.scale_inv),
-        )
-
-    def to(self, device: torch.device | str) -> Float8Data:
-        return self._map(lambda t: t.to(device))
-
-    def detach(self) -> Float8Data:
-        return self._map(lambda t: t.detach())
-
-    def clone(self) -> Float8Data:
-        return self._map(lambda t: t.clone())
-
 
 @dataclass(frozen=True, eq=False)
-class MXFP8Data:
+class MXFP8Data(_Tensors):
     """MXFP8 data: ``x ~= float(q) * 2**(s - 127)`` per 32-element block.
 
     ``data`` / ``scale``: rowwise copy (``x``'s shape) and its E8M0 scales ``[rows, ceil(k/32)]``
@@ -164,6 +174,8 @@ class MXFP8Data:
     col_scale: torch.Tensor | None
     fp8_dtype: torch.dtype
     shape: torch.Size
+
+    TENSORS = ("data", "scale", "col_data", "col_scale")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", torch.Size(self.shape))
@@ -194,11 +206,6 @@ class MXFP8Data:
     def has_columnwise(self) -> bool:
         return self.col_data is not None
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by all tensors of this container (its memory footprint)."""
-        return _nbytes(self.data, self.scale, self.col_data, self.col_scale)
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Exact dequantization of the rowwise copy (else the columnwise one), to ``dtype``."""
         _check_out_dtype("MXFP8Data.dequantize", dtype)
@@ -208,30 +215,9 @@ class MXFP8Data:
         assert self.col_data is not None and self.col_scale is not None
         return _ops.dequantize_mxfp8(self.col_data, self.col_scale, True, dtype)
 
-    def _map(self, fn: Any) -> MXFP8Data:
-        def f(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else fn(t)
-
-        return replace(
-            self,
-            data=f(self.data),
-            scale=f(self.scale),
-            col_data=f(self.col_data),
-            col_scale=f(self.col_scale),
-        )
-
-    def to(self, device: torch.device | str) -> MXFP8Data:
-        return self._map(lambda t: t.to(device))
-
-    def detach(self) -> MXFP8Data:
-        return self._map(lambda t: t.detach())
-
-    def clone(self) -> MXFP8Data:
-        return self._map(lambda t: t.clone())
-
 
 @dataclass(frozen=True, eq=False)
-class Float8BlockData:
+class Float8BlockData(_Tensors):
     """Blockwise FP8 data: ``x ~= float(q) * scale_inv`` of the element's block.
 
     ``block_dim`` 1: 1x128 blocks along the rows of each copy; 2: 128x128 blocks. Each copy is a
@@ -249,6 +235,8 @@ class Float8BlockData:
     fp8_dtype: torch.dtype
     shape: torch.Size
     block_dim: int
+
+    TENSORS = ("data", "scale_inv", "data_t", "col_scale_inv")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", torch.Size(self.shape))
@@ -282,11 +270,6 @@ class Float8BlockData:
     def has_columnwise(self) -> bool:
         return self.data_t is not None
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by all tensors of this container (its memory footprint)."""
-        return _nbytes(self.data, self.scale_inv, self.data_t, self.col_scale_inv)
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Exact dequantization of the rowwise copy (else of the columnwise one, transposed back),
         rounded to ``dtype``, in ``shape``."""
@@ -295,27 +278,6 @@ class Float8BlockData:
             return _ops.dequantize_fp8_block(self.data, self.scale_inv, self.block_dim, dtype)
         out_t = _ops.dequantize_fp8_block(self.data_t, self.col_scale_inv, self.block_dim, dtype)
         return out_t.t().reshape(self.shape)
-
-    def _map(self, fn: Any) -> Float8BlockData:
-        def f(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else fn(t)
-
-        return replace(
-            self,
-            data=f(self.data),
-            scale_inv=f(self.scale_inv),
-            data_t=f(self.data_t),
-            col_scale_inv=f(self.col_scale_inv),
-        )
-
-    def to(self, device: torch.device | str) -> Float8BlockData:
-        return self._map(lambda t: t.to(device))
-
-    def detach(self) -> Float8BlockData:
-        return self._map(lambda t: t.detach())
-
-    def clone(self) -> Float8BlockData:
-        return self._map(lambda t: t.clone())
 
 
 QuantizedData = Float8Data | MXFP8Data | Float8BlockData
