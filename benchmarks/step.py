@@ -47,6 +47,7 @@ RECIPES: dict[str, Any] = {
     "delayed": recipe.DelayedScaling(),
     "current": recipe.Float8CurrentScaling(),
     "mxfp8": recipe.MXFP8BlockScaling(),
+    "blockwise": recipe.Float8BlockScaling(),
 }
 # FP8-weight variants: (recipe name, weights stored quantized by this recipe).
 FP8_WEIGHTS: dict[str, Any] = {"current+fp8w": "current", "mxfp8+fp8w": "mxfp8"}
