@@ -212,7 +212,9 @@ class SpyAllGather(AllGather):
         async_op: bool = False,
     ) -> Any:  # fmt: skip
         self.inputs.append((input_tensor.dtype, input_tensor.numel()))
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        # all_gather_single is torch >= 2.13; all_gather_into_tensor is the same collective.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 @case("all_gather_bytes")
