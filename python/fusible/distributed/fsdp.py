@@ -217,6 +217,10 @@ class Float8AllGatherWeight(torch.Tensor):
             q.record_amax(amax)
         if not _in_backward():
             spec.gathers += 1
+        if n == 1:
+            # FSDP2 on one rank skips the collective and reads only the first all-gather input
+            # (torch 2.11-2.13), so the scale travels in the metadata (nothing is gathered).
+            return (data.view(torch.uint8),), (spec.fp8_dtype, scale_inv.reshape(1).float())
         scale_bytes = scale_inv.reshape(1).to(torch.float32).view(torch.uint8)
         return (data.view(torch.uint8), scale_bytes), (spec.fp8_dtype,)
 
@@ -232,10 +236,15 @@ class Float8AllGatherWeight(torch.Tensor):
         bytes as the FP8 dtype, rank 0's ``scale_inv``: every rank's is the same). With
         ``out`` (the unsharded parameter of an earlier all-gather, whose views already alias
         the refilled outputs) nothing is left to do."""
-        data_u8, scale_u8 = all_gather_outputs
-        (fp8_dtype,) = metadata
+        if len(all_gather_outputs) == 1:  # one rank: the scale came in the metadata
+            (data_u8,), (fp8_dtype, scale_inv) = all_gather_outputs, metadata
+            inner: tuple[torch.Tensor, ...] = (data_u8,)
+        else:
+            data_u8, scale_u8 = all_gather_outputs
+            (fp8_dtype,) = metadata
+            scale_inv = scale_u8.view(torch.float32)[:1]
+            inner = (data_u8, scale_u8)
         data = data_u8.view(fp8_dtype)
-        scale_inv = scale_u8.view(torch.float32)[:1]
         if out is not None:
             if not isinstance(out, Float8Tensor):
                 raise RuntimeError(
@@ -246,10 +255,14 @@ class Float8AllGatherWeight(torch.Tensor):
             assert isinstance(held, Float8Data) and held.data is not None
             if held.data.data_ptr() != data.data_ptr():
                 held.data.copy_(data)
-                held.scale_inv.copy_(scale_inv)
+            if held.scale_inv.data_ptr() != scale_inv.data_ptr():
+                # One rank: the scale came in the metadata. Through .data (no version bump):
+                # a backward re-gather writes the value forward saved (the same weight and
+                # scale), as the collective refills the gathered buffers on more ranks.
+                held.scale_inv.data.copy_(scale_inv)
             return None
         qdata = Float8Data(data, None, scale_inv, fp8_dtype, torch.Size(data.shape))
-        return Float8Tensor(qdata, dtype=param_dtype), (data_u8, scale_u8)
+        return Float8Tensor(qdata, dtype=param_dtype), inner
 
 
 def _recipe_spec(recipe: Any, where: str, op: BasicLinear, device: torch.device) -> _GatherSpec:

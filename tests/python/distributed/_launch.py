@@ -23,21 +23,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_workers(worker: Path, out: Path, timeout_s: float, what: str) -> list[dict[str, str]]:
-    """Every rank's results of ``worker`` (run as ``python worker RANK WORLD PORT OUT``)."""
+def run_workers(
+    worker: Path, out: Path, timeout_s: float, what: str, world: int = WORLD, backend: str = "gloo"
+) -> list[dict[str, str]]:
+    """Every rank's results of ``worker`` (run as ``python worker RANK WORLD PORT OUT``) over
+    ``backend`` (gloo: CPU tensors; nccl: CUDA tensors, one GPU per rank)."""
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "FUSIBLE_TEST_DIST_BACKEND": backend}  # fmt: skip
     procs = [
         subprocess.Popen(
-            [sys.executable, str(worker), str(r), str(WORLD), str(port), str(out)],
+            [sys.executable, str(worker), str(r), str(world), str(port), str(out)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for r in range(WORLD)
+        for r in range(world)
     ]
     logs = []
     try:
@@ -51,7 +55,7 @@ def run_workers(worker: Path, out: Path, timeout_s: float, what: str) -> list[di
                 p.kill()
                 p.wait()
     res = []
-    for r in range(WORLD):
+    for r in range(world):
         path = out / f"rank{r}.json"
         if not path.exists():
             pytest.fail(f"rank {r} wrote no results (exit {procs[r].returncode}):\n{logs[r]}")

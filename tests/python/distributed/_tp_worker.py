@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -26,6 +27,9 @@ RECIPES: dict[str, Any] = {
 }
 CASES: list[tuple[str, Callable[[], None]]] = []
 RANK = WORLD = 0
+# gloo on CPU (CI); "nccl" runs the same cases on CUDA (test_nccl_world1.py: world size 1).
+BACKEND = os.environ.get("FUSIBLE_TEST_DIST_BACKEND", "gloo")
+DEVICE = "cuda" if BACKEND == "nccl" else "cpu"
 
 
 def case(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
@@ -38,7 +42,7 @@ def case(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
 
 def rand(*shape: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)  # same values on every rank
-    return torch.randn(*shape, generator=g) * 0.5
+    return (torch.randn(*shape, generator=g, device="cpu") * 0.5).to(DEVICE)
 
 
 def exact(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -61,6 +65,14 @@ def load(module: torch.nn.Module, **tensors: torch.Tensor) -> None:
     with torch.no_grad():
         for k, v in tensors.items():
             getattr(module, k).copy_(v)
+
+
+def total(xs: list[torch.Tensor]) -> torch.Tensor:
+    """The sum over ranks in rank order (two ranks: a + b, order-free, so bit-exact)."""
+    out = xs[0]
+    for x in xs[1:]:
+        out = out + x
+    return out
 
 
 def cols(n: int, r: int) -> slice:
@@ -105,7 +117,7 @@ def column_linear(rec_name: str, sp: bool) -> None:
     exact("y", y, yr)
     exact("dW", tp.weight.grad, ref.weight.grad)
     exact("db", tp.bias.grad, ref.bias.grad)
-    dx_ref = dxs[0] + dxs[1]  # two ranks: a + b is order-free, so bit-exact
+    dx_ref = total(dxs)
     exact("dx", dx, toks(dx_ref, RANK) if sp else dx_ref)
     if rec is None:  # and against the full-size module (dx: a K-split sum, another order)
         full = fusible.Linear(H, F)
@@ -134,7 +146,7 @@ def row_linear(rec_name: str, sp: bool) -> None:
         if r == RANK:
             mine = (dxr, ref)
     dxr, ref = mine  # type: ignore[misc]
-    y_ref = (parts[0] + parts[1]) + b
+    y_ref = total(parts) + b
     exact("y", y, toks(y_ref, RANK) if sp else y_ref)
     exact("dx", dx, dxr)
     exact("dW", tp.weight.grad, ref.weight.grad)
@@ -216,7 +228,8 @@ def ln_mlp(rec_name: str, sp: bool, activation: str = "gelu") -> None:
     if not sp:
         ys = [torch.empty_like(y) for _ in range(WORLD)]
         dist.all_gather(ys, y)
-        exact("y across ranks", ys[0], ys[1])
+        for other in ys[1:]:
+            exact("y across ranks", ys[0], other)
 
 
 for _r in RECIPES:
@@ -319,7 +332,7 @@ def fsdp2() -> None:
     # An explicit CPU mesh: without one, FSDP2 builds its mesh on the accelerator when the
     # machine has one (this case failed on the H200 machine, where CUDA is present but the
     # group is gloo and the model on CPU).
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh(DEVICE, (WORLD,))
     for name, rec in RECIPES.items():
         for make in (lambda: fusible.Linear(H, F), lambda: fusible.LayerNormMLP(H, F)):
             torch.manual_seed(0)
@@ -346,7 +359,10 @@ def fsdp2() -> None:
 def main() -> None:
     global RANK, WORLD
     RANK, WORLD, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
+    if DEVICE == "cuda":
+        torch.cuda.set_device(RANK)
+        torch.set_default_device("cuda")  # the cases build modules and tensors without device=
+    dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=60))  # fmt: skip
     torch.manual_seed(0)
     only = set(sys.argv[5].split(",")) if len(sys.argv) > 5 else None

@@ -1,0 +1,63 @@
+"""The distributed cases at world size 1: on one GPU through NCCL (the same workers with
+``FUSIBLE_TEST_DIST_BACKEND=nccl``: CUDA tensors, NCCL collectives; skipped without a GPU and
+NCCL), and on CPU through gloo (the tp and fsdp suites: one rank is what users run to debug, and
+FSDP2 takes another path there). With one rank every split is the whole tensor, so this checks
+the single-rank paths and, on NCCL, the CUDA side of the parallel ops; the two-rank numerics are
+the two-rank suites'."""
+
+from __future__ import annotations
+
+import pytest
+import test_fsdp_fp8
+import test_tensor_parallel
+import test_tp_fp8_gather
+import torch
+from _launch import check_case, run_workers
+
+_SUITES = {"tp": test_tensor_parallel, "tp2": test_tp_fp8_gather, "fsdp": test_fsdp_fp8}
+# Cases written for two ranks: they check what only happens over more than one rank (a split
+# that does not divide, bytes moved by a collective FSDP2 skips on one rank, the amaxes agreed
+# between ranks, the comm ops in explain()), or build their inputs for two ranks' shapes.
+_TWO_RANKS = {
+    ("tp", "delayed_amax_reduction"),
+    ("tp", "explain"),
+    ("tp", "bad_input"),
+    ("tp2", "fp8_gather_bits"),
+    *(("tp2", f"fp8_gather_fused_{r}") for r in ("none", "delayed", "current", "mxfp8")),
+    ("tp2", "compile_none"),
+    ("tp2", "compile_current"),
+    ("tp2", "bad_input_tp2"),
+    ("fsdp", "all_gather_bytes"),
+    ("fsdp", "bad_input"),
+}
+
+_NCCL = (torch.cuda.is_available() and torch.distributed.is_available()
+         and torch.distributed.is_nccl_available())  # fmt: skip
+_GLOO_SUITES = ("tp", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def results(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[tuple[str, str], list[dict[str, str]]]:
+    got = {}
+    for backend, suites in (("gloo", _GLOO_SUITES), ("nccl", tuple(_SUITES) if _NCCL else ())):
+        for k in suites:
+            m = _SUITES[k]
+            got[backend, k] = run_workers(m._WORKER, tmp_path_factory.mktemp(f"{backend}-{k}"),
+                                          m.TIMEOUT_S, f"{backend} world-1 {k}", world=1,
+                                          backend=backend)  # fmt: skip
+    return got
+
+
+@pytest.mark.parametrize(
+    "backend,suite,name",
+    [(b, k, c) for b in ("gloo", "nccl") for k, m in _SUITES.items() for c in m.CASES
+     if (k, c) not in _TWO_RANKS and (b == "nccl" or k in _GLOO_SUITES)],
+)  # fmt: skip
+def test_case_world1(
+    results: dict[tuple[str, str], list[dict[str, str]]], backend: str, suite: str, name: str
+) -> None:
+    if backend == "nccl" and not _NCCL:
+        pytest.skip("needs a CUDA GPU and NCCL")
+    check_case(results[backend, suite], name)
