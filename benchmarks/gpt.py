@@ -56,7 +56,9 @@ from torch import nn
 from _common import dynamo_graphs, environment, error_cell, print_table, time_ms, write_json
 
 # "tl-<recipe>": the layers are fusible.TransformerLayer instead of the hand-wired Layer below.
-FUSIBLE = ("bf16", "delayed", "current", "mxfp8", "blockwise", "tl-bf16", "tl-delayed", "tl-current")
+FUSIBLE = (
+    "bf16", "delayed", "current", "mxfp8", "blockwise", "tl-bf16", "tl-delayed", "tl-current",
+)  # fmt: skip
 ALL_VARIANTS = ("torch", *FUSIBLE, "torchao")
 MIB = 2**20
 FULL = {"layers": 8, "hidden": 2048, "heads": 16, "seq": 1024, "batch": 8, "vocab": 32768,
@@ -99,7 +101,9 @@ class Layer(nn.Module):
             import fusible
 
             self.qkv: nn.Module = fusible.LayerNormLinear(h, 3 * h, **kw)
-            self.proj: nn.Module = fusible.Linear(h, h, **kw)
+            # SDPA keeps its output (the projection's input) for its backward: the projection
+            # keeps that tensor too instead of an FP8 copy of it (TE's save_original_input).
+            self.proj: nn.Module = fusible.Linear(h, h, save_original_input=True, **kw)
             self.mlp: nn.Module = fusible.LayerNormMLP(h, 4 * h, **kw)
         else:
             self.qkv = nn.Sequential(nn.LayerNorm(h, **kw), nn.Linear(h, 3 * h, **kw))
