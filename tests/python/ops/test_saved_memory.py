@@ -320,6 +320,33 @@ def test_checkpoint_recomputes_the_same_saved_set(recipe_name):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+def test_requantized_weight_with_unquantized_gradient_matches_the_cached_copy(frozen):
+    """A CustomRecipe quantizing the forward only (gradients high precision): dgrad reads the
+    weight as the forward quantized it whether backward quantizes the parameter again or reads
+    the cached workspace (before, a frozen weight's dgrad then ran on the high-precision
+    parameter: the GEMM was taken for a high-precision one)."""
+
+    def qf(role: Any) -> Any:
+        if role.is_gradient:
+            return None
+        return Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+
+    rec = recipe.CustomRecipe(qfactory=qf)
+    grads = []
+    for kw in ({}, {"is_first_microbatch": True}):
+        torch.manual_seed(0)
+        model = ops.Sequential(ops.BasicLinear(H, F, dtype=DT))
+        model[0].weight.requires_grad_(not frozen)
+        x = _input(H)
+        with fusible.autocast(recipe=rec):
+            y = model(x, **kw)
+        y.float().pow(2).sum().backward()
+        grads.append([x.grad] + ([] if frozen else [model[0].weight.grad]))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
 # ---- save_original_input: the input kept by reference --------------------------------------------
 
 
