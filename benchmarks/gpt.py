@@ -6,7 +6,10 @@
 between a token + position embedding and a final LayerNorm + LM head (plain torch, untied), with
 cross-entropy loss on random tokens. The layers are fusible modules (``fusible.LayerNormLinear``,
 ``fusible.Linear``, ``fusible.LayerNormMLP``), or the same model in plain torch (``nn.LayerNorm``,
-``nn.Linear``, GELU tanh) as the reference. Variants:
+``nn.Linear``, GELU tanh) as the reference. The fusible projection is built with
+``save_original_input=True``: under FP8 it keeps SDPA's output (which SDPA keeps for its own
+backward) for its weight gradient instead of an FP8 copy of it (no change without a recipe, and
+no change to any number). Variants:
 
 * ``torch``: the plain-torch model (always run: it is the yardstick);
 * ``bf16``: fusible, no recipe (no autocast); ``delayed`` / ``current`` / ``mxfp8``: fusible under

@@ -169,11 +169,12 @@ class BasicLinear(QuantizedWeightOp):
 
     @property
     def save_original_input(self) -> bool:
-        """Whether wgrad keeps the high-precision input (see the class docstring)."""
-        return self._save_original_input
+        """Whether wgrad keeps the high-precision input (see the class docstring). (False for
+        an op pickled before the option existed.)"""
+        return bool(self.__dict__.get("_save_original_input", False))
 
     def extra_repr(self) -> str:
-        extra = ", save_original_input=True" if self._save_original_input else ""
+        extra = ", save_original_input=True" if self.save_original_input else ""
         return f"in_features={self.in_features}, out_features={self.out_features}{extra}"
 
     def get_quantizer_roles(self, fwd: bool) -> list[QuantizerRole]:
@@ -191,7 +192,7 @@ class BasicLinear(QuantizedWeightOp):
         ``save_original_input``: None (this op keeps its high-precision input, so it takes it
         unquantized and casts it itself)."""
         train = bool(self.weight.requires_grad)
-        if train and self._save_original_input:
+        if train and self.save_original_input:
             q = self.get_quantizer(True, "input")
             if q is None or C.can_requantize_columnwise(q):
                 return None
