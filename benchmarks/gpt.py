@@ -6,7 +6,10 @@
 between a token + position embedding and a final LayerNorm + LM head (plain torch, untied), with
 cross-entropy loss on random tokens. The layers are fusible modules (``fusible.LayerNormLinear``,
 ``fusible.Linear``, ``fusible.LayerNormMLP``), or the same model in plain torch (``nn.LayerNorm``,
-``nn.Linear``, GELU tanh) as the reference. Variants:
+``nn.Linear``, GELU tanh) as the reference. The fusible projection is built with
+``save_original_input=True``: under FP8 it keeps SDPA's output (which SDPA keeps for its own
+backward) for its weight gradient instead of an FP8 copy of it (no change without a recipe, and
+no change to any number). Variants:
 
 * ``torch``: the plain-torch model (always run: it is the yardstick);
 * ``bf16``: fusible, no recipe (no autocast); ``delayed`` / ``current`` / ``mxfp8``: fusible under
@@ -58,15 +61,8 @@ from _common import dynamo_graphs, environment, error_cell, print_table, time_ms
 
 # "tl-<recipe>": the layers are fusible.TransformerLayer instead of the hand-wired Layer below.
 FUSIBLE = (
-    "bf16",
-    "delayed",
-    "current",
-    "mxfp8",
-    "blockwise",
-    "tl-bf16",
-    "tl-delayed",
-    "tl-current",
-)
+    "bf16", "delayed", "current", "mxfp8", "blockwise", "tl-bf16", "tl-delayed", "tl-current",
+)  # fmt: skip
 ALL_VARIANTS = ("torch", *FUSIBLE, "torchao")
 MIB = 2**20
 FULL = {"layers": 8, "hidden": 2048, "heads": 16, "seq": 1024, "batch": 8, "vocab": 32768,
@@ -109,7 +105,9 @@ class Layer(nn.Module):
             import fusible
 
             self.qkv: nn.Module = fusible.LayerNormLinear(h, 3 * h, **kw)
-            self.proj: nn.Module = fusible.Linear(h, h, **kw)
+            # SDPA keeps its output (the projection's input) for its backward: the projection
+            # keeps that tensor too instead of an FP8 copy of it (TE's save_original_input).
+            self.proj: nn.Module = fusible.Linear(h, h, save_original_input=True, **kw)
             self.mlp: nn.Module = fusible.LayerNormMLP(h, 4 * h, **kw)
         else:
             self.qkv = nn.Sequential(nn.LayerNorm(h, **kw), nn.Linear(h, 3 * h, **kw))

@@ -212,6 +212,7 @@ def recipes() -> dict[str, Any]:
         "delayed": recipe.DelayedScaling(),
         "current": recipe.Float8CurrentScaling(),
         "mxfp8": recipe.MXFP8BlockScaling(),
+        "blockwise": recipe.Float8BlockScaling(),
     }
 
 

@@ -24,6 +24,7 @@ RECIPES: dict[str, Any] = {
     "delayed": recipe.DelayedScaling(),
     "current": recipe.Float8CurrentScaling(),
     "mxfp8": recipe.MXFP8BlockScaling(),
+    "blockwise": recipe.Float8BlockScaling(),
 }
 
 

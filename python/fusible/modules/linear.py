@@ -33,7 +33,12 @@ class Linear(_OpsLinear):
     Linear's recipe state, and a quantized weight's exact data); ``load_state_dict()`` also
     accepts the positional keys (``0.weight``, ``1.bias``, ``0._extra_state``).
     ``named_parameters()`` stays positional (``0.weight``, ``1.bias``; shifted by the
-    communication ops of a tensor-parallel layer)."""
+    communication ops of a tensor-parallel layer).
+
+    ``save_original_input`` (TransformerEngine's): under an FP8 recipe, backward keeps the
+    high-precision input for wgrad (no FP8 copy of it) and quantizes it again, the same bits;
+    for a Linear whose input something else keeps anyway, e.g. an attention output projection
+    (attention keeps its output for its own backward). See ``ops.BasicLinear``."""
 
     def __init__(
         self,
@@ -47,17 +52,19 @@ class Linear(_OpsLinear):
         tp_group: Any = None,
         parallel_mode: str | None = None,
         sequence_parallel: bool = False,
+        save_original_input: bool = False,
     ) -> None:
         tp = TensorParallel.resolve("Linear", tp_group, parallel_mode, sequence_parallel)
         self._linear_index, self._bias_index = 0, 1
         if not tp.active:
             super().__init__(in_features, out_features, bias, device=device, dtype=dtype,
-                             name=name)  # fmt: skip
+                             name=name, save_original_input=save_original_input)  # fmt: skip
         else:
             col = tp.mode == "column"
             k = in_features if col else tp.local("in_features", in_features)
             n = tp.local("out_features", out_features) if col else out_features
-            lin = BasicLinear(k, n, device=device, dtype=dtype, name=name)
+            lin = BasicLinear(k, n, device=device, dtype=dtype, name=name,
+                              save_original_input=save_original_input)  # fmt: skip
             pre, post = (tp.before_column(), []) if col else ([], tp.after_row())
             ops: list[torch.nn.Module] = [*pre, lin, *post]
             self._linear_index = len(pre)

@@ -12,7 +12,8 @@ __all__ = ["Linear"]
 
 
 class Linear(Sequential):
-    """``y = x @ weight.T + bias``; ``weight`` is ``[out_features, in_features]``."""
+    """``y = x @ weight.T + bias``; ``weight`` is ``[out_features, in_features]``.
+    ``save_original_input``: see :class:`~fusible.ops.BasicLinear`."""
 
     def __init__(
         self,
@@ -23,10 +24,12 @@ class Linear(Sequential):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         name: str | None = None,
+        save_original_input: bool = False,
     ) -> None:
         ops: list[torch.nn.Module] = [
-            BasicLinear(in_features, out_features, device=device, dtype=dtype, name=name)
-        ]
+            BasicLinear(in_features, out_features, device=device, dtype=dtype, name=name,
+                        save_original_input=save_original_input)
+        ]  # fmt: skip
         if bias:
             ops.append(Bias(out_features, device=device, dtype=dtype, name=name))
         super().__init__(*ops)

@@ -53,6 +53,7 @@ MODELS = {
     "LayerNormMLP": lambda: fusible.LayerNormMLP(HIDDEN, FFN),
     "LayerNormLinear": lambda: fusible.LayerNormLinear(HIDDEN, FFN),
     "Linear": lambda: fusible.Linear(HIDDEN, FFN),
+    "Linear(save_original_input)": lambda: fusible.Linear(HIDDEN, FFN, save_original_input=True),
 }
 
 
@@ -193,6 +194,15 @@ def test_modules_compiled_matches_eager(model_name, recipe_name, devices):
     scaling is covered on the block, both ways, and by the inductor case.)"""
     counts = _compare(model_name, recipe_name, "module", CACHED_STEPS, devices)
     assert counts == ([1] * 4 if recipe_name == "none" else [1, 2, 2, 2]), counts
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "mxfp8", "blockwise", "delayed"])
+def test_save_original_input_compiled_matches_eager(recipe_name, devices):
+    """A Linear keeping its original input (backward quantizes it again; delayed scaling keeps
+    the FP8 copy when compiled, as for the weight), forward compiled, two uncached steps: one
+    graph, equal to eager bit for bit."""
+    counts = _compare("Linear(save_original_input)", recipe_name, "module", PLAIN_STEPS, devices)
+    assert counts == [1, 1], counts
 
 
 def test_inductor_delayed_scaling_with_cache(devices):

@@ -46,8 +46,10 @@ RECIPES: dict[str, Any] = {
     "delayed": recipe.DelayedScaling,
     "current": recipe.Float8CurrentScaling,
     "mxfp8": recipe.MXFP8BlockScaling,
+    "blockwise": recipe.Float8BlockScaling,
 }
-FP8_RECIPES = ["delayed", "current", "mxfp8"]
+FP8_RECIPES = ["delayed", "current", "mxfp8", "blockwise"]
+TWO_COPY = ("mxfp8", "blockwise")  # a columnwise copy with its own block scales
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -142,7 +144,7 @@ def test_fp8_step_peak_below_no_recipe(block_peaks, name):
     # was itself 1.25x of today's; then 0.97x / 0.97x / 0.98x; now 0.845x / 0.845x / 0.978x
     # (the activation backward's per-tensor FP8 output written rowwise only, no bf16 copy).
     # Issue 13's targets: <= 0.90x per tensor, <= 1.0x MXFP8.
-    limit = 0.985 if name == "mxfp8" else 0.86
+    limit = 0.985 if name in TWO_COPY else 0.86
     assert block_peaks[name].peak < limit * block_peaks["none"].peak
 
 
@@ -189,15 +191,16 @@ def test_linear_backward_frees_the_first_gemms_operand(name):
     k = 64
     # tokens >= out_features: wgrad first; when dgrad's output is allocated the saved input copy
     # (per-tensor [k, T]; MXFP8 [T, k]) is gone.
+    gemm = "gemm_block" if name == "blockwise" else "gemm"
     m = linear_trace(name, k, 32)
-    at = first(m, phase="backward", op="gemm", shape=(T, k), dtype=DT)
-    shape = (T, k) if name == "mxfp8" else (k, T)
+    at = first(m, phase="backward", op=gemm, shape=(T, k), dtype=DT)
+    shape = (T, k) if name == "mxfp8" else (k, T)  # blockwise: transposed, as per tensor
     assert not alive_when(m, at, phase="forward", shape=shape, dtype=FP8)
     # tokens < out_features: dgrad first; when wgrad's output is allocated the weight copy dgrad
     # read is gone.
     n = 256
     m = linear_trace(name, k, n)
-    at = first(m, phase="backward", op="gemm", shape=(n, k), dtype=DT)
+    at = first(m, phase="backward", op=gemm, shape=(n, k), dtype=DT)
     assert not alive_when(m, at, shape=(n, k), dtype=FP8)
     assert not alive_when(m, at, shape=(k, n), dtype=FP8)
 
@@ -268,11 +271,39 @@ def test_no_weight_copy_lives_from_forward_to_backward(block_peaks, name):
         assert not alive_when(m, at, phase="forward", shape=shape, dtype=FP8), shape
 
 
-def test_tiny_gpt_fp8_peaks_below_no_recipe():
-    cfg = {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "batch": 4, "vocab": 256}
-    peaks = pm.gpt_peaks(cfg)
-    for name in FP8_RECIPES:
-        assert peaks[name].peak < peaks["none"].peak, name
+# ---- the GPT-style model (benchmarks/gpt.py at 1/8 of its widths) -------------------------------
+
+# Issue 13's targets for the GPT step's peak, against the no-recipe run (CPU trace): <= 0.90x per
+# tensor (and blockwise, whose saved bytes are per-tensor-like), <= 1.0x MXFP8. Before this round:
+# 0.912x / 0.912x / 0.916x / 0.916x; now 0.894x / 0.894x / 0.898x / 0.898x (the attention output
+# projection keeps SDPA's output, which SDPA keeps anyway, instead of an FP8 copy of it).
+GPT_LIMITS = {"delayed": 0.90, "current": 0.90, "mxfp8": 1.0, "blockwise": 0.90}
+
+
+@pytest.fixture(scope="module")
+def gpt_peaks() -> dict[str, pm.LiveBytes]:
+    return pm.gpt_peaks()  # peak_memory.py's GPT_CFG: 8 layers, hidden 256, 8 x 128 tokens
+
+
+@pytest.mark.parametrize("name", FP8_RECIPES)
+def test_gpt_step_peak_targets(gpt_peaks, name):
+    assert gpt_peaks["none"].peak <= 1.001 * gpt_peaks["torch"].peak
+    assert gpt_peaks[name].peak <= GPT_LIMITS[name] * gpt_peaks["none"].peak
+
+
+@pytest.mark.parametrize("name", FP8_RECIPES)
+def test_gpt_peak_is_the_saved_activations_with_no_linear_input_copy(gpt_peaks, name):
+    # The peak is the start of backward (the logits' gradients next to every saved activation).
+    # No FP8 copy a Linear made of its own input is alive then: qkv's and fc1's come from their
+    # LayerNorm (hand-off), fc2's from fc1's epilogue cast, and the projection keeps SDPA's
+    # output itself (save_original_input; the bf16 tensor SDPA's backward reads).
+    m = gpt_peaks[name]
+    assert m.peak_phase == "backward"
+    own = [a for a in m.at_peak if a.dtype in FP8 and "fprop_operands" in a.site]
+    assert not own, [a.describe() for a in own]
+    layers = pm.GPT_CFG["layers"]
+    sdpa = [a for a in m.at_peak if a.op.startswith("_scaled_dot_product") and a.dtype == DT]
+    assert len(sdpa) == layers
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

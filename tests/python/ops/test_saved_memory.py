@@ -6,7 +6,9 @@ with the bytes the op's backward reads, computed here from the shapes:
 
 * a Linear's wgrad reads its input's columnwise copy -- per-tensor FP8 ``data_t`` (1 byte per
   element + a 4-byte ``scale_inv``), MXFP8 ``col_data`` + ``col_scale`` (1 byte per element +
-  one E8M0 byte per 32 rows per column), the high-precision input without a recipe -- and its
+  one E8M0 byte per 32 rows per column), blockwise FP8 ``data_t`` + ``col_scale_inv`` (1 byte
+  per element + one fp32 scale per 128 rows per column: 1x128 blocks of the transpose), the
+  high-precision input without a recipe (or with ``save_original_input``) -- and its
   dgrad the weight, which is a parameter (not counted): under an FP8 recipe backward quantizes
   it again, delayed scaling with the 4-byte scale the forward cast with (saved); only with the
   weight workspace cache is the cached copy saved (the same forms of the ``[out, in]`` weight);
@@ -39,7 +41,7 @@ from fusible.quantization.quantizers import QuantizedTensor
 DT = torch.bfloat16
 ES = 2  # bytes per bf16 element
 T, H, F = 64, 64, 128  # tokens, hidden, ffn: divisible by 32 (MXFP8)
-SAVED_RECIPES = ["none", "delayed", "current", "mxfp8"]
+SAVED_RECIPES = ["none", "delayed", "current", "mxfp8", "blockwise"]
 
 
 # ---- counting: benchmarks/saved_memory.py's counter ---------------------------------------------
@@ -59,6 +61,8 @@ def columnwise_bytes(recipe_name: str, rows: int, cols: int) -> int:
         return rows * cols * ES
     if recipe_name == "mxfp8":
         return rows * cols + math.ceil(rows / 32) * cols
+    if recipe_name == "blockwise":
+        return rows * cols + math.ceil(rows / 128) * cols * 4
     return rows * cols + 4
 
 
@@ -73,7 +77,9 @@ def linear_bytes(r: str, tokens: int, k: int, n: int, *, wgrad=True, dgrad=True)
 
 def cached_linear_bytes(r: str, tokens: int, k: int, n: int) -> int:
     """With the weight workspace cache: the input's copy and the cached weight's (by
-    reference)."""
+    reference; blockwise weights are in 128x128 blocks, one fp32 scale each)."""
+    if r == "blockwise":
+        return columnwise_bytes(r, tokens, k) + n * k + math.ceil(n / 128) * math.ceil(k / 128) * 4
     return columnwise_bytes(r, tokens, k) + columnwise_bytes(r, n, k)
 
 
@@ -267,7 +273,7 @@ def test_no_grad_makes_no_backward_copies(monkeypatch):
     assert len(calls) == 2 and not any(calls)
 
 
-@pytest.mark.parametrize("recipe_name", ["delayed", "current", "mxfp8"])
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "mxfp8", "blockwise"])
 def test_cached_weight_is_saved_by_reference(recipe_name):
     """With the weight workspace cache, dgrad's copy is the cached one (saved by reference: the
     bytes equal one copy, on the first micro-batch and on the next)."""
@@ -314,13 +320,154 @@ def test_checkpoint_recomputes_the_same_saved_set(recipe_name):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+def test_requantized_weight_with_unquantized_gradient_matches_the_cached_copy(frozen):
+    """A CustomRecipe quantizing the forward only (gradients high precision): dgrad reads the
+    weight as the forward quantized it whether backward quantizes the parameter again or reads
+    the cached workspace (before, a frozen weight's dgrad then ran on the high-precision
+    parameter: the GEMM was taken for a high-precision one)."""
+
+    def qf(role: Any) -> Any:
+        if role.is_gradient:
+            return None
+        return Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+
+    rec = recipe.CustomRecipe(qfactory=qf)
+    grads = []
+    for kw in ({}, {"is_first_microbatch": True}):
+        torch.manual_seed(0)
+        model = ops.Sequential(ops.BasicLinear(H, F, dtype=DT))
+        model[0].weight.requires_grad_(not frozen)
+        x = _input(H)
+        with fusible.autocast(recipe=rec):
+            y = model(x, **kw)
+        y.float().pow(2).sum().backward()
+        grads.append([x.grad] + ([] if frozen else [model[0].weight.grad]))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+# ---- save_original_input: the input kept by reference --------------------------------------------
+
+
+class _TanhLinear(torch.nn.Module):
+    """``Linear(tanh(x))``: torch's tanh keeps its output for its backward, so a Linear with
+    ``save_original_input`` keeps that very tensor (no FP8 copy of it)."""
+
+    def __init__(self, save: bool) -> None:
+        super().__init__()
+        self.lin = fusible.Linear(H, F, dtype=DT, save_original_input=save)
+
+    def forward(self, x: torch.Tensor, **kw: Any) -> Any:
+        return self.lin(torch.tanh(x), **kw)
+
+
+@pytest.mark.parametrize("recipe_name", SAVED_RECIPES)
+@pytest.mark.parametrize("save", [False, True])
+def test_save_original_input_keeps_the_input_by_reference(recipe_name, save):
+    """The Linear's input is tanh's saved output: with ``save_original_input`` the step keeps that
+    one tensor (+ delayed scaling's two 4-byte scales, the input's and the weight's); without it,
+    also the input's FP8 copy."""
+    rec = RECIPES[recipe_name]
+    torch.manual_seed(0)
+    model = _TanhLinear(save)
+    x = _input(H)
+    if recipe_name == "delayed":
+        saved_bytes(model, x, rec)
+    tanh_out = T * H * ES
+    if recipe_name == "none":
+        expected = tanh_out
+    elif save:
+        expected = tanh_out + (8 if recipe_name == "delayed" else 0)
+    else:
+        expected = tanh_out + linear_bytes(recipe_name, T, H, F)
+    assert saved_bytes(model, x, rec) == expected
+
+
+def _train_pair(build: Any, rec: Any, *, steps: int = 3, checkpoint: bool = False) -> list[Any]:
+    """Outputs, input and parameter gradients of ``steps`` SGD steps, then the parameters."""
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    out: list[Any] = []
+    for _ in range(steps):
+        x = torch.randn(T, H, generator=g).to(DT).requires_grad_(True)
+        with fusible.autocast(enabled=rec is not None, recipe=rec):
+            y = fusible.checkpoint(model, x) if checkpoint else model(x)
+        y.float().pow(2).sum().backward()
+        out += [y.detach(), x.grad, *(p.grad.clone() for p in model.parameters())]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out + [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_save_original_input_changes_no_number(recipe_name, checkpoint):
+    """LayerNorm -> Linear -> GELU -> Linear with every Linear keeping its original input
+    (the first one then takes LayerNorm's output unquantized: no hand-off): outputs, gradients
+    and updated parameters equal the model without it bit for bit, over steps with recipe-state
+    updates (delayed scaling: backward casts with the scale the forward cast with), also under
+    ``fusible.checkpoint``."""
+    rec = RECIPES[recipe_name]
+
+    def build(save: bool) -> Any:
+        return ops.Sequential(
+            ops.LayerNorm(H, dtype=DT), ops.Linear(H, F, dtype=DT, save_original_input=save),
+            ops.GELU(), ops.Linear(F, H, dtype=DT, save_original_input=save),
+        )  # fmt: skip
+
+    ref = _train_pair(lambda: build(False), rec, checkpoint=checkpoint)
+    got = _train_pair(lambda: build(True), rec, checkpoint=checkpoint)
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "mxfp8", "blockwise"])
+def test_save_original_input_forward_casts_rowwise_only(recipe_name, monkeypatch):
+    """With ``save_original_input`` the forward asks for the input's rowwise copy only (wgrad's
+    columnwise copy is made in backward, from the saved input)."""
+    kernels = {"delayed": "quantize_fp8", "current": "quantize_fp8_current",
+               "mxfp8": "quantize_mxfp8", "blockwise": "quantize_fp8_block"}  # fmt: skip
+    kernel = kernels[recipe_name]
+    calls: list[tuple[tuple[int, ...], bool, bool]] = []
+    real = getattr(K, kernel)
+
+    def spy(x: Any, *args: Any) -> Any:
+        calls.append((tuple(x.shape), bool(args[-2]), bool(args[-1])))  # rowwise, columnwise
+        return real(x, *args)
+
+    monkeypatch.setattr(K, kernel, spy)
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.BasicLinear(H, F, dtype=DT, save_original_input=True))
+    x = _input(H)
+    with fusible.autocast(recipe=RECIPES[recipe_name]):
+        y = model(x)
+    inputs = [c for c in calls if c[0] == (T, H)]
+    assert inputs == [((T, H), True, False)]  # forward: rowwise only
+    y.float().sum().backward()
+    inputs = [c for c in calls if c[0] == (T, H)]
+    assert inputs[1:] == [((T, H), False, True)]  # backward: the columnwise copy
+
+
+def test_save_original_input_is_a_construction_choice():
+    lin = ops.BasicLinear(H, F, save_original_input=True)
+    assert lin.save_original_input and "save_original_input=True" in repr(lin)
+    assert fusible.Linear(H, F, save_original_input=True).weight is not None
+    with pytest.raises(AttributeError):
+        lin.save_original_input = False  # type: ignore[misc]
+    with pytest.raises(TypeError, match="save_original_input"):
+        ops.BasicLinear(H, F, save_original_input=1)  # type: ignore[arg-type]
+
+
 # ---- the block target (issue 13) ----------------------------------------------------------------
 
 
 def test_block_saved_bytes_targets():
     """LayerNorm(256) -> Linear(256, 1024) -> GELU -> Linear(1024, 256), bf16, 4096 tokens:
-    per-tensor FP8 keeps <= 0.80x of the high-precision run's saved bytes, MXFP8 <= 1.0x, and
-    each is exactly what backward reads."""
+    per-tensor FP8 keeps <= 0.80x of the high-precision run's saved bytes, MXFP8 <= 1.0x,
+    blockwise FP8 <= 0.80x, and each is exactly what backward reads."""
     tokens, h, f = 4096, 256, 1024
     torch.manual_seed(0)
     model = ops.Sequential(
@@ -336,6 +483,7 @@ def test_block_saved_bytes_targets():
     assert got["delayed"] <= 0.80 * got["none"]
     assert got["current"] <= 0.80 * got["none"]
     assert got["mxfp8"] <= 1.0 * got["none"]
+    assert got["blockwise"] <= 0.80 * got["none"]  # 0.758x: the per-tensor target
 
 
 # ---- fused == unfused, bit for bit --------------------------------------------------------------

@@ -62,6 +62,19 @@ class BasicLinear(QuantizedWeightOp):
     :meth:`set_role_scope` sets them; modules pass theirs here so that a weight built inside
     ``fusible.quantized_model_init`` is quantized with its final role.
 
+    ``save_original_input`` (TransformerEngine's ``Linear`` argument): under an FP8 recipe,
+    keep the high-precision input itself for wgrad (a reference, no copy) instead of its
+    transposed / columnwise FP8 copy, and quantize it again in backward -- the same bits, as
+    for the weight (delayed scaling casts with the scale the forward cast with, saved; current
+    scaling takes the same amax; MXFP8 / blockwise blocks do not depend on the other copy); the
+    forward then makes the input's rowwise copy only. It saves memory when something else keeps
+    that input anyway (attention keeps its output for its backward: the output projection's
+    input); otherwise it costs the difference between the input's bytes and its FP8 copy's.
+    The op then asks the previous op for a high-precision input (no quantizer hand-off); an input
+    that arrives quantized all the same, a custom quantizer, and delayed scaling under
+    ``torch.compile`` (see above) keep the FP8 copy as without it. Without a recipe, or
+    without a weight gradient, it changes nothing. Fixed at construction (plans resolve it).
+
     Quantized weights (built inside ``fusible.quantized_model_init``, or any
     ``nn.Parameter(QuantizedTensor)`` assigned to ``weight``): the forward uses the stored data as
     it is when the autocast recipe's weight quantizer asks for its format (per-tensor FP8 -- any
@@ -92,8 +105,14 @@ class BasicLinear(QuantizedWeightOp):
         dtype: torch.dtype | None = None,
         name: str | None = None,
         scope: str | None = None,
+        save_original_input: bool = False,
     ) -> None:
         super().__init__(name=name)
+        if not isinstance(save_original_input, bool):
+            raise TypeError(
+                f"BasicLinear: save_original_input must be a bool, got {save_original_input!r}"
+            )
+        self._save_original_input = save_original_input
         if in_features <= 0 or out_features <= 0:
             raise ValueError(
                 f"BasicLinear: in_features and out_features must be positive, got "
@@ -148,8 +167,15 @@ class BasicLinear(QuantizedWeightOp):
         if q is not None:
             self._quantize_weight_param(recipe)
 
+    @property
+    def save_original_input(self) -> bool:
+        """Whether wgrad keeps the high-precision input (see the class docstring). (False for
+        an op pickled before the option existed.)"""
+        return bool(self.__dict__.get("_save_original_input", False))
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        extra = ", save_original_input=True" if self.save_original_input else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}{extra}"
 
     def get_quantizer_roles(self, fwd: bool) -> list[QuantizerRole]:
         buckets = ("input", "weight", "output") if fwd else ("grad_output", "grad_input")
@@ -162,8 +188,15 @@ class BasicLinear(QuantizedWeightOp):
         rowwise-only twin of the slot's quantizer (same scaling state, see
         :meth:`reset_recipe_state`): quantizers are never mutated while a plan runs
         (``torch.compile`` traces that). The choice depends only on ``weight.requires_grad``,
-        which is part of the plan key, so a plan may resolve it once."""
-        return self._with_usage(True, "input", bool(self.weight.requires_grad))
+        which is part of the plan key, so a plan may resolve it once. With
+        ``save_original_input``: None (this op keeps its high-precision input, so it takes it
+        unquantized and casts it itself)."""
+        train = bool(self.weight.requires_grad)
+        if train and self.save_original_input:
+            q = self.get_quantizer(True, "input")
+            if q is None or C.can_requantize_columnwise(q):
+                return None
+        return self._with_usage(True, "input", train)
 
     def grad_output_quantizer(self) -> Quantizer | None:
         """The grad-output quantizer offered to the next op's backward (which may write this op's
@@ -314,11 +347,21 @@ class BasicLinear(QuantizedWeightOp):
                 )
         attrs["need_wgrad"], attrs["need_dgrad"] = need_wgrad, need_dgrad
         xq: Any
+        # x_requant: the quantizer with which backward quantizes the saved high-precision input
+        # again for wgrad (save_original_input); x_scale: delayed scaling's scale for it.
+        x_requant, x_scale = None, None
         if type(x) is C.HandOff:
             xq = x.take()  # this op's alone: its rowwise copy is freed after the forward GEMM
+        elif qx is None:
+            xq = x
+        elif prep.x_requant is not None and not (prep.x_delayed and torch.compiler.is_compiling()):
+            # The forward makes the rowwise copy only; backward casts x again (the same bits).
+            x_requant = qx
+            x_scale = qx.scale.clone() if prep.x_delayed else None  # type: ignore[attr-defined]
+            xq = C.quantize(qx, x, rowwise=True, columnwise=False)
         else:
-            xq = x if qx is None else C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
-        if need_wgrad and type(xq) is not torch.Tensor:
+            xq = C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
+        if need_wgrad and x_requant is None and type(xq) is not torch.Tensor:
             xq = _with_columnwise(xq, type(self).__name__)
         # w_own: whether what backward reads for dgrad is its own (freed after dgrad), not a
         # parameter's or a cached workspace's (see linear_backward); w_requant: the quantizer
@@ -361,10 +404,14 @@ class BasicLinear(QuantizedWeightOp):
         wsave = None
         if need_dgrad:
             wsave = w if requant is not None else _keep_columnwise(wq)
-        xsave = _keep_columnwise(xq) if need_wgrad else None
-        ctx.saved = [xsave, wsave, w_scale]
+        if x_requant is not None:
+            xsave = x
+        else:
+            xsave = _keep_columnwise(xq) if need_wgrad else None
+        ctx.saved = [xsave, wsave, w_scale, x_scale]
         attrs["dtype"], attrs["w_dtype"] = out_dtype, w.dtype
         attrs["w_own"], attrs["w_requant"] = w_own, requant
+        attrs["x_requant"] = x_requant
         hp = qx is None and w_hp
         may_mx = prep.may_mx or type(w) is not torch.nn.Parameter
         dt = None if hp or not may_mx else C.dequant_dtype(xq, wq, out_dtype)
@@ -386,7 +433,7 @@ class BasicLinear(QuantizedWeightOp):
         in]``, when that is backward's own (not a parameter or a cached workspace) -- so it is
         gone while the other runs. The two GEMMs are independent: their order changes no
         result."""
-        xq, wq, w_scale = ctx.saved
+        xq, wq, w_scale, x_scale = ctx.saved
         ctx.saved = []
         attrs = ctx.attrs
         need_dgrad, need_wgrad = attrs["need_dgrad"], attrs["need_wgrad"]
@@ -400,8 +447,13 @@ class BasicLinear(QuantizedWeightOp):
             dy = C.quantize(qg, dy, rowwise=need_dgrad, columnwise=need_wgrad)
         if qg is not None and need_wgrad:
             dy = _with_columnwise(dy, type(self).__name__)
+        # x_requant / w_requant: xq / wq is then the high-precision tensor, cast below as the
+        # forward cast it (so a GEMM on them is not a high-precision one).
+        x_requant, w_requant = attrs["x_requant"], attrs["w_requant"]
         hp = (
             (type(dy) in _PLAIN or isinstance(dy, torch.Tensor))
+            and x_requant is None
+            and w_requant is None
             and (xq is None or type(xq) in _PLAIN or isinstance(xq, torch.Tensor))
             and (wq is None or type(wq) in _PLAIN or isinstance(wq, torch.Tensor))
         )
@@ -419,12 +471,13 @@ class BasicLinear(QuantizedWeightOp):
             which = "c" if wgrad else "r"  # the copy of dy this GEMM reads
             if wgrad:
                 b, xq = xq, None
+                if x_requant is not None:  # the input: quantized again, as forward did
+                    b = C.requantize_columnwise(x_requant, b, x_scale)
             else:
                 b, wq = wq, None
                 if not hp:
-                    requant = attrs["w_requant"]
-                    if requant is not None:  # the parameter: quantized again, as forward did
-                        b = C.requantize_columnwise(requant, b, w_scale)
+                    if w_requant is not None:  # the parameter: quantized again, as forward did
+                        b = C.requantize_columnwise(w_requant, b, w_scale)
                     b = C.ensure_fp8_copy(b, "c")  # a stored FP8 weight: transposed on demand
             dt = None if hp else C.dequant_dtype(dy, b, w_dtype if wgrad else dtype)
             a = dy
@@ -480,6 +533,14 @@ class LinearPrep:
         self.may_mx = any(q is not None and type(q) not in _NOT_MX for q in (qx, qw, self.qg))
         self.delayed = isinstance(qw, Float8Quantizer)
         self.requant = need_dgrad and qw is not None and C.can_requantize_columnwise(qw)
+        # save_original_input: the input quantizer backward casts the saved input with again.
+        self.x_requant = (
+            qx
+            if op.save_original_input and need_wgrad and qx is not None
+            and C.can_requantize_columnwise(qx)
+            else None
+        )  # fmt: skip
+        self.x_delayed = isinstance(qx, Float8Quantizer)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tested by type first (isinstance is a call)
