@@ -46,16 +46,17 @@ static const char* const kSchemas[] = {
     // normalization
     "norm_fwd(Tensor x, Tensor gamma, Tensor? beta, float eps, str kind,"
     " bool zero_centered_gamma, ScalarType? out_dtype, str quant, ScalarType fp8_dtype,"
-    " Tensor? scale, bool rowwise, bool columnwise)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    " Tensor? scale, bool rowwise, bool columnwise, bool power_2_scale=True,"
+    " float amax_epsilon=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     "norm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor gamma, str kind,"
     " bool zero_centered_gamma) -> (Tensor, Tensor, Tensor)",
     // activation
     "act_fwd(Tensor x, str kind, ScalarType? out_dtype, str quant, ScalarType fp8_dtype,"
-    " Tensor? scale, bool rowwise, bool columnwise)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    " Tensor? scale, bool rowwise, bool columnwise, bool power_2_scale=True,"
+    " float amax_epsilon=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     "act_bwd(Tensor grad, Tensor x, str kind, ScalarType? out_dtype, str quant,"
-    " ScalarType fp8_dtype, Tensor? scale, bool rowwise, bool columnwise, bool with_dbias)"
+    " ScalarType fp8_dtype, Tensor? scale, bool rowwise, bool columnwise, bool with_dbias,"
+    " bool power_2_scale=True, float amax_epsilon=0.0)"
     " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     // grouped (MoE experts: one call for every group)
     "grouped_quantize_fp8(Tensor[] x, SymInt[] m_splits, Tensor? scales, ScalarType fp8_dtype,"

@@ -135,7 +135,9 @@ grouped_quantize_fp8(at::TensorList x, at::IntArrayRef m_splits, const OptTensor
                            ptr(scale_inv[i]),
                            nullptr,
                            scale_p ? scale_p + i : nullptr,
-                           amax_p ? amax_p + i : nullptr};
+                           amax_p ? amax_p + i : nullptr,
+                           0,
+                           0.0f};
   }
   const fus_context ctx = context_of(like);
   check_status(op, fus_quantize_grouped(in.data(), out.data(), count, current ? 1 : 0,

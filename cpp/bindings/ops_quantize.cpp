@@ -29,7 +29,9 @@ fus_quantized per_tensor_view(at::ScalarType fp8_dtype, int64_t rows, int64_t co
                        ptr(scale_inv),
                        nullptr,
                        fptr(scale),
-                       fptr(amax)};
+                       fptr(amax),
+                       0,
+                       0.0f};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, const Tensor& scale,
@@ -93,7 +95,9 @@ Tensor dequantize_copy(const char* op, fus_scaling_mode mode, const Tensor& data
                           columnwise ? nullptr : sc,
                           columnwise ? sc : nullptr,
                           nullptr,
-                          nullptr};
+                          nullptr,
+                          0,
+                          0.0f};
     fus_tensor o = mat(out, rows, cols);
     const fus_context ctx = context_of(data);
     check_status(op, fus_dequantize(&q, columnwise ? 1 : 0, &o, &ctx));
@@ -153,8 +157,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mxfp8(const Tensor& x, at::S
   Tensor col_scale =
       columnwise ? empty({ceil_div(rows, FUS_MXFP8_BLOCK), cols}, u8, x) : nothing(u8, x);
   if (!shapes_only(x)) {
-    fus_quantized q{FUS_SCALING_MXFP8, code_of(fp8_dtype), rows,           cols,    ptr(data),
-                    ptr(col),          ptr(scale),         ptr(col_scale), nullptr, nullptr};
+    fus_quantized q{FUS_SCALING_MXFP8, code_of(fp8_dtype), rows,    cols,    ptr(data), ptr(col),
+                    ptr(scale),        ptr(col_scale),     nullptr, nullptr, 0,         0.0f};
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize(&in, &q, &ctx));
@@ -177,12 +181,6 @@ Tensor dequantize_mxfp8(const Tensor& data, const Tensor& scale, bool columnwise
                   shape_str(expected), " for ", columnwise ? "columnwise" : "rowwise",
                   " data of matrix shape (", rows, ", ", cols, ")");
   return dequantize_copy(op, FUS_SCALING_MXFP8, data, scale, columnwise, rows, cols, out_dtype);
-}
-
-// Shape of a blockwise copy [R, C]'s scale_inv matrix (fusible/common.h).
-std::vector<int64_t> block_scale_shape(int64_t block_dim, int64_t R, int64_t C) {
-  if (block_dim == 1) return {ceil_div(C, FUS_FP8_BLOCK), R};
-  return {ceil_div(R, FUS_FP8_BLOCK), ceil_div(C, FUS_FP8_BLOCK)};
 }
 
 void check_block_dim(const char* op, int64_t block_dim) {
@@ -221,7 +219,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8_block(const Tensor& x,
                     ptr(scale),
                     ptr(col_scale),
                     nullptr,
-                    nullptr};
+                    nullptr,
+                    0,
+                    0.0f};
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize_blockwise(&in, &q, power_2_scale ? 1 : 0,

@@ -66,7 +66,9 @@ inline fus_quantized make_q(const std::vector<void*>& p, int first, int64_t rows
                        p[first + kQRowS],
                        p[first + kQColS],
                        static_cast<float*>(p[first + kQScale]),
-                       static_cast<float*>(p[first + kQAmax])};
+                       static_cast<float*>(p[first + kQAmax]),
+                       0,
+                       0.0f};
 }
 
 // The unfused path: fus_quantize (CPU) of a stored high-precision matrix; returns its buffers

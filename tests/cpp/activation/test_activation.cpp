@@ -429,8 +429,18 @@ TEST(ActErrors, RejectBadArguments) {
   EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GEGLU, &odd, &ty, nullptr, &ctx),
                        FUS_ERROR_INVALID_ARGUMENT, {f, "x", "even"}));
   uint8_t q8[24], s8[8];
-  fus_quantized q{
-      FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, 3, 8, q8, nullptr, s8, nullptr, nullptr, nullptr};
+  fus_quantized q{FUS_SCALING_PER_TENSOR,
+                  FUS_FLOAT8_E4M3,
+                  3,
+                  8,
+                  q8,
+                  nullptr,
+                  s8,
+                  nullptr,
+                  nullptr,
+                  nullptr,
+                  0,
+                  0.0f};
   EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GELU, &tx, nullptr, &q, &ctx),
                        FUS_ERROR_INVALID_ARGUMENT, {f, "q->scale"}));
   EXPECT_TRUE(is_error(
@@ -446,8 +456,8 @@ TEST(ActErrors, RejectBadArguments) {
       fus_activation_backward(FUS_ACT_GEGLU, &tg, &tx, &tdx, nullptr, &db4, nullptr, 0, &ctx),
       FUS_ERROR_INVALID_ARGUMENT, {b, "dbias", "[1, 8]"}));
   uint8_t mx[24], ms[8];
-  fus_quantized qm{FUS_SCALING_MXFP8, FUS_FLOAT8_E4M3, 3,      8, mx, nullptr, ms,
-                   nullptr,           nullptr,         nullptr};
+  fus_quantized qm{FUS_SCALING_MXFP8, FUS_FLOAT8_E4M3, 3,       8, mx,  nullptr, ms,
+                   nullptr,           nullptr,         nullptr, 0, 0.0f};
   EXPECT_TRUE(is_error(
       fus_activation_backward(FUS_ACT_SWIGLU, &tg, &tx, nullptr, &qm, nullptr, nullptr, 0, &ctx),
       FUS_ERROR_INVALID_ARGUMENT, {b, "H % 32"}));

@@ -535,8 +535,18 @@ TEST(NormErrors, ForwardRejectsBadArguments) {
       call(FUS_NORM_LAYERNORM, &x0, &g0, nullptr, 1e-5f, nullptr, nullptr, mean, rstd, &ctx),
       FUS_ERROR_INVALID_ARGUMENT, {fn, "x", "column"}));
   uint8_t q8[12], s8[3];
-  fus_quantized q{
-      FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, 3, 4, q8, nullptr, s8, nullptr, nullptr, nullptr};
+  fus_quantized q{FUS_SCALING_PER_TENSOR,
+                  FUS_FLOAT8_E4M3,
+                  3,
+                  4,
+                  q8,
+                  nullptr,
+                  s8,
+                  nullptr,
+                  nullptr,
+                  nullptr,
+                  0,
+                  0.0f};
   EXPECT_TRUE(is_error(call(FUS_NORM_LAYERNORM, &tx, &tg, &tb, 1e-5f, &ty, &q, mean, rstd, &ctx),
                        FUS_ERROR_INVALID_ARGUMENT, {fn, "q->scale"}));
   fus_quantized qs = q;

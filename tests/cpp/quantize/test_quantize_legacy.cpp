@@ -318,7 +318,7 @@ TEST(QuantizeCpuLegacy, PerTensorAndMxfp8EveryCopyDtypeAndSize) {
             for (int threads : {1, 2, 3}) {
               Runtime rt(isa, threads);
               legacy_test::QuantOut got(mode, fp8, sz.rows, sz.cols, copies & 1, copies & 2, sc);
-              fusible::quantize_cpu(t, got.q);
+              fusible::cast_cpu(t, got.q);
               EXPECT_TRUE(got.same(want))
                   << sz.rows << "x" << sz.cols << " in=" << in << " fp8=" << fp8 << " mode=" << mode
                   << " copies=" << copies << " scale=" << sc << Runtime::name(isa, threads);
