@@ -25,6 +25,7 @@ from fusible.quantization.quantizers import (
 __all__ = [
     "HandOff",
     "as_2d",
+    "blockwise_gemm",
     "can_requantize_columnwise",
     "dequant_dtype",
     "dequantize",
@@ -242,6 +243,12 @@ def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``, which is ``t`` itself when it has that dtype (checked here: a call less
     on the hot path)."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def blockwise_gemm(a: Any, b: Any) -> bool:
+    """Whether the GEMM of operands ``a`` and ``b`` is the blockwise FP8 GEMM, which has no
+    epilogues (its bias and GELU run after it, see ``_gemm_blockwise``)."""
+    return type(a) is Float8BlockData and type(b) is Float8BlockData and _block_gemm(a, b)
 
 
 def _block_gemm(a: Any, b: Any) -> bool:

@@ -336,6 +336,31 @@ using QParam = std::tuple<fus_activation, fus_dtype, bool, int, std::pair<int64_
 
 class ActQuantized : public ::testing::TestWithParam<QParam> {};
 
+// The fused quantized output of s (with the high-precision output of s.out_dt) equals
+// fus_quantize of that output; without it, fus_quantize of the output rounded to the input's
+// dtype (x forward, grad backward), and dbias is unchanged.
+void expect_fused_equals_unfused(const ActSetup& s) {
+  Data d = make_data(s);
+  ASSERT_EQ(run_cpu(d.bufs, call(s)), FUS_SUCCESS) << fus_last_error();
+  expect_same_q(d.bufs, kQ, quantize_of(d.bufs.b[kOut], s.out_dt, s.rows, s.out_cols(), s.q), 1,
+                "fused vs quantize(out)");
+  const fus_dtype dt = s.bwd ? s.g_dt : s.x_dt;
+  ActSetup n = s;
+  n.has_out = false;
+  Data dn = make_data(n);
+  ASSERT_EQ(run_cpu(dn.bufs, call(n)), FUS_SUCCESS) << fus_last_error();
+  ActSetup o = s;
+  o.out_dt = dt;
+  o.q.mode = 0;
+  Data dout = make_data(o);
+  ASSERT_EQ(run_cpu(dout.bufs, call(o)), FUS_SUCCESS) << fus_last_error();
+  expect_same_q(dn.bufs, kQ, quantize_of(dout.bufs.b[kOut], dt, s.rows, s.out_cols(), s.q), 1,
+                "fused without out vs quantize(out in the input's dtype)");
+  if (s.dbias) {
+    EXPECT_EQ(dn.bufs.b[kBias], dout.bufs.b[kBias]) << "dbias without out";
+  }
+}
+
 TEST_P(ActQuantized, EqualsQuantizeOfHighPrecisionOutput) {
   const auto [kind, dt, bwd, qmode, shape] = GetParam();
   for (int variant = 0; variant < 3; ++variant) {
@@ -355,25 +380,7 @@ TEST_P(ActQuantized, EqualsQuantizeOfHighPrecisionOutput) {
     if (!s.q.row && !s.q.col) s.q.col = true;
     s.dbias = bwd;
     SCOPED_TRACE(describe(s));
-    Data d = make_data(s);
-    ASSERT_EQ(run_cpu(d.bufs, call(s)), FUS_SUCCESS) << fus_last_error();
-    expect_same_q(d.bufs, kQ, quantize_of(d.bufs.b[kOut], s.out_dt, s.rows, s.out_cols(), s.q), 1,
-                  "fused vs quantize(out)");
-    // Without the high-precision output: rounded to x's (forward) or grad's (backward) dtype.
-    ActSetup n = s;
-    n.has_out = false;
-    Data dn = make_data(n);
-    ASSERT_EQ(run_cpu(dn.bufs, call(n)), FUS_SUCCESS) << fus_last_error();
-    ActSetup o = s;
-    o.out_dt = dt;
-    o.q.mode = 0;
-    Data dout = make_data(o);
-    ASSERT_EQ(run_cpu(dout.bufs, call(o)), FUS_SUCCESS) << fus_last_error();
-    expect_same_q(dn.bufs, kQ, quantize_of(dout.bufs.b[kOut], dt, s.rows, s.out_cols(), s.q), 1,
-                  "fused without out vs quantize(out in the input's dtype)");
-    if (s.dbias) {
-      EXPECT_EQ(dn.bufs.b[kBias], dout.bufs.b[kBias]) << "dbias without out";
-    }
+    expect_fused_equals_unfused(s);
   }
 }
 
@@ -385,6 +392,48 @@ INSTANTIATE_TEST_SUITE_P(
                                          std::make_pair<int64_t, int64_t>(127, 7),
                                          std::make_pair<int64_t, int64_t>(33, 64),
                                          std::make_pair<int64_t, int64_t>(70, 4097))));
+
+// ---- blockwise output == the blockwise quantize of the high-precision output
+// -----------------------
+
+// Rows 1, primes and 2^n - 1 around the 128-row blocks; H that is and is not a multiple of 128
+// (gated backward: blocks straddling [da | db] when H % 128 != 0).
+const std::vector<std::pair<int64_t, int64_t>> kBlockShapes = {
+    {1, 1}, {1, 300}, {7, 128}, {31, 129}, {127, 64}, {128, 127}, {129, 1000}, {257, 256}};
+
+class ActBlockwise
+    : public ::testing::TestWithParam<std::tuple<fus_activation, fus_dtype, bool, int>> {};
+
+TEST_P(ActBlockwise, EqualsBlockwiseQuantizeOfHighPrecisionOutput) {
+  const auto [kind, dt, bwd, qmode] = GetParam();
+  for (const auto& shape : kBlockShapes) {
+    for (int variant = 0; variant < 4; ++variant) {
+      ActSetup s;
+      s.kind = kind;
+      s.bwd = bwd;
+      s.x_dt = s.g_dt = dt;
+      s.out_dt = variant == 1 ? FUS_FLOAT32 : (variant == 2 ? FUS_BFLOAT16 : dt);
+      s.rows = shape.first;
+      s.cols = shape.second;
+      s.q.mode = qmode;
+      s.q.fmt = variant == 1 ? FUS_FLOAT8_E5M2 : FUS_FLOAT8_E4M3;
+      s.q.row = variant != 2;
+      s.q.col = variant != 0;
+      s.q.pow2 = variant != 3;
+      s.q.eps = variant == 3 ? 1e-3f : 0.0f;
+      s.dbias = bwd && variant != 1;
+      s.seed = 500 + static_cast<uint32_t>(variant);
+      SCOPED_TRACE(describe(s) + " variant " + std::to_string(variant));
+      expect_fused_equals_unfused(s);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, ActBlockwise,
+                         ::testing::Combine(::testing::ValuesIn(kKinds),
+                                            ::testing::Values(FUS_FLOAT32, FUS_BFLOAT16),
+                                            ::testing::Bool(), ::testing::Values(3, 4)));
 
 TEST(ActQuantizedEdge, ZeroRows) {
   ActSetup s;
@@ -443,6 +492,11 @@ TEST(ActErrors, RejectBadArguments) {
                   0.0f};
   EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GELU, &tx, nullptr, &q, &ctx),
                        FUS_ERROR_INVALID_ARGUMENT, {f, "q->scale"}));
+  fus_quantized qb = q;
+  qb.mode = FUS_SCALING_BLOCK_2D;
+  qb.amax_epsilon = NAN;
+  EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GELU, &tx, nullptr, &qb, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {f, "q->amax_epsilon"}));
   EXPECT_TRUE(is_error(
       fus_activation_backward(FUS_ACT_GELU, &tg8, &tx, nullptr, nullptr, nullptr, nullptr, 0, &ctx),
       FUS_ERROR_INVALID_ARGUMENT, {b, "dx", "q", "dbias"}));
@@ -530,6 +584,67 @@ INSTANTIATE_TEST_SUITE_P(All, ActCuda,
                                             ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
                                                               FUS_BFLOAT16),
                                             ::testing::Bool(), ::testing::Values(0, 1, 2)));
+
+// Blockwise output on CUDA (act_block_kernel): every kind, forward and backward, both block
+// shapes, partial edge blocks, [da | db] straddling blocks, dbias with row groups that are not
+// multiples of 128 rows ({6000, 40}: groups of 96 rows, three tiles a block), and non-finite
+// inputs (NaN made by arithmetic matches NaN; everything else bit for bit).
+class ActCudaBlockwise
+    : public ::testing::TestWithParam<std::tuple<fus_activation, fus_dtype, bool, int>> {};
+
+TEST_P(ActCudaBlockwise, BitIdenticalToCpu) {
+  FUSTEST_REQUIRE_CUDA();
+  const auto [kind, dt, bwd, qmode] = GetParam();
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {
+      {1, 1},     {7, 7},     {127, 127}, {4097, 7},  {3, 4097}, {64, 1024},
+      {129, 100}, {257, 384}, {2049, 64}, {6000, 40}, {31, 40}};
+  for (const auto& shape : shapes) {
+    for (int variant = 0; variant < 4; ++variant) {
+      ActSetup s;
+      s.kind = kind;
+      s.bwd = bwd;
+      s.x_dt = dt;
+      s.g_dt = variant == 1 ? FUS_FLOAT32 : dt;
+      s.out_dt = variant == 2 ? FUS_FLOAT32 : dt;
+      s.has_out = variant == 2;
+      s.rows = shape.first;
+      s.cols = shape.second;
+      s.dbias = bwd && variant != 2;
+      s.bias_dt = variant == 0 ? dt : FUS_FLOAT32;
+      s.q.mode = qmode;
+      s.q.fmt = variant == 2 ? FUS_FLOAT8_E5M2 : FUS_FLOAT8_E4M3;
+      s.q.row = variant != 3;
+      s.q.col = variant != 0;
+      s.q.pow2 = variant != 1;
+      s.q.eps = variant == 1 ? 1e-3f : 0.0f;
+      SCOPED_TRACE(describe(s) + " variant " + std::to_string(variant));
+      Data d = make_data(s, cuda_workspace(s));
+      if (variant == 3 && dt != FUS_FLOAT32 && s.rows * s.cols > 8) {
+        auto put = [&](int64_t r, int64_t c, uint16_t bits) {
+          std::memcpy(d.bufs.b[kX].data() + (r * s.in_cols() + c) * 2, &bits, 2);
+        };
+        const bool bf = dt == FUS_BFLOAT16;
+        const int64_t last = s.rows - 1, lc = s.in_cols() - 1;
+        put(0, 3 % s.in_cols(), bf ? 0x7fc1 : 0x7e01);  // +NaN with payload
+        put(last, lc, bf ? 0xffc3 : 0xfe03);            // -NaN with payload
+        put(last / 2, lc / 2, bf ? 0x7f80 : 0x7c00);    // +inf
+      }
+      const DualResult r = run_both(d.bufs, call(s));
+      ASSERT_EQ(r.cpu_status, FUS_SUCCESS) << fus_last_error();
+      ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
+      EXPECT_TRUE(same_bits_or_both_nan(r.cpu, r.cuda, kOut, s.out_dt, "out"));
+      EXPECT_TRUE(same_bits_or_both_nan(r.cpu, r.cuda, kBias, s.bias_dt, "dbias"));
+      expect_q_same_or_both_nan(r.cpu, r.cuda, kQ, s.q);
+      if (HasFailure()) return;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, ActCudaBlockwise,
+                         ::testing::Combine(::testing::ValuesIn(kKinds),
+                                            ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
+                                                              FUS_BFLOAT16),
+                                            ::testing::Bool(), ::testing::Values(3, 4)));
 
 // The CUDA kernel's 16-bit path (x, grad and every output of one 16-bit type, H a multiple of 64,
 // aligned vectors, no MXFP8): each output combination, partial last tiles, several tiles a block,
