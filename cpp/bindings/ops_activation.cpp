@@ -1,5 +1,7 @@
 // torch.ops.fusible activation family: forward with optional quantized output, and backward
 // ("dact + dbias + cast") (cpp/include/fusible/activation.h).
+#include <iterator>
+
 #include "families.h"
 #include "fusible/activation.h"
 #include "torch_ops.h"
@@ -105,11 +107,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_bwd(
   return {dx, q[0], q[1], q[2], q[3], q[4], dbias};
 }
 
-}  // namespace
+// Operator schemas (docs in python/fusible/_kernels.py; the C contract in fusible/activation.h).
+const char* const kSchemas[] = {
+    "act_fwd(Tensor x, str kind, ScalarType? out_dtype, str quant, ScalarType fp8_dtype,"
+    " Tensor? scale, bool rowwise, bool columnwise, bool power_2_scale=True,"
+    " float amax_epsilon=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "act_bwd(Tensor grad, Tensor x, str kind, ScalarType? out_dtype, str quant,"
+    " ScalarType fp8_dtype, Tensor? scale, bool rowwise, bool columnwise, bool with_dbias,"
+    " bool power_2_scale=True, float amax_epsilon=0.0)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+};
 
-void register_activation(torch::Library& m) {
+// The CPU / CUDA kernels of the family's operators.
+void register_kernels(torch::Library& m) {
   m.impl("act_fwd", &act_fwd);
   m.impl("act_bwd", &act_bwd);
 }
+
+}  // namespace
+
+Family activation_family() { return {kSchemas, std::size(kSchemas), &register_kernels}; }
 
 }  // namespace fusible_torch

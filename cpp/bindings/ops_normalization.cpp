@@ -1,6 +1,7 @@
 // torch.ops.fusible normalization family: LayerNorm / RMSNorm forward with optional quantized
 // output, and backward (cpp/include/fusible/normalization.h).
 #include <cmath>
+#include <iterator>
 
 #include "families.h"
 #include "fusible/normalization.h"
@@ -113,11 +114,24 @@ std::tuple<Tensor, Tensor, Tensor> norm_bwd(const Tensor& dy, const Tensor& x, c
   return {dx, dgamma, dbeta};
 }
 
-}  // namespace
+// Operator schemas (docs in python/fusible/_kernels.py; the C contract in fusible/normalization.h).
+const char* const kSchemas[] = {
+    "norm_fwd(Tensor x, Tensor gamma, Tensor? beta, float eps, str kind,"
+    " bool zero_centered_gamma, ScalarType? out_dtype, str quant, ScalarType fp8_dtype,"
+    " Tensor? scale, bool rowwise, bool columnwise, bool power_2_scale=True,"
+    " float amax_epsilon=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "norm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor gamma, str kind,"
+    " bool zero_centered_gamma) -> (Tensor, Tensor, Tensor)",
+};
 
-void register_normalization(torch::Library& m) {
+// The CPU / CUDA kernels of the family's operators.
+void register_kernels(torch::Library& m) {
   m.impl("norm_fwd", &norm_fwd);
   m.impl("norm_bwd", &norm_bwd);
 }
+
+}  // namespace
+
+Family normalization_family() { return {kSchemas, std::size(kSchemas), &register_kernels}; }
 
 }  // namespace fusible_torch

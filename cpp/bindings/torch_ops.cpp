@@ -251,4 +251,59 @@ std::optional<fus_quantized> quantized_view(int quant, at::ScalarType fp8_dtype,
                        static_cast<float>(amax_epsilon)};
 }
 
+std::string nth(const char* name, size_t i) {
+  return std::string(name) + "[" + std::to_string(i) + "]";
+}
+
+Groups split_groups(const char* op, const char* name, at::TensorList x, at::IntArrayRef m_splits,
+                    const std::vector<at::ScalarType>& dtypes) {
+  Groups g;
+  FUS_VALUE_CHECK(!x.empty(), op, "argument '", name, "' must hold at least one tensor, got none");
+  const c10::Device dev = x[0].device();
+  // A list of G > 1 tensors with m_splits: group g is x[g] (m_splits[g] == its rows) or skipped
+  // (m_splits[g] == 0: an empty group).
+  const bool listed = m_splits.empty() || (x.size() > 1 && x.size() == m_splits.size());
+  if (listed) {
+    for (size_t i = 0; i < x.size(); ++i) {
+      const std::string n = nth(name, i);
+      check_tensor(op, n.c_str(), x[i], dtypes, dev);
+      FUS_TYPE_CHECK(x[i].scalar_type() == x[0].scalar_type(), op, "argument '", n, "' has dtype ",
+                     dtype_name(x[i].scalar_type()), ", expected ", name, "[0]'s ",
+                     dtype_name(x[0].scalar_type()), " (one dtype per group)");
+      auto [rows, cols] = matrix_shape(op, x[i], n.c_str());
+      const Tensor m = x[i].view({rows, cols});
+      if (m_splits.empty()) {
+        g.mats.push_back(m);
+        continue;
+      }
+      FUS_VALUE_CHECK(m_splits[i] == rows || m_splits[i] == 0, op, "argument 'm_splits[", i,
+                      "]' must be the rows of ", n, " (", rows, ") or 0 (skip it), got ",
+                      m_splits[i]);
+      g.mats.push_back(m_splits[i] ? m : m.narrow(0, 0, 0));
+    }
+    return g;
+  }
+  FUS_VALUE_CHECK(x.size() == 1, op, "argument '", name, "' must be one packed tensor when ",
+                  "m_splits is given (", m_splits.size(), " groups), got ", x.size(), " tensors");
+  const std::string n = nth(name, 0);
+  check_tensor(op, n.c_str(), x[0], dtypes);
+  auto [rows, cols] = matrix_shape(op, x[0], n.c_str());
+  int64_t total = 0;
+  for (size_t i = 0; i < m_splits.size(); ++i) {
+    FUS_VALUE_CHECK(m_splits[i] >= 0, op, "argument 'm_splits[", i, "]' must be >= 0, got ",
+                    m_splits[i]);
+    total += m_splits[i];
+  }
+  FUS_VALUE_CHECK(total == rows, op, "argument 'm_splits' must sum to the rows of ", n, " (", rows,
+                  ", shape ", shape_str(x[0].sizes()), "), got sum ", total);
+  const Tensor m = x[0].view({rows, cols});
+  int64_t off = 0;
+  for (int64_t s : m_splits) {
+    g.mats.push_back(m.narrow(0, off, s));
+    off += s;
+  }
+  g.packed = true;
+  return g;
+}
+
 }  // namespace fusible_torch

@@ -118,4 +118,18 @@ std::optional<fus_quantized> quantized_view(int quant, at::ScalarType fp8_dtype,
                                             size_t first, const OptTensor& scale,
                                             bool power_2_scale, double amax_epsilon);
 
+// Groups of rows (MoE experts) given either as a list of tensors (one per group) or as one packed
+// tensor whose rows m_splits splits into consecutive groups (tokens grouped by expert): the
+// grouped operators of the quantize and gemm families (grouped_quantize_fp8, grouped_gemm,
+// grouped_bias_grad). A list of G > 1 tensors with m_splits: group g is x[g] (m_splits[g] == its
+// rows) or skipped (m_splits[g] == 0: an empty group).
+struct Groups {
+  std::vector<Tensor> mats;  // one 2-D view per group
+  bool packed = false;
+};
+Groups split_groups(const char* op, const char* name, at::TensorList x, at::IntArrayRef m_splits,
+                    const std::vector<at::ScalarType>& dtypes);
+// "name[i]", for messages.
+std::string nth(const char* name, size_t i);
+
 }  // namespace fusible_torch

@@ -480,26 +480,17 @@ def _quant_outputs(
     e0 = _nothing(u8, device)
     amax = torch.empty(1, dtype=torch.float32, device=device)
     data = torch.empty(shape, dtype=fp8_dtype, device=device) if rowwise else e8
-    if quant in ("fp8", "block1d", "block2d"):
+    if quant in ("block1d", "block2d"):
+        bd = 1 if quant == "block1d" else 2
+        data, s, data_t, cs = _block_outputs(shape, device, fp8_dtype, bd, rowwise, columnwise)
+        return data, data_t, s, cs, amax
+    if quant == "fp8":
         data_t = (
             torch.empty((cols, rows), dtype=fp8_dtype, device=device)
             if columnwise
             else _nothing(fp8_dtype, device)
         )
-        if quant == "fp8":
-            return data, data_t, torch.empty(1, dtype=torch.float32, device=device), e0, amax
-        bd, f32 = (1 if quant == "block1d" else 2), torch.float32
-        s_ = (
-            torch.empty(block_scale_shape(bd, rows, cols), dtype=f32, device=device)
-            if rowwise
-            else _nothing(f32, device)
-        )
-        cs_ = (
-            torch.empty(block_scale_shape(bd, cols, rows), dtype=f32, device=device)
-            if columnwise
-            else _nothing(f32, device)
-        )
-        return data, data_t, s_, cs_, amax
+        return data, data_t, torch.empty(1, dtype=torch.float32, device=device), e0, amax
     col = (
         torch.empty(shape, dtype=fp8_dtype, device=device)
         if columnwise
@@ -660,13 +651,20 @@ def block_scale_shape(block_dim: int, r: int, c: int) -> tuple[int, int]:
     return (_ceil_div(r, FP8_BLOCK), _ceil_div(c, FP8_BLOCK))
 
 
-@_fake("quantize_fp8_block")
-def _quantize_fp8_block_fake(x, fp8_dtype, block_dim, power_2_scale, amax_epsilon, rowwise,
-                             columnwise):  # fmt: skip
-    rows, cols = _matrix_shape("quantize_fp8_block", x)
-    dev, f32 = x.device, torch.float32
+def _block_outputs(
+    shape: Sequence[int],
+    dev: torch.device,
+    fp8_dtype: torch.dtype,
+    block_dim: int,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data, scale_inv, data_t, col_scale_inv) of a blockwise cast of a tensor of ``shape``."""
+    shape = tuple(shape)
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    f32 = torch.float32
     e8 = _nothing(fp8_dtype, dev)
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=dev) if rowwise else e8
+    data = torch.empty(shape, dtype=fp8_dtype, device=dev) if rowwise else e8
     scale = (
         torch.empty(block_scale_shape(block_dim, rows, cols), dtype=f32, device=dev)
         if rowwise
@@ -683,6 +681,13 @@ def _quantize_fp8_block_fake(x, fp8_dtype, block_dim, power_2_scale, amax_epsilo
         else _nothing(f32, dev)
     )
     return data, scale, data_t, col_scale
+
+
+@_fake("quantize_fp8_block")
+def _quantize_fp8_block_fake(x, fp8_dtype, block_dim, power_2_scale, amax_epsilon, rowwise,
+                             columnwise):  # fmt: skip
+    _matrix_shape("quantize_fp8_block", x)
+    return _block_outputs(x.shape, x.device, fp8_dtype, block_dim, rowwise, columnwise)
 
 
 @_fake("dequantize_fp8_block")

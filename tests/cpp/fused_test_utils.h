@@ -91,6 +91,22 @@ inline fus_quantized make_q(const std::vector<void*>& p, int first, int64_t rows
                        q.eps};
 }
 
+// A per-tensor E4M3 rowwise output over data / scale_inv, no scale or amax (the argument tests).
+inline fus_quantized rowwise_q(void* data, void* scale_inv, int64_t rows, int64_t cols) {
+  return fus_quantized{FUS_SCALING_PER_TENSOR,
+                       FUS_FLOAT8_E4M3,
+                       rows,
+                       cols,
+                       data,
+                       nullptr,
+                       scale_inv,
+                       nullptr,
+                       nullptr,
+                       nullptr,
+                       0,
+                       0.0f};
+}
+
 // The unfused path: fus_quantize (CPU) of a stored high-precision matrix; returns its buffers
 // laid out as add_q_buffers (first slot 1; slot 0 is the input).
 inline Buffers quantize_of(const std::vector<uint8_t>& hp, fus_dtype dt, int64_t rows, int64_t cols,

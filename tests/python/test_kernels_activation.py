@@ -68,20 +68,10 @@ def reference(x64: torch.Tensor, kind: str) -> torch.Tensor:
     return act(x64, kind)
 
 
-def fwd(
-    x,
-    kind,
-    out_dtype=None,
-    quant="none",
-    fp8_dtype=E4M3,
-    scale=None,
-    rowwise=True,
-    columnwise=True,
-    power_2_scale=True,
-    amax_epsilon=0.0,
-):
-    return ops.act_fwd(x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise,
-                       power_2_scale, amax_epsilon)  # fmt: skip
+# **block: the blockwise cast's power_2_scale / amax_epsilon (the ops' keyword arguments).
+def fwd(x, kind, out_dtype=None, quant="none", fp8_dtype=E4M3, scale=None, rowwise=True,
+        columnwise=True, **block):  # fmt: skip
+    return ops.act_fwd(x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise, **block)
 
 
 def bwd(
@@ -95,11 +85,11 @@ def bwd(
     rowwise=True,
     columnwise=True,
     with_dbias=False,
-    power_2_scale=True,
-    amax_epsilon=0.0,
+    **block,
 ):
-    return ops.act_bwd(grad, x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise,
-                       with_dbias, power_2_scale, amax_epsilon)  # fmt: skip
+    return ops.act_bwd(
+        grad, x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise, with_dbias, **block
+    )
 
 
 # ---- forward / backward vs float64 --------------------------------------------------------------

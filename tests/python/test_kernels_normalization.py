@@ -77,11 +77,10 @@ def norm(
     scale=None,
     rowwise=True,
     columnwise=True,
-    power_2_scale=True,
-    amax_epsilon=0.0,
+    **block,  # the blockwise cast's power_2_scale / amax_epsilon
 ):
-    return ops.norm_fwd(x, gamma, beta, EPS, kind, zc, out_dtype, quant, fp8_dtype, scale, rowwise,
-                        columnwise, power_2_scale, amax_epsilon)  # fmt: skip
+    return ops.norm_fwd(x, gamma, beta, EPS, kind, zc, out_dtype, quant, fp8_dtype, scale,
+                        rowwise, columnwise, **block)  # fmt: skip
 
 
 def inputs(shape, dtype, kind, zc=False, gamma_dtype=None, with_beta=True):

@@ -126,6 +126,25 @@ __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
     *p.scale_inv = f_div(1.0f, *p.out.scale);
 }
 
+// Calls f(kGated, kBwd) with the two flags as std::bool_constant values (a kernel's template
+// arguments).
+template <typename F>
+void with_flags(bool gated, bool bwd, F&& f) {
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (bwd) {
+    if (gated)
+      f(Yes{}, Yes{});
+    else
+      f(No{}, Yes{});
+  } else {
+    if (gated)
+      f(Yes{}, No{});
+    else
+      f(No{}, No{});
+  }
+}
+
 // ---- blockwise output
 // -------------------------------------------------------------------------------
 
@@ -270,19 +289,10 @@ void act_block_launch(const ActArgs& a, bool bwd, int64_t out_cols, cudaStream_t
   dispatch_act(a.fn, [&](auto tag) {
     constexpr ActFn A = decltype(tag)::value;
     dispatch_fp8(q.dtype, [&](auto f) {
-      constexpr Fp8Format F = decltype(f)::value;
-      constexpr int kThreads = block_cast::kThreads;
-      if (bwd) {
-        if (a.gated)
-          act_block_kernel<A, true, true, F><<<grid, kThreads, 0, stream>>>(p);
-        else
-          act_block_kernel<A, false, true, F><<<grid, kThreads, 0, stream>>>(p);
-      } else {
-        if (a.gated)
-          act_block_kernel<A, true, false, F><<<grid, kThreads, 0, stream>>>(p);
-        else
-          act_block_kernel<A, false, false, F><<<grid, kThreads, 0, stream>>>(p);
-      }
+      with_flags(a.gated, bwd, [&](auto gated, auto backward) {
+        act_block_kernel<A, decltype(gated)::value, decltype(backward)::value, decltype(f)::value>
+            <<<grid, block_cast::kThreads, 0, stream>>>(p);
+      });
     });
   });
   FUS_CUDA_CHECK_LAUNCH("act_block_kernel");
@@ -389,17 +399,10 @@ void act_launch(const ActArgs& a, const fus_context& ctx, bool bwd) {
   auto launch = [&](auto t, auto tag) {
     using T = typename decltype(t)::type;
     constexpr ActFn A = decltype(tag)::value;
-    if (bwd) {
-      if (a.gated)
-        act_kernel<T, A, true, true><<<grid, kTileThreads, 0, stream>>>(p);
-      else
-        act_kernel<T, A, false, true><<<grid, kTileThreads, 0, stream>>>(p);
-    } else {
-      if (a.gated)
-        act_kernel<T, A, true, false><<<grid, kTileThreads, 0, stream>>>(p);
-      else
-        act_kernel<T, A, false, false><<<grid, kTileThreads, 0, stream>>>(p);
-    }
+    with_flags(a.gated, bwd, [&](auto gated, auto backward) {
+      act_kernel<T, A, decltype(gated)::value, decltype(backward)::value>
+          <<<grid, kTileThreads, 0, stream>>>(p);
+    });
   };
   dispatch_act(a.fn, [&](auto tag) {
     if (!k16)

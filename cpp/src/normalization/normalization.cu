@@ -361,17 +361,27 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
 // ---- forward, columnwise copies
 // -------------------------------------------------------------------
 
-struct NormColParams {
+// What the kernels that recompute y from x and the row statistics read (after the rowwise
+// kernel): norm_col_kernel and norm_block_kernel.
+struct NormSource {
   bool ln, zc;
   const void* x;
   fus_dtype x_dt;
-  bool vec_x;
   const void* gamma;
   fus_dtype g_dt;
   const void* beta;
   fus_dtype b_dt;
   const float* mean;
   const float* rstd;
+};
+
+NormSource source_of(const NormFwdArgs& a) {
+  return NormSource{a.layernorm,   a.zero_centered, a.x.data,     a.x.dtype, a.gamma.data,
+                    a.gamma.dtype, a.beta,          a.beta_dtype, a.mean,    a.rstd};
+}
+
+struct NormColParams : NormSource {
+  bool vec_x;
   int64_t rows, cols;
   int64_t rows_per_block;
   fused::EpilogueOut out;
@@ -407,16 +417,7 @@ __global__ void __launch_bounds__(fused::kTileThreads) norm_col_kernel(const Nor
 // ---- forward, blockwise tiles
 // ---------------------------------------------------------------------
 
-struct NormBlockParams {
-  bool ln, zc;
-  const void* x;
-  fus_dtype x_dt;
-  const void* gamma;
-  fus_dtype g_dt;
-  const void* beta;
-  fus_dtype b_dt;
-  const float* mean;
-  const float* rstd;
+struct NormBlockParams : NormSource {
   fus_dtype round_dt;
   block_cast::Out out;  // [rows, cols] = x's shape
 };
@@ -801,9 +802,7 @@ void finish_norm_forward(const NormFwdArgs& a, const NormFwdParams& p, const fus
     fus_quantized rest = *q;
     if (q->mode == FUS_SCALING_BLOCK_1D) rest.rowwise_data = rest.rowwise_scale_inv = nullptr;
     if (!rest.rowwise_data && !rest.columnwise_data) return;
-    NormBlockParams c{a.layernorm,  a.zero_centered, a.x.data,      a.x.dtype,
-                      a.gamma.data, a.gamma.dtype,   a.beta,        a.beta_dtype,
-                      a.mean,       a.rstd,          a.round_dtype, block_cast::make_out(rest)};
+    const NormBlockParams c{source_of(a), a.round_dtype, block_cast::make_out(rest)};
     const auto tiles = static_cast<unsigned>(c.out.nbr * c.out.nbc);
     dispatch_fp8(q->dtype, [&](auto f) {
       norm_block_kernel<decltype(f)::value><<<tiles, block_cast::kThreads, 0, stream>>>(c);
@@ -816,17 +815,8 @@ void finish_norm_forward(const NormFwdArgs& a, const NormFwdParams& p, const fus
                        fus_tensor{q->columnwise_data, q->dtype, H, rows}, ctx);
   } else if (q && q->columnwise_data) {
     NormColParams c{};
-    c.ln = a.layernorm;
-    c.zc = a.zero_centered;
-    c.x = a.x.data;
-    c.x_dt = a.x.dtype;
+    static_cast<NormSource&>(c) = source_of(a);
     c.vec_x = p.vec_x;
-    c.gamma = a.gamma.data;
-    c.g_dt = a.gamma.dtype;
-    c.beta = a.beta;
-    c.b_dt = a.beta_dtype;
-    c.mean = a.mean;
-    c.rstd = a.rstd;
     c.rows = rows;
     c.cols = H;
     const int64_t tiles = (rows + fused::kTileRows - 1) / fused::kTileRows;

@@ -376,6 +376,8 @@ TEST_P(ActQuantized, EqualsQuantizeOfHighPrecisionOutput) {
     s.q.scale = qmode == 1 ? 11.0f : 1.0f;
     s.q.row = variant != 2;
     s.q.col = variant != 0;
+    s.q.pow2 = variant != 1;  // blockwise: exact scales with an amax floor
+    s.q.eps = variant == 1 ? 1e-3f : 0.0f;
     if (bwd && gated(kind) && qmode == 2 && s.cols % 32 != 0) s.q.row = false;  // documented limit
     if (!s.q.row && !s.q.col) s.q.col = true;
     s.dbias = bwd;
@@ -384,56 +386,17 @@ TEST_P(ActQuantized, EqualsQuantizeOfHighPrecisionOutput) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, ActQuantized,
-    ::testing::Combine(::testing::ValuesIn(kKinds), ::testing::Values(FUS_FLOAT32, FUS_BFLOAT16),
-                       ::testing::Bool(), ::testing::Values(1, 2),
-                       ::testing::Values(std::make_pair<int64_t, int64_t>(1, 1),
-                                         std::make_pair<int64_t, int64_t>(127, 7),
-                                         std::make_pair<int64_t, int64_t>(33, 64),
-                                         std::make_pair<int64_t, int64_t>(70, 4097))));
+// Modes 1 per tensor, 2 MXFP8, 3 / 4 blockwise 1x128 / 128x128. Rows 1, primes and 2^n - 1
+// around the 32- and 128-row blocks; H that is and is not a multiple of 32 and 128 (partial edge
+// blocks; gated backward: blocks straddling [da | db]).
+const std::vector<std::pair<int64_t, int64_t>> kQShapes = {
+    {1, 1}, {127, 7}, {33, 64}, {70, 4097}, {1, 300}, {31, 129}, {128, 127}, {257, 256}};
 
-// ---- blockwise output == the blockwise quantize of the high-precision output
-// -----------------------
-
-// Rows 1, primes and 2^n - 1 around the 128-row blocks; H that is and is not a multiple of 128
-// (gated backward: blocks straddling [da | db] when H % 128 != 0).
-const std::vector<std::pair<int64_t, int64_t>> kBlockShapes = {
-    {1, 1}, {1, 300}, {7, 128}, {31, 129}, {127, 64}, {128, 127}, {129, 1000}, {257, 256}};
-
-class ActBlockwise
-    : public ::testing::TestWithParam<std::tuple<fus_activation, fus_dtype, bool, int>> {};
-
-TEST_P(ActBlockwise, EqualsBlockwiseQuantizeOfHighPrecisionOutput) {
-  const auto [kind, dt, bwd, qmode] = GetParam();
-  for (const auto& shape : kBlockShapes) {
-    for (int variant = 0; variant < 4; ++variant) {
-      ActSetup s;
-      s.kind = kind;
-      s.bwd = bwd;
-      s.x_dt = s.g_dt = dt;
-      s.out_dt = variant == 1 ? FUS_FLOAT32 : (variant == 2 ? FUS_BFLOAT16 : dt);
-      s.rows = shape.first;
-      s.cols = shape.second;
-      s.q.mode = qmode;
-      s.q.fmt = variant == 1 ? FUS_FLOAT8_E5M2 : FUS_FLOAT8_E4M3;
-      s.q.row = variant != 2;
-      s.q.col = variant != 0;
-      s.q.pow2 = variant != 3;
-      s.q.eps = variant == 3 ? 1e-3f : 0.0f;
-      s.dbias = bwd && variant != 1;
-      s.seed = 500 + static_cast<uint32_t>(variant);
-      SCOPED_TRACE(describe(s) + " variant " + std::to_string(variant));
-      expect_fused_equals_unfused(s);
-      if (HasFatalFailure()) return;
-    }
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(All, ActBlockwise,
+INSTANTIATE_TEST_SUITE_P(All, ActQuantized,
                          ::testing::Combine(::testing::ValuesIn(kKinds),
                                             ::testing::Values(FUS_FLOAT32, FUS_BFLOAT16),
-                                            ::testing::Bool(), ::testing::Values(3, 4)));
+                                            ::testing::Bool(), ::testing::Values(1, 2, 3, 4),
+                                            ::testing::ValuesIn(kQShapes)));
 
 TEST(ActQuantizedEdge, ZeroRows) {
   ActSetup s;
@@ -478,18 +441,7 @@ TEST(ActErrors, RejectBadArguments) {
   EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GEGLU, &odd, &ty, nullptr, &ctx),
                        FUS_ERROR_INVALID_ARGUMENT, {f, "x", "even"}));
   uint8_t q8[24], s8[8];
-  fus_quantized q{FUS_SCALING_PER_TENSOR,
-                  FUS_FLOAT8_E4M3,
-                  3,
-                  8,
-                  q8,
-                  nullptr,
-                  s8,
-                  nullptr,
-                  nullptr,
-                  nullptr,
-                  0,
-                  0.0f};
+  fus_quantized q = rowwise_q(q8, s8, 3, 8);
   EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GELU, &tx, nullptr, &q, &ctx),
                        FUS_ERROR_INVALID_ARGUMENT, {f, "q->scale"}));
   fus_quantized qb = q;
@@ -544,8 +496,10 @@ class ActCuda : public ::testing::TestWithParam<std::tuple<fus_activation, fus_d
 TEST_P(ActCuda, BitIdenticalToCpu) {
   FUSTEST_REQUIRE_CUDA();
   const auto [kind, dt, bwd, qmode] = GetParam();
+  // {6000, 40} with dbias: blockwise blocks walk three 128-row tiles (row groups of 96 rows).
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
-      {1, 1}, {7, 7}, {127, 127}, {4097, 7}, {3, 4097}, {64, 1024}, {96, 96}, {2500, 64}, {31, 40}};
+      {1, 1},   {7, 7},     {127, 127}, {4097, 7},  {3, 4097},  {64, 1024},
+      {96, 96}, {2500, 64}, {31, 40},   {129, 100}, {257, 384}, {6000, 40}};
   for (const auto& shape : shapes) {
     for (int variant = 0; variant < 3; ++variant) {
       ActSetup s;
@@ -563,7 +517,10 @@ TEST_P(ActCuda, BitIdenticalToCpu) {
       s.q.fmt = variant == 2 ? FUS_FLOAT8_E5M2 : FUS_FLOAT8_E4M3;
       s.q.scale = 5.0f;
       s.q.col = variant != 0 || qmode == 2;
-      s.q.row = !(bwd && gated(kind) && qmode == 2 && s.cols % 32 != 0);
+      s.q.row = !(bwd && gated(kind) && qmode == 2 && s.cols % 32 != 0) &&
+                !(qmode >= 3 && variant == 2);  // blockwise: the columnwise copy alone too
+      s.q.pow2 = variant != 1;                  // blockwise: exact scales with an amax floor
+      s.q.eps = variant == 1 ? 1e-3f : 0.0f;
       if (!s.has_out && !qmode && !s.dbias) s.has_out = true;
       SCOPED_TRACE(describe(s));
       Data d = make_data(s, cuda_workspace(s));
@@ -583,68 +540,7 @@ INSTANTIATE_TEST_SUITE_P(All, ActCuda,
                          ::testing::Combine(::testing::ValuesIn(kKinds),
                                             ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
                                                               FUS_BFLOAT16),
-                                            ::testing::Bool(), ::testing::Values(0, 1, 2)));
-
-// Blockwise output on CUDA (act_block_kernel): every kind, forward and backward, both block
-// shapes, partial edge blocks, [da | db] straddling blocks, dbias with row groups that are not
-// multiples of 128 rows ({6000, 40}: groups of 96 rows, three tiles a block), and non-finite
-// inputs (NaN made by arithmetic matches NaN; everything else bit for bit).
-class ActCudaBlockwise
-    : public ::testing::TestWithParam<std::tuple<fus_activation, fus_dtype, bool, int>> {};
-
-TEST_P(ActCudaBlockwise, BitIdenticalToCpu) {
-  FUSTEST_REQUIRE_CUDA();
-  const auto [kind, dt, bwd, qmode] = GetParam();
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {
-      {1, 1},     {7, 7},     {127, 127}, {4097, 7},  {3, 4097}, {64, 1024},
-      {129, 100}, {257, 384}, {2049, 64}, {6000, 40}, {31, 40}};
-  for (const auto& shape : shapes) {
-    for (int variant = 0; variant < 4; ++variant) {
-      ActSetup s;
-      s.kind = kind;
-      s.bwd = bwd;
-      s.x_dt = dt;
-      s.g_dt = variant == 1 ? FUS_FLOAT32 : dt;
-      s.out_dt = variant == 2 ? FUS_FLOAT32 : dt;
-      s.has_out = variant == 2;
-      s.rows = shape.first;
-      s.cols = shape.second;
-      s.dbias = bwd && variant != 2;
-      s.bias_dt = variant == 0 ? dt : FUS_FLOAT32;
-      s.q.mode = qmode;
-      s.q.fmt = variant == 2 ? FUS_FLOAT8_E5M2 : FUS_FLOAT8_E4M3;
-      s.q.row = variant != 3;
-      s.q.col = variant != 0;
-      s.q.pow2 = variant != 1;
-      s.q.eps = variant == 1 ? 1e-3f : 0.0f;
-      SCOPED_TRACE(describe(s) + " variant " + std::to_string(variant));
-      Data d = make_data(s, cuda_workspace(s));
-      if (variant == 3 && dt != FUS_FLOAT32 && s.rows * s.cols > 8) {
-        auto put = [&](int64_t r, int64_t c, uint16_t bits) {
-          std::memcpy(d.bufs.b[kX].data() + (r * s.in_cols() + c) * 2, &bits, 2);
-        };
-        const bool bf = dt == FUS_BFLOAT16;
-        const int64_t last = s.rows - 1, lc = s.in_cols() - 1;
-        put(0, 3 % s.in_cols(), bf ? 0x7fc1 : 0x7e01);  // +NaN with payload
-        put(last, lc, bf ? 0xffc3 : 0xfe03);            // -NaN with payload
-        put(last / 2, lc / 2, bf ? 0x7f80 : 0x7c00);    // +inf
-      }
-      const DualResult r = run_both(d.bufs, call(s));
-      ASSERT_EQ(r.cpu_status, FUS_SUCCESS) << fus_last_error();
-      ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
-      EXPECT_TRUE(same_bits_or_both_nan(r.cpu, r.cuda, kOut, s.out_dt, "out"));
-      EXPECT_TRUE(same_bits_or_both_nan(r.cpu, r.cuda, kBias, s.bias_dt, "dbias"));
-      expect_q_same_or_both_nan(r.cpu, r.cuda, kQ, s.q);
-      if (HasFailure()) return;
-    }
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(All, ActCudaBlockwise,
-                         ::testing::Combine(::testing::ValuesIn(kKinds),
-                                            ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
-                                                              FUS_BFLOAT16),
-                                            ::testing::Bool(), ::testing::Values(3, 4)));
+                                            ::testing::Bool(), ::testing::Values(0, 1, 2, 3, 4)));
 
 // The CUDA kernel's 16-bit path (x, grad and every output of one 16-bit type, H a multiple of 64,
 // aligned vectors, no MXFP8): each output combination, partial last tiles, several tiles a block,

@@ -212,69 +212,30 @@ TEST_P(NormQuantized, EqualsQuantizeOfHighPrecisionOutput) {
     s.q.scale = qmode == 1 ? 37.5f : 1.0f;
     s.q.row = variant != 2;
     s.q.col = variant != 1;
+    s.q.pow2 = variant != 3;  // blockwise: exact scales with an amax floor
+    s.q.eps = variant == 3 ? 1e-3f : 0.0f;
+    s.zc = variant == 1;
     s.y_dt = variant == 3 ? FUS_FLOAT32 : (variant == 0 ? FUS_BFLOAT16 : dt);
     SCOPED_TRACE(describe(s) + " variant " + std::to_string(variant));
     expect_fused_equals_unfused(s);
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Modes, NormQuantized,
-    ::testing::Combine(::testing::Values(FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM),
-                       ::testing::Values(FUS_FLOAT32, FUS_BFLOAT16, FUS_FLOAT16),
-                       ::testing::Values(1, 2), ::testing::Values(FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2),
-                       ::testing::Values(std::make_pair<int64_t, int64_t>(1, 1),
-                                         std::make_pair<int64_t, int64_t>(7, 127),
-                                         std::make_pair<int64_t, int64_t>(127, 7),
-                                         std::make_pair<int64_t, int64_t>(65, 4097),
-                                         std::make_pair<int64_t, int64_t>(64, 256))));
+// Modes 1 per tensor, 2 MXFP8, 3 / 4 blockwise 1x128 / 128x128. Rows 1, primes and 2^n - 1
+// around the 32- and 128-row blocks; widths that are and are not multiples of 32 and 128 (partial
+// edge blocks), across the lane counts of the plan (32 .. 512 lanes, more chunks a lane beyond
+// 16384).
+const std::vector<std::pair<int64_t, int64_t>> kQShapes = {
+    {1, 1},    {7, 127},   {127, 7},    {65, 4097}, {64, 256},  {1, 300},
+    {31, 129}, {128, 127}, {129, 1000}, {257, 384}, {2, 16384}, {2, 20000}};
 
-// ---- blockwise output == the blockwise quantize of the high-precision output
-// -----------------------
-
-// Rows 1, primes and 2^n - 1 around the 128-row blocks; widths that are and are not multiples of
-// 128 (partial edge blocks), across the lane counts of the plan (32 .. 512 lanes, more chunks a
-// lane beyond 16384).
-const std::vector<std::pair<int64_t, int64_t>> kBlockShapes = {
-    {1, 1},      {1, 300},   {7, 128},  {31, 129},  {127, 384}, {128, 127},
-    {129, 1000}, {257, 256}, {3, 4097}, {2, 16384}, {2, 20000}};
-
-using BlockParam = std::tuple<fus_norm_kind, fus_dtype, int, fus_dtype>;
-
-class NormBlockwise : public ::testing::TestWithParam<BlockParam> {};
-
-TEST_P(NormBlockwise, EqualsBlockwiseQuantizeOfHighPrecisionOutput) {
-  const auto [kind, dt, qmode, fmt] = GetParam();
-  for (const auto& shape : kBlockShapes) {
-    for (int variant = 0; variant < 4; ++variant) {
-      FwdSetup s;
-      s.kind = kind;
-      s.x_dt = s.g_dt = dt;
-      s.rows = shape.first;
-      s.cols = shape.second;
-      s.has_beta = kind == FUS_NORM_LAYERNORM;
-      s.zc = variant == 1;
-      s.q.mode = qmode;
-      s.q.fmt = fmt;
-      s.q.row = variant != 2;
-      s.q.col = variant != 1;
-      s.q.pow2 = variant != 3;
-      s.q.eps = variant == 3 ? 1e-3f : 0.0f;
-      s.y_dt = variant == 3 ? FUS_FLOAT32 : (variant == 0 ? FUS_BFLOAT16 : dt);
-      s.seed = 300 + static_cast<uint32_t>(variant);
-      SCOPED_TRACE(describe(s) + " variant " + std::to_string(variant));
-      expect_fused_equals_unfused(s);
-      if (HasFatalFailure()) return;
-    }
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(Modes, NormBlockwise,
+INSTANTIATE_TEST_SUITE_P(Modes, NormQuantized,
                          ::testing::Combine(::testing::Values(FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM),
                                             ::testing::Values(FUS_FLOAT32, FUS_BFLOAT16,
                                                               FUS_FLOAT16),
-                                            ::testing::Values(3, 4),
-                                            ::testing::Values(FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2)));
+                                            ::testing::Values(1, 2, 3, 4),
+                                            ::testing::Values(FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2),
+                                            ::testing::ValuesIn(kQShapes)));
 
 TEST(NormQuantizedEdge, ZeroRowsWritesAmaxZeroAndScaleInv) {
   FwdSetup s;
@@ -587,18 +548,7 @@ TEST(NormErrors, ForwardRejectsBadArguments) {
       call(FUS_NORM_LAYERNORM, &x0, &g0, nullptr, 1e-5f, nullptr, nullptr, mean, rstd, &ctx),
       FUS_ERROR_INVALID_ARGUMENT, {fn, "x", "column"}));
   uint8_t q8[12], s8[3];
-  fus_quantized q{FUS_SCALING_PER_TENSOR,
-                  FUS_FLOAT8_E4M3,
-                  3,
-                  4,
-                  q8,
-                  nullptr,
-                  s8,
-                  nullptr,
-                  nullptr,
-                  nullptr,
-                  0,
-                  0.0f};
+  fus_quantized q = rowwise_q(q8, s8, 3, 4);
   EXPECT_TRUE(is_error(call(FUS_NORM_LAYERNORM, &tx, &tg, &tb, 1e-5f, &ty, &q, mean, rstd, &ctx),
                        FUS_ERROR_INVALID_ARGUMENT, {fn, "q->scale"}));
   fus_quantized qs = q;
@@ -702,8 +652,8 @@ TEST_P(NormCudaForward, BitIdenticalToCpu) {
   FUSTEST_REQUIRE_CUDA();
   const auto [kind, dt, qmode] = GetParam();
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
-      {1, 1},    {7, 7},     {127, 127}, {4097, 7},  {3, 4097}, {64, 1024},
-      {33, 768}, {40, 4096}, {9, 16384}, {3, 20000}, {130, 8},  {100, 96}};
+      {1, 1},     {7, 7},     {127, 127}, {4097, 7}, {3, 4097}, {64, 1024}, {33, 768},
+      {40, 4096}, {9, 16384}, {3, 20000}, {130, 8},  {100, 96}, {129, 257}, {257, 384}};
   for (const auto& shape : shapes) {
     for (int variant = 0; variant < 3; ++variant) {
       FwdSetup s;
@@ -720,6 +670,8 @@ TEST_P(NormCudaForward, BitIdenticalToCpu) {
       s.q.fmt = variant == 2 ? FUS_FLOAT8_E5M2 : FUS_FLOAT8_E4M3;
       s.q.scale = 3.0f;
       s.q.col = variant != 0 || qmode == 2;
+      s.q.pow2 = variant != 2;  // blockwise: exact scales with an amax floor
+      s.q.eps = variant == 2 ? 1e-3f : 0.0f;
       SCOPED_TRACE(describe(s));
       FwdData d = fwd_data(s);
       expect_forward_cuda_equals_cpu(s, d);
@@ -732,50 +684,7 @@ INSTANTIATE_TEST_SUITE_P(All, NormCudaForward,
                          ::testing::Combine(::testing::Values(FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM),
                                             ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
                                                               FUS_BFLOAT16),
-                                            ::testing::Values(0, 1, 2)));
-
-// Blockwise output on CUDA: the 1x128 rowwise copy from the row kernel (16 lanes a block, every
-// lane count), the columnwise copy and 128x128 tiles from the tile kernel; partial edge blocks.
-class NormCudaBlockwise
-    : public ::testing::TestWithParam<std::tuple<fus_norm_kind, fus_dtype, int>> {};
-
-TEST_P(NormCudaBlockwise, BitIdenticalToCpu) {
-  FUSTEST_REQUIRE_CUDA();
-  const auto [kind, dt, qmode] = GetParam();
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {
-      {1, 1},     {7, 7},     {127, 127}, {4097, 7},  {3, 4097}, {64, 1024}, {129, 257},
-      {40, 4096}, {9, 16384}, {3, 20000}, {257, 384}, {130, 8},  {100, 96}};
-  for (const auto& shape : shapes) {
-    for (int variant = 0; variant < 4; ++variant) {
-      FwdSetup s;
-      s.kind = kind;
-      s.x_dt = dt;
-      s.g_dt = variant == 1 ? FUS_FLOAT32 : dt;
-      s.y_dt = variant == 2 ? FUS_FLOAT32 : dt;
-      s.has_y = variant != 1;
-      s.has_beta = kind == FUS_NORM_LAYERNORM && variant != 2;
-      s.zc = variant == 1;
-      s.rows = shape.first;
-      s.cols = shape.second;
-      s.q.mode = qmode;
-      s.q.fmt = variant == 2 ? FUS_FLOAT8_E5M2 : FUS_FLOAT8_E4M3;
-      s.q.row = variant != 3;
-      s.q.col = variant != 0;
-      s.q.pow2 = variant != 2;
-      s.q.eps = variant == 2 ? 1e-3f : 0.0f;
-      SCOPED_TRACE(describe(s) + " variant " + std::to_string(variant));
-      FwdData d = fwd_data(s);
-      expect_forward_cuda_equals_cpu(s, d);
-      if (HasFatalFailure()) return;
-    }
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(All, NormCudaBlockwise,
-                         ::testing::Combine(::testing::Values(FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM),
-                                            ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
-                                                              FUS_BFLOAT16),
-                                            ::testing::Values(3, 4)));
+                                            ::testing::Values(0, 1, 2, 3, 4)));
 
 class NormCudaBackward : public ::testing::TestWithParam<std::tuple<fus_norm_kind, fus_dtype>> {};
 

@@ -87,21 +87,27 @@ Buffers make_buffers(const std::vector<float>& x, int64_t rows, int64_t cols, bo
   return b;
 }
 
+// The fus_quantized over make_buffers' buffers (power_2_scale / amax_epsilon as given).
+fus_quantized block_q(const std::vector<void*>& p, int64_t rows, int64_t cols, bool two_d,
+                      fus_dtype fp8, int pow2 = 0, float eps = 0.0f) {
+  return fus_quantized{two_d ? FUS_SCALING_BLOCK_2D : FUS_SCALING_BLOCK_1D,
+                       fp8,
+                       rows,
+                       cols,
+                       p[1],
+                       p[2],
+                       p[3],
+                       p[4],
+                       nullptr,
+                       static_cast<float*>(p[5]),
+                       pow2,
+                       eps};
+}
+
 ApiCall quantize_call(int64_t rows, int64_t cols, bool two_d, fus_dtype fp8, bool pow2, float eps) {
   return [=](const std::vector<void*>& p, const fus_context& ctx) {
     fus_tensor in{p[0], FUS_FLOAT32, rows, cols};
-    fus_quantized q{two_d ? FUS_SCALING_BLOCK_2D : FUS_SCALING_BLOCK_1D,
-                    fp8,
-                    rows,
-                    cols,
-                    p[1],
-                    p[2],
-                    p[3],
-                    p[4],
-                    nullptr,
-                    static_cast<float*>(p[5]),
-                    0,
-                    0.0f};
+    fus_quantized q = block_q(p, rows, cols, two_d, fp8);
     return fus_quantize_blockwise(&in, &q, pow2 ? 1 : 0, eps, &ctx);
   };
 }
@@ -228,18 +234,7 @@ TEST(Blockwise, QuantizeReadsTheParametersFromOut) {
                 FUS_SUCCESS);
       auto via_quantize = [&](const std::vector<void*>& p, const fus_context& ctx) {
         fus_tensor in{p[0], FUS_FLOAT32, rows, cols};
-        fus_quantized q{two_d ? FUS_SCALING_BLOCK_2D : FUS_SCALING_BLOCK_1D,
-                        FUS_FLOAT8_E4M3,
-                        rows,
-                        cols,
-                        p[1],
-                        p[2],
-                        p[3],
-                        p[4],
-                        nullptr,
-                        static_cast<float*>(p[5]),
-                        pow2 ? 1 : 0,
-                        1e-3f};
+        fus_quantized q = block_q(p, rows, cols, two_d, FUS_FLOAT8_E4M3, pow2 ? 1 : 0, 1e-3f);
         return fus_quantize(&in, &q, &ctx);
       };
       ASSERT_EQ(run_cpu(got, via_quantize), FUS_SUCCESS) << fus_last_error();
