@@ -1,5 +1,6 @@
-// The CPU quantize kernels (cpp/src/quantize/quantize_cpu.cpp: split over threads, vectorised per
-// instruction set, casts in select form) against the scalar implementation they replaced, kept
+// The CPU quantize kernels (the casts of cpp/src/common/cast_cpu.cpp, amax / dequantize of
+// cpp/src/quantize/quantize_cpu.cpp: split over threads, vectorised per instruction set, casts in
+// select form) against the scalar implementation they replaced, kept
 // below verbatim as legacy:: (703b091): every output byte must be equal, for every instruction set
 // this processor runs and 1, 2 and 3 threads, at odd sizes, every dtype, FP8 format, scaling mode
 // and copy, with special values (NaN, inf, subnormal, huge) and scales that overflow or are NaN.
