@@ -99,9 +99,10 @@ def device_ms(fn: Callable[[], Any], reps: int = 10) -> float:
 def bandwidth_row(
     name: str, shape: str, nbytes: int, contenders: dict[str, Callable[[], Any]], copy_gbs: float
 ) -> dict[str, Any]:
-    """Times each contender (``"fusible"`` plus optional ``"torch_eager"`` / ``"torch_compile"``)
-    with :func:`device_ms`: fusible's bandwidth, as GB/s and as a fraction of the copy bandwidth,
-    and the others' times and fusible's speed-up over them."""
+    """Times each contender (``"fusible"`` plus optional ``"torch_eager"`` / ``"torch_compile"`` /
+    ``"fusible_unfused"``: fusible's own kernels doing the same work unfused) with
+    :func:`device_ms`: fusible's bandwidth, as GB/s and as a fraction of the copy bandwidth, and the
+    others' times and fusible's speed-up over them."""
     times = {k: device_ms(f) for k, f in contenders.items()}
     fus = times["fusible"]
     row: dict[str, Any] = {
@@ -111,7 +112,7 @@ def bandwidth_row(
         "GB/s": nbytes / fus / 1e6,
         "frac_copy_bw": nbytes / fus / 1e6 / copy_gbs,
     }
-    for k in ("torch_eager", "torch_compile"):
+    for k in ("torch_eager", "torch_compile", "fusible_unfused"):
         if k in times:
             row[f"{k}_ms"] = times[k]
             row[f"speedup_vs_{k}"] = times[k] / fus

@@ -10,6 +10,12 @@ amax and 1/scale): E4M3 in forward, E5M2 for the gradient (``Format.HYBRID``, th
 SwiGLU's input is ``[R, 2C]`` (output ``[R, C]``). Bytes are the minimum each kernel must move:
 every input read once and every output written once (per-tensor scalars are not counted).
 
+The ``*_block1d*`` rows are the kernels writing blockwise FP8 output (``Float8BlockScaling``: 1x128
+blocks, power-of-two fp32 scales, E4M3 for both passes; the rowwise copy, and with ``_both`` the
+columnwise one, each with its scales). Their second contender, ``fusible_unfused``, is the path
+they replace: the same kernel writing the bf16 output, then ``quantize_fp8_block`` of it (C must be
+a multiple of 128 for the torch reference, ``torch_block_1d`` of benchmarks/kernels.py).
+
     python benchmarks/ops_kernels.py [--shapes 16384x4096,16384x16384] [--kernels a,b]
         [--fusible-only] [--out DIR]
 """
@@ -33,6 +39,7 @@ from _common import (
     write_json,
 )
 from fusible import _kernels as K
+from kernels import _block_1d, torch_block_1d
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-5
@@ -153,6 +160,48 @@ def fusible_gelu_bwd_dbias(dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Ten
     return K.act_bwd(dy, x, "gelu", None, "none", E4M3, None, True, False, True)
 
 
+def fusible_norm_block(
+    x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None, kind: str, both: bool
+) -> tuple[torch.Tensor, ...]:
+    return K.norm_fwd(x, gamma, beta, EPS, kind, False, None, "block1d", E4M3, None, True, both)
+
+
+def fusible_norm_then_block(
+    x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None, kind: str, both: bool
+) -> tuple[torch.Tensor, ...]:
+    y = K.norm_fwd(x, gamma, beta, EPS, kind, False, x.dtype, "none", E4M3, None, True, False)[0]
+    return K.quantize_fp8_block(y, E4M3, 1, True, 0.0, True, both)
+
+
+def torch_layernorm_block(
+    x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, both: bool
+) -> tuple[Any, ...]:
+    y = torch.native_layer_norm(x, [x.shape[-1]], gamma, beta, EPS)[0]
+    return torch_block_1d(y) if both else _block_1d(y.float())
+
+
+def fusible_act_block(x: torch.Tensor, kind: str, both: bool) -> tuple[torch.Tensor, ...]:
+    return K.act_fwd(x, kind, None, "block1d", E4M3, None, True, both)
+
+
+def fusible_act_then_block(x: torch.Tensor, kind: str, both: bool) -> tuple[torch.Tensor, ...]:
+    y = K.act_fwd(x, kind, x.dtype, "none", E4M3, None, True, False)[0]
+    return K.quantize_fp8_block(y, E4M3, 1, True, 0.0, True, both)
+
+
+def fusible_gelu_bwd_dbias_block(
+    dy: torch.Tensor, x: torch.Tensor, both: bool
+) -> tuple[torch.Tensor, ...]:
+    return K.act_bwd(dy, x, "gelu", None, "block1d", E4M3, None, True, both, True)
+
+
+def fusible_gelu_bwd_dbias_then_block(
+    dy: torch.Tensor, x: torch.Tensor, both: bool
+) -> tuple[torch.Tensor, ...]:
+    dx, *_, dbias = K.act_bwd(dy, x, "gelu", dy.dtype, "none", E4M3, None, True, False, True)
+    return (*K.quantize_fp8_block(dx, E4M3, 1, True, 0.0, True, both), dbias)
+
+
 # ---- the benchmark ------------------------------------------------------------------------------
 
 Case = tuple[str, int, dict[str, Callable[[], Any]]]
@@ -268,6 +317,63 @@ def cases_for(r: int, c: int, dev: str, compiled: dict[str, Callable[..., Any]])
                 },
             )
         )
+    # Blockwise FP8 output: the 1x128 scales are fp32 [c / 128, r] (rowwise) and [r / 128, c]
+    # (columnwise): n / 32 bytes a copy.
+    for both in (False, True):
+        sfx = "_both" if both else ""
+        q = n + n // 32 + ((n + n // 32) if both else 0)  # the copies and their scales
+        out += [
+            (
+                # read x (2n) + gamma, beta (2 * 2c); write the copies, mean + rstd (8r)
+                f"layernorm_fwd_block1d{sfx}",
+                2 * n + 4 * c + q + 8 * r,
+                {
+                    "fusible": partial(fusible_norm_block, x, gamma, beta, "layernorm", both),
+                    "fusible_unfused": partial(
+                        fusible_norm_then_block, x, gamma, beta, "layernorm", both
+                    ),
+                    "torch_eager": partial(torch_layernorm_block, x, gamma, beta, both),
+                },
+            ),
+            (
+                # read x (2n) + gamma (2c); write the copies, rstd (4r)
+                f"rmsnorm_fwd_block1d{sfx}",
+                2 * n + 2 * c + q + 4 * r,
+                {
+                    "fusible": partial(fusible_norm_block, x, gamma, None, "rmsnorm", both),
+                    "fusible_unfused": partial(
+                        fusible_norm_then_block, x, gamma, None, "rmsnorm", both
+                    ),
+                },
+            ),
+            (
+                # read x (2n); write the copies
+                f"gelu_fwd_block1d{sfx}",
+                2 * n + q,
+                {
+                    "fusible": partial(fusible_act_block, x, "gelu", both),
+                    "fusible_unfused": partial(fusible_act_then_block, x, "gelu", both),
+                },
+            ),
+            (
+                # read x [r, 2c] (4n); write the copies of y [r, c]
+                f"swiglu_fwd_block1d{sfx}",
+                4 * n + q,
+                {
+                    "fusible": partial(fusible_act_block, x2, "swiglu", both),
+                    "fusible_unfused": partial(fusible_act_then_block, x2, "swiglu", both),
+                },
+            ),
+            (
+                # read dy, x (2 * 2n); write the copies of dx, dbias (2c)
+                f"gelu_bwd_dbias_block1d{sfx}",
+                4 * n + q + 2 * c,
+                {
+                    "fusible": partial(fusible_gelu_bwd_dbias_block, dy, x, both),
+                    "fusible_unfused": partial(fusible_gelu_bwd_dbias_then_block, dy, x, both),
+                },
+            ),
+        ]
     return out
 
 
@@ -324,7 +430,8 @@ def main() -> None:
     print_table(
         rows,
         ["kernel", "shape", "fusible_ms", "GB/s", "frac_copy_bw", "torch_eager_ms",
-         "torch_compile_ms", "speedup_vs_torch_eager", "speedup_vs_torch_compile"],
+         "torch_compile_ms", "speedup_vs_torch_eager", "speedup_vs_torch_compile",
+         "fusible_unfused_ms", "speedup_vs_fusible_unfused"],
     )  # fmt: skip
     if args.fusible_only and args.out is None:
         # A partial table (often timed under a profiler) never replaces the recorded results.

@@ -1,16 +1,23 @@
-// One registration function per kernel family (ops_<family>.cpp), called by library.cpp for the
-// CPU and CUDA dispatch keys.
+// The torch operators of each kernel family (ops_<family>.cpp): their schemas and the
+// registration of their CPU and CUDA kernels, which library.cpp defines and registers.
 #pragma once
 
 #include <torch/library.h>
 
+#include <cstddef>
+
 namespace fusible_torch {
 
-void register_quantize(torch::Library& m);
-void register_recipe(torch::Library& m);
-void register_gemm(torch::Library& m);
-void register_normalization(torch::Library& m);
-void register_activation(torch::Library& m);
-void register_grouped(torch::Library& m);
+struct Family {
+  const char* const* schemas;  // torch.library schemas of the family's operators
+  size_t count;
+  void (*register_kernels)(torch::Library& m);  // for the CPU and CUDA dispatch keys
+};
+
+Family quantize_family();
+Family recipe_family();
+Family gemm_family();
+Family normalization_family();
+Family activation_family();
 
 }  // namespace fusible_torch

@@ -1,5 +1,7 @@
 // torch.ops.fusible activation family: forward with optional quantized output, and backward
 // ("dact + dbias + cast") (cpp/include/fusible/activation.h).
+#include <iterator>
+
 #include "families.h"
 #include "fusible/activation.h"
 #include "torch_ops.h"
@@ -29,14 +31,14 @@ std::vector<int64_t> out_shape(const char* op, const Tensor& x, int kind,
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_fwd(
     const Tensor& x, c10::string_view kind_name, std::optional<at::ScalarType> out_dtype,
     c10::string_view quant_name, at::ScalarType fp8_dtype, const OptTensor& scale, bool rowwise,
-    bool columnwise) {
+    bool columnwise, bool power_2_scale, double amax_epsilon) {
   const char* op = "act_fwd";
   check_tensor(op, "x", x, high_precision());
   const int kind = check_choice(op, "kind", kind_name, kActivations);
   const std::vector<int64_t> shape = out_shape(op, x, kind, kind_name);
   check_opt_out_dtype(op, out_dtype);
-  const int quant =
-      check_quant_args(op, quant_name, fp8_dtype, scale, rowwise, columnwise, x.device());
+  const int quant = check_quant_args(op, quant_name, fp8_dtype, scale, rowwise, columnwise,
+                                     amax_epsilon, x.device());
   FUS_VALUE_CHECK(out_dtype.has_value() || quant != kQuantNone, op,
                   "nothing to compute: out_dtype is None and quant='none'");
   FUS_VALUE_CHECK(x.size(-1) != 0, op, "argument 'x' must have a non-empty last dimension");
@@ -45,7 +47,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_fwd(
   Tensor y = out_dtype.has_value() ? empty(shape, *out_dtype, x) : nothing(x.scalar_type(), x);
   std::vector<Tensor> q = quant_outputs(shape, x, quant, fp8_dtype, rowwise, columnwise);
   if (!shapes_only(x)) {
-    std::optional<fus_quantized> qv = quantized_view(quant, fp8_dtype, rows, h, q, 0, scale);
+    std::optional<fus_quantized> qv =
+        quantized_view(quant, fp8_dtype, rows, h, q, 0, scale, power_2_scale, amax_epsilon);
     const fus_tensor xm = mat(x, rows, k);
     fus_tensor ym = out_dtype.has_value() ? mat(y, rows, h) : kAbsent;
     const fus_context ctx = context_of(x);
@@ -59,7 +62,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_fwd(
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_bwd(
     const Tensor& grad, const Tensor& x, c10::string_view kind_name,
     std::optional<at::ScalarType> out_dtype, c10::string_view quant_name, at::ScalarType fp8_dtype,
-    const OptTensor& scale, bool rowwise, bool columnwise, bool with_dbias) {
+    const OptTensor& scale, bool rowwise, bool columnwise, bool with_dbias, bool power_2_scale,
+    double amax_epsilon) {
   const char* op = "act_bwd";
   check_tensor(op, "grad", grad, high_precision());
   const c10::Device dev = grad.device();
@@ -71,7 +75,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_bwd(
                   " (the forward output's shape for x of shape ", shape_str(x.sizes()), ", kind='",
                   std::string(kind_name), "')");
   check_opt_out_dtype(op, out_dtype);
-  const int quant = check_quant_args(op, quant_name, fp8_dtype, scale, rowwise, columnwise, dev);
+  const int quant =
+      check_quant_args(op, quant_name, fp8_dtype, scale, rowwise, columnwise, amax_epsilon, dev);
   FUS_VALUE_CHECK(out_dtype.has_value() || quant != kQuantNone || with_dbias, op,
                   "nothing to compute: out_dtype is None, quant='none' and with_dbias is False");
   FUS_VALUE_CHECK(x.size(-1) != 0, op, "argument 'x' must have a non-empty last dimension");
@@ -83,7 +88,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_bwd(
   std::vector<Tensor> q = quant_outputs(x.sizes(), x, quant, fp8_dtype, rowwise, columnwise);
   Tensor dbias = empty({with_dbias ? k : 0}, dt, x);
   if (!shapes_only(grad)) {
-    std::optional<fus_quantized> qv = quantized_view(quant, fp8_dtype, rows, k, q, 0, scale);
+    std::optional<fus_quantized> qv =
+        quantized_view(quant, fp8_dtype, rows, k, q, 0, scale, power_2_scale, amax_epsilon);
     const fus_context ctx = context_of(grad);
     size_t ws_bytes = 0;
     if (with_dbias)
@@ -101,11 +107,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_bwd(
   return {dx, q[0], q[1], q[2], q[3], q[4], dbias};
 }
 
-}  // namespace
+// Operator schemas (docs in python/fusible/_kernels.py; the C contract in fusible/activation.h).
+const char* const kSchemas[] = {
+    "act_fwd(Tensor x, str kind, ScalarType? out_dtype, str quant, ScalarType fp8_dtype,"
+    " Tensor? scale, bool rowwise, bool columnwise, bool power_2_scale=True,"
+    " float amax_epsilon=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "act_bwd(Tensor grad, Tensor x, str kind, ScalarType? out_dtype, str quant,"
+    " ScalarType fp8_dtype, Tensor? scale, bool rowwise, bool columnwise, bool with_dbias,"
+    " bool power_2_scale=True, float amax_epsilon=0.0)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+};
 
-void register_activation(torch::Library& m) {
+// The CPU / CUDA kernels of the family's operators.
+void register_kernels(torch::Library& m) {
   m.impl("act_fwd", &act_fwd);
   m.impl("act_bwd", &act_bwd);
 }
+
+}  // namespace
+
+Family activation_family() { return {kSchemas, std::size(kSchemas), &register_kernels}; }
 
 }  // namespace fusible_torch

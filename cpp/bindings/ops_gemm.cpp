@@ -1,6 +1,12 @@
 // torch.ops.fusible gemm family (cpp/include/fusible/gemm.h holds the contract: numerics,
-// epilogues, dtype rules, the FP8 "TN" layout, and the CUDA backend's cuBLASLt constraints).
+// epilogues, dtype rules, the FP8 "TN" layout, and the CUDA backend's cuBLASLt constraints), and
+// the grouped GEMMs and bias gradients of MoE experts (one operator call for every group, where a
+// loop of per-GEMM operators would dispatch once per expert; fus_gemm_grouped). Groups come as a
+// list of tensors or as one packed tensor split by m_splits (torch_ops.h split_groups); outputs
+// are one tensor per group, each its own allocation, except the packed GEMM output.
 #include <ATen/ops/zeros.h>
+
+#include <iterator>
 
 #include "families.h"
 #include "fusible/gemm.h"
@@ -227,11 +233,208 @@ Tensor gemm_block(const Tensor& a, const Tensor& a_scale_inv, int64_t a_block_di
   return d;
 }
 
-}  // namespace
+// ---- grouped_gemm ---------------------------------------------------------------------------------
 
-void register_gemm(torch::Library& m) {
+// Group i's scale_inv: element i of one [G] tensor, or list element i of G one-element tensors.
+const float* group_scale(const char* op, const char* name, at::TensorList s, size_t i, size_t count,
+                         c10::Device dev) {
+  if (i == 0) {
+    FUS_VALUE_CHECK(s.size() == count || (s.size() == 1 && s[0].numel() == (int64_t)count), op,
+                    "argument '", name, "' must hold ", count,
+                    " one-element float32 tensors or one float32 tensor of ", count,
+                    " elements (one per GEMM), got ", s.size(), " tensors");
+    for (size_t j = 0; j < s.size(); ++j) {
+      const std::string n = nth(name, j);
+      check_tensor(op, n.c_str(), s[j], {at::kFloat}, dev);
+      FUS_VALUE_CHECK(s.size() == 1 || s[j].numel() == 1, op, "argument '", n,
+                      "' must hold exactly one float32 value, got shape ", shape_str(s[j].sizes()));
+    }
+  }
+  if (s.size() == count && s[i].numel() == 1) return fptr(s[i]);
+  const float* base = fptr(s[0]);
+  return base ? base + i : nullptr;
+}
+
+std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArrayRef m_splits,
+                                 const std::optional<at::TensorList>& a_scale_inv,
+                                 const std::optional<at::TensorList>& b_scale_inv,
+                                 at::ScalarType out_dtype,
+                                 const std::optional<at::TensorList>& bias, bool fast_accum,
+                                 bool packed_out) {
+  const char* op = "grouped_gemm";
+  const std::vector<at::ScalarType> dtypes{at::kFloat, at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn,
+                                           at::kFloat8_e5m2};
+  Groups ga = split_groups(op, "a", a, m_splits, dtypes);
+  const size_t count = ga.mats.size();
+  const c10::Device dev = a[0].device();
+  FUS_VALUE_CHECK(b.size() == count, op, "argument 'b' has ", b.size(), " tensors, expected ",
+                  count, " (one per GEMM, as 'a')");
+  const at::ScalarType at_ = a[0].scalar_type();
+  const bool fp8 = is_fp8(at_);
+  FUS_TYPE_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
+                 op, "argument 'out_dtype' must be float32, float16 or bfloat16, got ",
+                 dtype_name(out_dtype));
+  if (!fp8) {
+    FUS_TYPE_CHECK(at_ == out_dtype, op, "argument 'a' has dtype ", dtype_name(at_),
+                   "; high-precision operands must have out_dtype ", dtype_name(out_dtype));
+  }
+  std::vector<Tensor> bm(count);
+  for (size_t i = 0; i < count; ++i) {
+    const std::string n = nth("b", i);
+    check_tensor(op, n.c_str(), b[i], fp8 ? fp8_dtypes() : std::vector<at::ScalarType>{at_}, dev);
+    FUS_VALUE_CHECK(b[i].dim() == 2, op, "argument '", n,
+                    "' must be a 2-D matrix [N, K], got shape ", shape_str(b[i].sizes()));
+    FUS_VALUE_CHECK(b[i].size(1) == ga.mats[i].size(1), op,
+                    "arguments 'a' and 'b' disagree on K for GEMM ", i, ": a's matrix is ",
+                    shape_str(ga.mats[i].sizes()), " and ", n, " is ", shape_str(b[i].sizes()),
+                    " (D = A @ B^T needs A [M, K] and B [N, K])");
+    bm[i] = b[i];
+  }
+  FUS_VALUE_CHECK(fp8 == a_scale_inv.has_value() && fp8 == b_scale_inv.has_value(), op,
+                  "arguments 'a_scale_inv' and 'b_scale_inv' are ",
+                  fp8 ? "required for FP8 operands" : "only for FP8 operands; pass None");
+  if (bias.has_value()) {
+    FUS_VALUE_CHECK(bias->size() == count, op, "argument 'bias' has ", bias->size(),
+                    " tensors, expected ", count, " (one per GEMM)");
+    for (size_t i = 0; i < count; ++i) {
+      const std::string n = nth("bias", i);
+      check_tensor(op, n.c_str(), (*bias)[i], {out_dtype}, dev);
+      FUS_VALUE_CHECK((*bias)[i].dim() == 1 && (*bias)[i].size(0) == b[i].size(0), op, "argument '",
+                      n, "' has shape ", shape_str((*bias)[i].sizes()), ", expected (",
+                      b[i].size(0), ",)");
+    }
+  }
+  // Outputs.
+  std::vector<Tensor> outs;
+  std::vector<Tensor> d(count);
+  if (packed_out) {
+    int64_t rows = 0;
+    for (size_t i = 0; i < count; ++i) {
+      FUS_VALUE_CHECK(b[i].size(0) == b[0].size(0), op, "packed_out needs one N for every GEMM, ",
+                      "got b[0] with ", b[0].size(0), " rows and ", nth("b", i), " with ",
+                      b[i].size(0));
+      rows += ga.mats[i].size(0);
+    }
+    Tensor packed = empty({rows, count ? b[0].size(0) : 0}, out_dtype, a[0]);
+    int64_t off = 0;
+    for (size_t i = 0; i < count; ++i) {
+      d[i] = packed.narrow(0, off, ga.mats[i].size(0));
+      off += ga.mats[i].size(0);
+    }
+    outs.push_back(packed);
+  } else {
+    for (size_t i = 0; i < count; ++i) {
+      d[i] = empty({ga.mats[i].size(0), b[i].size(0)}, out_dtype, a[0]);
+      outs.push_back(d[i]);
+    }
+  }
+  std::vector<const float*> sa(count, nullptr), sb(count, nullptr);
+  if (fp8) {
+    for (size_t i = 0; i < count; ++i) {
+      sa[i] = group_scale(op, "a_scale_inv", *a_scale_inv, i, count, dev);
+      sb[i] = group_scale(op, "b_scale_inv", *b_scale_inv, i, count, dev);
+    }
+  }
+  if (shapes_only(a[0])) return outs;
+
+  // As the per-GEMM path (python/fusible/ops/_compute.py, _gemm) calls fusible.gemm for D = A @ B^T:
+  // the bias in the epilogue, except for an FP8 GEMM with a float32 D (cuBLASLt's bias is bf16
+  // there), whose float32 bias is added to D afterwards (the same add, so the same bits).
+  const bool add_after = fp8 && out_dtype == at::kFloat && bias.has_value();
+  // cuBLASLt picks its kernel by the pointers' alignment too (gemm.cu passes the real alignment
+  // of each): a packed output row block that is not 256-byte aligned, as a fresh allocation is,
+  // is computed into a fresh tensor and copied, so every GEMM runs the kernel (and gives the bits)
+  // of the per-GEMM path, whose outputs are fresh allocations.
+  std::vector<Tensor> staged(count);
+  if (packed_out && a[0].is_cuda()) {
+    for (size_t i = 0; i < count; ++i) {
+      const void* p = ptr(d[i]);
+      if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 256 != 0)
+        staged[i] = empty({d[i].size(0), d[i].size(1)}, out_dtype, a[0]);
+    }
+  }
+  std::vector<fus_gemm_args> args(count);
+  for (size_t i = 0; i < count; ++i) {
+    const Tensor& am = ga.mats[i];
+    const int64_t m = am.size(0), k = am.size(1), n = b[i].size(0);
+    fus_gemm_args& g = args[i];
+    g = fus_gemm_args{};
+    g.a = mat(am, m, k);
+    g.b = mat(bm[i], n, k);
+    g.transa = 0;
+    g.transb = 1;
+    g.a_scale_inv = sa[i];
+    g.b_scale_inv = sb[i];
+    g.d = fus_tensor{ptr(staged[i].defined() ? staged[i] : d[i]), code_of(out_dtype), m, n};
+    g.alpha = 1.0f;
+    g.beta = 0.0f;
+    const bool fused_bias = bias.has_value() && !add_after;
+    g.epilogue = fused_bias ? FUS_GEMM_EPILOGUE_BIAS : FUS_GEMM_EPILOGUE_NONE;
+    g.bias = fused_bias ? mat((*bias)[i], 1, n) : kAbsent;
+    g.use_fast_accum = fast_accum && fp8 ? 1 : 0;
+  }
+  const fus_context ctx = context_of(a[0]);
+  check_status(op, fus_gemm_grouped(args.data(), static_cast<int64_t>(count), &ctx));
+  for (size_t i = 0; i < count; ++i)
+    if (staged[i].defined()) d[i].copy_(staged[i]);
+  if (add_after) {
+    for (size_t i = 0; i < count; ++i)
+      if (d[i].numel()) d[i].add_((*bias)[i]);
+  }
+  return outs;
+}
+
+// ---- grouped_bias_grad ----------------------------------------------------------------------------
+
+// Column sums of each group of dy's rows, in float32, then rounded to out_dtype: per group exactly
+// torch's dy_i.sum(0, dtype=torch.float32).to(out_dtype) (ATen's own reduction, so the bits of the
+// per-expert path), zeros for an empty group; one operator call for all groups.
+std::vector<Tensor> grouped_bias_grad(const Tensor& dy, at::IntArrayRef m_splits,
+                                      at::ScalarType out_dtype) {
+  const char* op = "grouped_bias_grad";
+  check_out_dtype(op, out_dtype);
+  Groups g = split_groups(op, "dy", at::TensorList(dy), m_splits, high_precision());
+  const int64_t n = dy.size(-1);
+  std::vector<Tensor> out;
+  out.reserve(g.mats.size());
+  if (shapes_only(dy)) {
+    for (size_t i = 0; i < g.mats.size(); ++i) out.push_back(empty({n}, out_dtype, dy));
+    return out;
+  }
+  for (const Tensor& m : g.mats) {
+    if (m.size(0) == 0) {
+      out.push_back(at::zeros({n}, dy.options().dtype(out_dtype)));
+    } else {
+      out.push_back(m.sum({0}, false, at::kFloat).to(out_dtype));
+    }
+  }
+  return out;
+}
+
+// Operator schemas (docs in python/fusible/_kernels.py; the C contract in fusible/gemm.h).
+const char* const kSchemas[] = {
+    "gemm(Tensor a, Tensor b, bool transa, bool transb, Tensor? a_scale_inv,"
+    " Tensor? b_scale_inv, ScalarType out_dtype, Tensor? bias, str epilogue, Tensor? aux,"
+    " Tensor? c, float alpha, float beta, Tensor? out_scale, bool want_amax,"
+    " bool fast_accum=False) -> (Tensor, Tensor, Tensor, Tensor)",
+    "gemm_block(Tensor a, Tensor a_scale_inv, SymInt a_block_dim, Tensor b, Tensor b_scale_inv,"
+    " SymInt b_block_dim, ScalarType out_dtype, Tensor? c, float alpha, float beta) -> Tensor",
+    "grouped_gemm(Tensor[] a, Tensor[] b, SymInt[] m_splits, Tensor[]? a_scale_inv,"
+    " Tensor[]? b_scale_inv, ScalarType out_dtype, Tensor[]? bias, bool fast_accum,"
+    " bool packed_out) -> Tensor[]",
+    "grouped_bias_grad(Tensor dy, SymInt[] m_splits, ScalarType out_dtype) -> Tensor[]",
+};
+
+// The CPU / CUDA kernels of the family's operators.
+void register_kernels(torch::Library& m) {
   m.impl("gemm", &gemm);
   m.impl("gemm_block", &gemm_block);
+  m.impl("grouped_gemm", &grouped_gemm);
+  m.impl("grouped_bias_grad", &grouped_bias_grad);
 }
+
+}  // namespace
+
+Family gemm_family() { return {kSchemas, std::size(kSchemas), &register_kernels}; }
 
 }  // namespace fusible_torch

@@ -1,6 +1,8 @@
-// torch.ops.fusible quantize family: per-tensor FP8 (delayed and current scaling), MXFP8, FP8
-// transpose, amax (cpp/include/fusible/quantize.h).
+// torch.ops.fusible quantize family: per-tensor FP8 (delayed and current scaling), MXFP8,
+// blockwise FP8, FP8 transpose, amax, and the grouped per-tensor casts of MoE experts
+// (cpp/include/fusible/quantize.h).
 #include <cmath>
+#include <iterator>
 
 #include "families.h"
 #include "fusible/quantize.h"
@@ -29,7 +31,9 @@ fus_quantized per_tensor_view(at::ScalarType fp8_dtype, int64_t rows, int64_t co
                        ptr(scale_inv),
                        nullptr,
                        fptr(scale),
-                       fptr(amax)};
+                       fptr(amax),
+                       0,
+                       0.0f};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, const Tensor& scale,
@@ -93,7 +97,9 @@ Tensor dequantize_copy(const char* op, fus_scaling_mode mode, const Tensor& data
                           columnwise ? nullptr : sc,
                           columnwise ? sc : nullptr,
                           nullptr,
-                          nullptr};
+                          nullptr,
+                          0,
+                          0.0f};
     fus_tensor o = mat(out, rows, cols);
     const fus_context ctx = context_of(data);
     check_status(op, fus_dequantize(&q, columnwise ? 1 : 0, &o, &ctx));
@@ -153,8 +159,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mxfp8(const Tensor& x, at::S
   Tensor col_scale =
       columnwise ? empty({ceil_div(rows, FUS_MXFP8_BLOCK), cols}, u8, x) : nothing(u8, x);
   if (!shapes_only(x)) {
-    fus_quantized q{FUS_SCALING_MXFP8, code_of(fp8_dtype), rows,           cols,    ptr(data),
-                    ptr(col),          ptr(scale),         ptr(col_scale), nullptr, nullptr};
+    fus_quantized q{FUS_SCALING_MXFP8, code_of(fp8_dtype), rows,    cols,    ptr(data), ptr(col),
+                    ptr(scale),        ptr(col_scale),     nullptr, nullptr, 0,         0.0f};
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize(&in, &q, &ctx));
@@ -177,12 +183,6 @@ Tensor dequantize_mxfp8(const Tensor& data, const Tensor& scale, bool columnwise
                   shape_str(expected), " for ", columnwise ? "columnwise" : "rowwise",
                   " data of matrix shape (", rows, ", ", cols, ")");
   return dequantize_copy(op, FUS_SCALING_MXFP8, data, scale, columnwise, rows, cols, out_dtype);
-}
-
-// Shape of a blockwise copy [R, C]'s scale_inv matrix (fusible/common.h).
-std::vector<int64_t> block_scale_shape(int64_t block_dim, int64_t R, int64_t C) {
-  if (block_dim == 1) return {ceil_div(C, FUS_FP8_BLOCK), R};
-  return {ceil_div(R, FUS_FP8_BLOCK), ceil_div(C, FUS_FP8_BLOCK)};
 }
 
 void check_block_dim(const char* op, int64_t block_dim) {
@@ -221,7 +221,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8_block(const Tensor& x,
                     ptr(scale),
                     ptr(col_scale),
                     nullptr,
-                    nullptr};
+                    nullptr,
+                    0,
+                    0.0f};
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize_blockwise(&in, &q, power_2_scale ? 1 : 0,
@@ -248,9 +250,94 @@ Tensor dequantize_fp8_block(const Tensor& data, const Tensor& scale_inv, int64_t
                          scale_inv, false, R, C, out_dtype);
 }
 
-}  // namespace
+// ---- grouped_quantize_fp8 -------------------------------------------------------------------------
 
-void register_quantize(torch::Library& m) {
+std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor>
+grouped_quantize_fp8(at::TensorList x, at::IntArrayRef m_splits, const OptTensor& scales,
+                     at::ScalarType fp8_dtype, int64_t margin, bool rowwise, bool columnwise) {
+  const char* op = "grouped_quantize_fp8";
+  Groups g = split_groups(op, "x", x, m_splits, high_precision());
+  check_fp8_dtype(op, fp8_dtype);
+  require_a_copy(op, rowwise, columnwise);
+  check_margin(op, margin);
+  const auto count = static_cast<int64_t>(g.mats.size());
+  const Tensor& like = x[0];
+  const bool current = !scales.has_value();
+  if (!current) {
+    check_tensor(op, "scales", *scales, {at::kFloat}, like.device());
+    FUS_VALUE_CHECK(scales->dim() == 1 && scales->size(0) == count, op,
+                    "argument 'scales' must be float32 of shape (", count,
+                    ",) (one delayed-scaling scale per group), got shape ",
+                    shape_str(scales->sizes()));
+  }
+  std::vector<Tensor> data, data_t, scale_inv;
+  data.reserve(count);
+  data_t.reserve(count);
+  scale_inv.reserve(count);
+  for (int64_t i = 0; i < count; ++i) {
+    const Tensor& m = g.mats[i];
+    const int64_t rows = m.size(0), cols = m.size(1);
+    // The rowwise copy has the group's shape: x[i]'s own, or [m_i, cols] of the packed input.
+    const bool whole = !g.packed && rows == matrix_shape(op, x[i]).first;
+    data.push_back(rowwise ? empty(whole ? x[i].sizes() : m.sizes(), fp8_dtype, like)
+                           : nothing(fp8_dtype, like));
+    data_t.push_back(columnwise ? empty({cols, rows}, fp8_dtype, like) : nothing(fp8_dtype, like));
+    scale_inv.push_back(empty({1}, at::kFloat, like));
+  }
+  Tensor amax = empty({count}, at::kFloat, like);
+  Tensor scale = current ? empty({count}, at::kFloat, like) : nothing(at::kFloat, like);
+  if (shapes_only(like)) return {data, data_t, scale_inv, amax, scale};
+
+  std::vector<fus_tensor> in(count);
+  std::vector<fus_quantized> out(count);
+  float* amax_p = fptr(amax);
+  float* scale_p = current ? fptr(scale) : fptr(*scales);
+  for (int64_t i = 0; i < count; ++i) {
+    const Tensor& m = g.mats[i];
+    const int64_t rows = m.size(0), cols = m.size(1);
+    in[i] = mat(m, rows, cols);
+    out[i] = fus_quantized{FUS_SCALING_PER_TENSOR,
+                           code_of(fp8_dtype),
+                           rows,
+                           cols,
+                           ptr(data[i]),
+                           ptr(data_t[i]),
+                           ptr(scale_inv[i]),
+                           nullptr,
+                           scale_p ? scale_p + i : nullptr,
+                           amax_p ? amax_p + i : nullptr,
+                           0,
+                           0.0f};
+  }
+  const fus_context ctx = context_of(like);
+  check_status(op, fus_quantize_grouped(in.data(), out.data(), count, current ? 1 : 0,
+                                        static_cast<int>(margin), &ctx));
+  return {data, data_t, scale_inv, amax, scale};
+}
+
+// Operator schemas (docs in python/fusible/_kernels.py; the C contract in fusible/quantize.h).
+const char* const kSchemas[] = {
+    "quantize_fp8(Tensor x, Tensor scale, ScalarType fp8_dtype, bool rowwise, bool columnwise)"
+    " -> (Tensor, Tensor, Tensor, Tensor)",
+    "quantize_fp8_current(Tensor x, ScalarType fp8_dtype, SymInt margin, bool rowwise,"
+    " bool columnwise) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "dequantize_fp8(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor",
+    "transpose_fp8(Tensor x) -> Tensor",
+    "compute_amax(Tensor x) -> Tensor",
+    "quantize_mxfp8(Tensor x, ScalarType fp8_dtype, bool rowwise, bool columnwise)"
+    " -> (Tensor, Tensor, Tensor, Tensor)",
+    "dequantize_mxfp8(Tensor data, Tensor scale, bool columnwise, ScalarType out_dtype) -> Tensor",
+    "quantize_fp8_block(Tensor x, ScalarType fp8_dtype, SymInt block_dim, bool power_2_scale,"
+    " float amax_epsilon, bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor, Tensor)",
+    "dequantize_fp8_block(Tensor data, Tensor scale_inv, SymInt block_dim, ScalarType out_dtype)"
+    " -> Tensor",
+    "grouped_quantize_fp8(Tensor[] x, SymInt[] m_splits, Tensor? scales, ScalarType fp8_dtype,"
+    " SymInt margin, bool rowwise, bool columnwise)"
+    " -> (Tensor[], Tensor[], Tensor[], Tensor, Tensor)",
+};
+
+// The CPU / CUDA kernels of the family's operators.
+void register_kernels(torch::Library& m) {
   m.impl("quantize_fp8", &quantize_fp8);
   m.impl("quantize_fp8_current", &quantize_fp8_current);
   m.impl("dequantize_fp8", &dequantize_fp8);
@@ -260,6 +347,11 @@ void register_quantize(torch::Library& m) {
   m.impl("dequantize_mxfp8", &dequantize_mxfp8);
   m.impl("quantize_fp8_block", &quantize_fp8_block);
   m.impl("dequantize_fp8_block", &dequantize_fp8_block);
+  m.impl("grouped_quantize_fp8", &grouped_quantize_fp8);
 }
+
+}  // namespace
+
+Family quantize_family() { return {kSchemas, std::size(kSchemas), &register_kernels}; }
 
 }  // namespace fusible_torch

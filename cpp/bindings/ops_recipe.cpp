@@ -1,6 +1,7 @@
 // torch.ops.fusible recipe family: per-tensor scale from an amax, and the batched delayed-scaling
 // update (cpp/include/fusible/recipe.h).
 #include <cmath>
+#include <iterator>
 
 #include "families.h"
 #include "fusible/recipe.h"
@@ -26,6 +27,13 @@ std::tuple<Tensor, Tensor> compute_scale(const Tensor& amax, at::ScalarType fp8_
   }
   return {scale, scale_inv};
 }
+
+// Operator schemas (docs in python/fusible/_kernels.py; the C contract in fusible/recipe.h).
+const char* const kSchemas[] = {
+    "compute_scale(Tensor amax, ScalarType fp8_dtype, SymInt margin) -> (Tensor, Tensor)",
+    "delayed_scaling_update(Tensor(a0!)[] amax_histories, Tensor(a1!)[] scales,"
+    " float[] fp8_maxes, str algo, SymInt margin) -> ()",
+};
 
 }  // namespace
 
@@ -67,7 +75,11 @@ void delayed_scaling_update(at::TensorList amax_histories, at::TensorList scales
                                               static_cast<int>(margin), &ctx));
 }
 
-void register_recipe(torch::Library& m) { m.impl("compute_scale", &compute_scale); }
+Family recipe_family() {
+  // The CPU / CUDA kernel of compute_scale (delayed_scaling_update: one for every backend, below).
+  auto kernels = [](torch::Library& m) { m.impl("compute_scale", &compute_scale); };
+  return {kSchemas, std::size(kSchemas), kernels};
+}
 
 }  // namespace fusible_torch
 

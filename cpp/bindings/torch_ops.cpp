@@ -174,9 +174,15 @@ Tensor empty(at::IntArrayRef shape, at::ScalarType dtype, const Tensor& like) {
   return at::empty(shape, at::TensorOptions().dtype(dtype).device(like.device()));
 }
 
+std::vector<int64_t> block_scale_shape(int64_t block_dim, int64_t R, int64_t C) {
+  if (block_dim == 1) return {ceil_div(C, FUS_FP8_BLOCK), R};
+  return {ceil_div(R, FUS_FP8_BLOCK), ceil_div(C, FUS_FP8_BLOCK)};
+}
+
 int check_quant_args(const char* op, std::string_view quant, at::ScalarType fp8_dtype,
-                     const OptTensor& scale, bool rowwise, bool columnwise, c10::Device device) {
-  const int mode = check_choice(op, "quant", quant, {"none", "fp8", "mxfp8"});
+                     const OptTensor& scale, bool rowwise, bool columnwise, double amax_epsilon,
+                     c10::Device device) {
+  const int mode = check_choice(op, "quant", quant, {"none", "fp8", "mxfp8", "block1d", "block2d"});
   if (mode == kQuantNone) return mode;
   check_fp8_dtype(op, fp8_dtype);
   require_a_copy(op, rowwise, columnwise);
@@ -187,6 +193,9 @@ int check_quant_args(const char* op, std::string_view quant, at::ScalarType fp8_
   } else if (scale.has_value()) {
     check_tensor(op, "scale", *scale, {}, device);  // unused, but must not mix devices
   }
+  if (mode == kQuantBlock1d || mode == kQuantBlock2d)
+    FUS_VALUE_CHECK(std::isfinite(amax_epsilon) && amax_epsilon >= 0.0, op,
+                    "argument 'amax_epsilon' must be finite and >= 0, got ", amax_epsilon);
   return mode;
 }
 
@@ -201,9 +210,16 @@ std::vector<Tensor> quant_outputs(at::IntArrayRef shape, const Tensor& like, int
             nothing(at::kFloat, like)};
   Tensor data = rowwise ? empty(shape, fp8_dtype, like) : nothing(fp8_dtype, like);
   Tensor amax = empty({1}, at::kFloat, like);
-  if (quant == kQuantFp8) {
+  if (quant == kQuantFp8 || quant == kQuantBlock1d || quant == kQuantBlock2d) {
     Tensor data_t = columnwise ? empty({cols, rows}, fp8_dtype, like) : nothing(fp8_dtype, like);
-    return {data, data_t, empty({1}, at::kFloat, like), nothing(u8, like), amax};
+    if (quant == kQuantFp8)
+      return {data, data_t, empty({1}, at::kFloat, like), nothing(u8, like), amax};
+    const int64_t bd = quant == kQuantBlock1d ? 1 : 2;
+    const auto f32 = at::kFloat;
+    Tensor s = rowwise ? empty(block_scale_shape(bd, rows, cols), f32, like) : nothing(f32, like);
+    Tensor cs =
+        columnwise ? empty(block_scale_shape(bd, cols, rows), f32, like) : nothing(f32, like);
+    return {data, data_t, s, cs, amax};
   }
   Tensor col = columnwise ? empty(shape, fp8_dtype, like) : nothing(fp8_dtype, like);
   Tensor s = rowwise ? empty({rows, ceil_div(cols, FUS_MXFP8_BLOCK)}, u8, like) : nothing(u8, like);
@@ -214,27 +230,80 @@ std::vector<Tensor> quant_outputs(at::IntArrayRef shape, const Tensor& like, int
 
 std::optional<fus_quantized> quantized_view(int quant, at::ScalarType fp8_dtype, int64_t rows,
                                             int64_t cols, const std::vector<Tensor>& outs,
-                                            size_t first, const OptTensor& scale) {
+                                            size_t first, const OptTensor& scale,
+                                            bool power_2_scale, double amax_epsilon) {
   if (quant == kQuantNone) return std::nullopt;
-  const Tensor& data = outs[first];
-  const Tensor& data2 = outs[first + 1];
-  const Tensor& s = outs[first + 2];
-  const Tensor& cs = outs[first + 3];
-  const Tensor& amax = outs[first + 4];
-  if (quant == kQuantFp8)
-    return fus_quantized{FUS_SCALING_PER_TENSOR,
-                         code_of(fp8_dtype),
-                         rows,
-                         cols,
-                         ptr(data),
-                         ptr(data2),
-                         ptr(s),
-                         nullptr,
-                         fptr(scale),
-                         fptr(amax)};
-  return fus_quantized{FUS_SCALING_MXFP8, code_of(fp8_dtype), rows,   cols,
-                       ptr(data),         ptr(data2),         ptr(s), ptr(cs),
-                       nullptr,           fptr(amax)};
+  const fus_scaling_mode mode = quant == kQuantFp8       ? FUS_SCALING_PER_TENSOR
+                                : quant == kQuantMx      ? FUS_SCALING_MXFP8
+                                : quant == kQuantBlock1d ? FUS_SCALING_BLOCK_1D
+                                                         : FUS_SCALING_BLOCK_2D;
+  return fus_quantized{mode,
+                       code_of(fp8_dtype),
+                       rows,
+                       cols,
+                       ptr(outs[first]),
+                       ptr(outs[first + 1]),
+                       ptr(outs[first + 2]),
+                       mode == FUS_SCALING_PER_TENSOR ? nullptr : ptr(outs[first + 3]),
+                       mode == FUS_SCALING_PER_TENSOR ? fptr(scale) : nullptr,
+                       fptr(outs[first + 4]),
+                       power_2_scale ? 1 : 0,
+                       static_cast<float>(amax_epsilon)};
+}
+
+std::string nth(const char* name, size_t i) {
+  return std::string(name) + "[" + std::to_string(i) + "]";
+}
+
+Groups split_groups(const char* op, const char* name, at::TensorList x, at::IntArrayRef m_splits,
+                    const std::vector<at::ScalarType>& dtypes) {
+  Groups g;
+  FUS_VALUE_CHECK(!x.empty(), op, "argument '", name, "' must hold at least one tensor, got none");
+  const c10::Device dev = x[0].device();
+  // A list of G > 1 tensors with m_splits: group g is x[g] (m_splits[g] == its rows) or skipped
+  // (m_splits[g] == 0: an empty group).
+  const bool listed = m_splits.empty() || (x.size() > 1 && x.size() == m_splits.size());
+  if (listed) {
+    for (size_t i = 0; i < x.size(); ++i) {
+      const std::string n = nth(name, i);
+      check_tensor(op, n.c_str(), x[i], dtypes, dev);
+      FUS_TYPE_CHECK(x[i].scalar_type() == x[0].scalar_type(), op, "argument '", n, "' has dtype ",
+                     dtype_name(x[i].scalar_type()), ", expected ", name, "[0]'s ",
+                     dtype_name(x[0].scalar_type()), " (one dtype per group)");
+      auto [rows, cols] = matrix_shape(op, x[i], n.c_str());
+      const Tensor m = x[i].view({rows, cols});
+      if (m_splits.empty()) {
+        g.mats.push_back(m);
+        continue;
+      }
+      FUS_VALUE_CHECK(m_splits[i] == rows || m_splits[i] == 0, op, "argument 'm_splits[", i,
+                      "]' must be the rows of ", n, " (", rows, ") or 0 (skip it), got ",
+                      m_splits[i]);
+      g.mats.push_back(m_splits[i] ? m : m.narrow(0, 0, 0));
+    }
+    return g;
+  }
+  FUS_VALUE_CHECK(x.size() == 1, op, "argument '", name, "' must be one packed tensor when ",
+                  "m_splits is given (", m_splits.size(), " groups), got ", x.size(), " tensors");
+  const std::string n = nth(name, 0);
+  check_tensor(op, n.c_str(), x[0], dtypes);
+  auto [rows, cols] = matrix_shape(op, x[0], n.c_str());
+  int64_t total = 0;
+  for (size_t i = 0; i < m_splits.size(); ++i) {
+    FUS_VALUE_CHECK(m_splits[i] >= 0, op, "argument 'm_splits[", i, "]' must be >= 0, got ",
+                    m_splits[i]);
+    total += m_splits[i];
+  }
+  FUS_VALUE_CHECK(total == rows, op, "argument 'm_splits' must sum to the rows of ", n, " (", rows,
+                  ", shape ", shape_str(x[0].sizes()), "), got sum ", total);
+  const Tensor m = x[0].view({rows, cols});
+  int64_t off = 0;
+  for (int64_t s : m_splits) {
+    g.mats.push_back(m.narrow(0, off, s));
+    off += s;
+  }
+  g.packed = true;
+  return g;
 }
 
 }  // namespace fusible_torch

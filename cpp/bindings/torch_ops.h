@@ -93,16 +93,43 @@ void check_status(const char* op, fus_status st);
 Tensor empty(at::IntArrayRef shape, at::ScalarType dtype, const Tensor& like);
 inline Tensor nothing(at::ScalarType dtype, const Tensor& like) { return empty({0}, dtype, like); }
 
+// Shape of a blockwise copy [R, C]'s scale_inv matrix (fusible/common.h): block_dim 1 (1x128
+// blocks) [ceil(C/128), R], block_dim 2 (128x128) [ceil(R/128), ceil(C/128)].
+std::vector<int64_t> block_scale_shape(int64_t block_dim, int64_t R, int64_t C);
+
 // The quantized output of norm_fwd / act_fwd / act_bwd as four tensors plus amax (see
-// python/fusible/_kernels.py): quant 0 = none, 1 = fp8, 2 = mxfp8.
-enum QuantMode { kQuantNone = 0, kQuantFp8 = 1, kQuantMx = 2 };
+// python/fusible/_kernels.py): quant 0 = none, 1 = fp8, 2 = mxfp8, 3 = block1d (1x128 blocks),
+// 4 = block2d (128x128 blocks); power_2_scale / amax_epsilon: the blockwise cast's parameters.
+enum QuantMode {
+  kQuantNone = 0,
+  kQuantFp8 = 1,
+  kQuantMx = 2,
+  kQuantBlock1d = 3,
+  kQuantBlock2d = 4
+};
 int check_quant_args(const char* op, std::string_view quant, at::ScalarType fp8_dtype,
-                     const OptTensor& scale, bool rowwise, bool columnwise, c10::Device device);
+                     const OptTensor& scale, bool rowwise, bool columnwise, double amax_epsilon,
+                     c10::Device device);
 std::vector<Tensor> quant_outputs(at::IntArrayRef shape, const Tensor& like, int quant,
                                   at::ScalarType fp8_dtype, bool rowwise, bool columnwise);
 // The fus_quantized view of quant_outputs (outs[first .. first + 5)), or nullopt for quant none.
 std::optional<fus_quantized> quantized_view(int quant, at::ScalarType fp8_dtype, int64_t rows,
                                             int64_t cols, const std::vector<Tensor>& outs,
-                                            size_t first, const OptTensor& scale);
+                                            size_t first, const OptTensor& scale,
+                                            bool power_2_scale, double amax_epsilon);
+
+// Groups of rows (MoE experts) given either as a list of tensors (one per group) or as one packed
+// tensor whose rows m_splits splits into consecutive groups (tokens grouped by expert): the
+// grouped operators of the quantize and gemm families (grouped_quantize_fp8, grouped_gemm,
+// grouped_bias_grad). A list of G > 1 tensors with m_splits: group g is x[g] (m_splits[g] == its
+// rows) or skipped (m_splits[g] == 0: an empty group).
+struct Groups {
+  std::vector<Tensor> mats;  // one 2-D view per group
+  bool packed = false;
+};
+Groups split_groups(const char* op, const char* name, at::TensorList x, at::IntArrayRef m_splits,
+                    const std::vector<at::ScalarType>& dtypes);
+// "name[i]", for messages.
+std::string nth(const char* name, size_t i);
 
 }  // namespace fusible_torch

@@ -118,19 +118,22 @@ is the cast of the high-precision result rounded to ``out_dtype`` (or, without o
 dtype), so it equals quantize_fp8 / quantize_mxfp8 of that output bit for bit. Quantized outputs
 come as four tensors plus amax ``(q_data, q_data_t_or_col, q_scale_inv_or_mx_scale, q_col_scale,
 amax)``: quant ``"fp8"``: data, data_t [k, rows], scale_inv (1,), empty; ``"mxfp8"``: data, col
-data, E8M0 scale [rows, ceil(k/32)], E8M0 col scale [ceil(rows/32), k]; ``"none"``: all empty.
+data, E8M0 scale [rows, ceil(k/32)], E8M0 col scale [ceil(rows/32), k]; ``"block1d"`` /
+``"block2d"`` (blockwise FP8, 1x128 / 128x128 blocks, the cast ``quantize_fp8_block`` makes, with
+the trailing ``power_2_scale`` and ``amax_epsilon``): data, data_t [k, rows], scale_inv and
+col_scale_inv in the layouts of ``block_scale_shape``; ``"none"``: all empty.
 
 ``norm_fwd(x, gamma, beta, eps, kind, zero_centered_gamma, out_dtype, quant, fp8_dtype, scale,
-rowwise, columnwise) -> (y, *quantized, amax, mean, rstd)``
+rowwise, columnwise, power_2_scale=True, amax_epsilon=0.0) -> (y, *quantized, amax, mean, rstd)``
     LayerNorm / RMSNorm over the last dimension (``w = 1 + gamma`` if ``zero_centered_gamma``);
     ``y`` empty if ``out_dtype`` is None; ``mean`` empty for RMSNorm.
 ``norm_bwd(dy, x, mean, rstd, gamma, kind, zero_centered_gamma) -> (dx, dgamma, dbeta)``
-``act_fwd(x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise)
--> (y, *quantized, amax)``
+``act_fwd(x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise, power_2_scale=True,
+amax_epsilon=0.0) -> (y, *quantized, amax)``
     ``kind`` in :data:`ACTIVATIONS`; the gated kinds read ``x = [a | b]`` and halve the last
     dimension.
-``act_bwd(grad, x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise, with_dbias)
--> (dx, *quantized, amax, dbias)``
+``act_bwd(grad, x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise, with_dbias,
+power_2_scale=True, amax_epsilon=0.0) -> (dx, *quantized, amax, dbias)``
     ``dx = grad * act'(x)``; ``dbias`` = column sums of ``dx`` (dtype ``out_dtype`` or
     ``grad.dtype``). For a gated kind, an MXFP8 rowwise copy needs H % 32 == 0.
 """
@@ -258,7 +261,7 @@ GEMM_EPILOGUES = (
 NORM_KINDS = ("layernorm", "rmsnorm")
 # The activation kinds (the torch operators' ``kind``) and the gated ones ([a | b] -> H columns).
 ACTIVATIONS, GATED_ACTIVATIONS = _activation_table(_LIBRARY)
-QUANT_MODES = ("none", "fp8", "mxfp8")
+QUANT_MODES = ("none", "fp8", "mxfp8", "block1d", "block2d")
 _GEMM_READS_AUX = frozenset({"dgelu", "dgelu_bgrad"})
 _GEMM_DTYPES = HIGH_PRECISION_DTYPES + FP8_DTYPES
 
@@ -477,6 +480,10 @@ def _quant_outputs(
     e0 = _nothing(u8, device)
     amax = torch.empty(1, dtype=torch.float32, device=device)
     data = torch.empty(shape, dtype=fp8_dtype, device=device) if rowwise else e8
+    if quant in ("block1d", "block2d"):
+        bd = 1 if quant == "block1d" else 2
+        data, s, data_t, cs = _block_outputs(shape, device, fp8_dtype, bd, rowwise, columnwise)
+        return data, data_t, s, cs, amax
     if quant == "fp8":
         data_t = (
             torch.empty((cols, rows), dtype=fp8_dtype, device=device)
@@ -644,13 +651,20 @@ def block_scale_shape(block_dim: int, r: int, c: int) -> tuple[int, int]:
     return (_ceil_div(r, FP8_BLOCK), _ceil_div(c, FP8_BLOCK))
 
 
-@_fake("quantize_fp8_block")
-def _quantize_fp8_block_fake(x, fp8_dtype, block_dim, power_2_scale, amax_epsilon, rowwise,
-                             columnwise):  # fmt: skip
-    rows, cols = _matrix_shape("quantize_fp8_block", x)
-    dev, f32 = x.device, torch.float32
+def _block_outputs(
+    shape: Sequence[int],
+    dev: torch.device,
+    fp8_dtype: torch.dtype,
+    block_dim: int,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data, scale_inv, data_t, col_scale_inv) of a blockwise cast of a tensor of ``shape``."""
+    shape = tuple(shape)
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    f32 = torch.float32
     e8 = _nothing(fp8_dtype, dev)
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=dev) if rowwise else e8
+    data = torch.empty(shape, dtype=fp8_dtype, device=dev) if rowwise else e8
     scale = (
         torch.empty(block_scale_shape(block_dim, rows, cols), dtype=f32, device=dev)
         if rowwise
@@ -667,6 +681,13 @@ def _quantize_fp8_block_fake(x, fp8_dtype, block_dim, power_2_scale, amax_epsilo
         else _nothing(f32, dev)
     )
     return data, scale, data_t, col_scale
+
+
+@_fake("quantize_fp8_block")
+def _quantize_fp8_block_fake(x, fp8_dtype, block_dim, power_2_scale, amax_epsilon, rowwise,
+                             columnwise):  # fmt: skip
+    _matrix_shape("quantize_fp8_block", x)
+    return _block_outputs(x.shape, x.device, fp8_dtype, block_dim, rowwise, columnwise)
 
 
 @_fake("dequantize_fp8_block")
@@ -746,6 +767,8 @@ def _norm_fwd_fake(
     scale,
     rowwise,
     columnwise,
+    power_2_scale=True,
+    amax_epsilon=0.0,
 ):
     for name, t in (("gamma", gamma), ("beta", beta), ("scale", scale)):
         if t is not None:
@@ -764,7 +787,8 @@ def _norm_bwd_fake(dy, x, mean, rstd, gamma, kind, zero_centered_gamma):
 
 
 @_fake("act_fwd")
-def _act_fwd_fake(x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise):
+def _act_fwd_fake(x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise,
+                  power_2_scale=True, amax_epsilon=0.0):  # fmt: skip
     if scale is not None:
         _check_same_device("act_fwd", "scale", scale, x.device)
     _check_choice("act_fwd", "kind", kind, ACTIVATIONS)
@@ -774,8 +798,9 @@ def _act_fwd_fake(x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwi
 
 @_fake("act_bwd")
 def _act_bwd_fake(
-    grad, x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise, with_dbias
-):
+    grad, x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise, with_dbias,
+    power_2_scale=True, amax_epsilon=0.0,
+):  # fmt: skip
     for name, t in (("x", x), ("scale", scale)):
         if t is not None:
             _check_same_device("act_bwd", name, t, grad.device)

@@ -16,15 +16,28 @@ namespace fustest {
 
 // What quantized output a call asks for.
 struct QSpec {
-  int mode = 0;  // 0 none, 1 per tensor, 2 MXFP8
+  int mode = 0;  // 0 none, 1 per tensor, 2 MXFP8, 3 blockwise 1x128, 4 blockwise 128x128
   fus_dtype fmt = FUS_FLOAT8_E4M3;
   bool row = true, col = true, amax = true;
   float scale = 1.0f;
+  bool pow2 = true;  // blockwise: power_2_scale, amax_epsilon
+  float eps = 0.0f;
 };
 
-inline const char* qmode_name(int m) { return m == 0 ? "none" : (m == 1 ? "fp8" : "mxfp8"); }
+inline const char* qmode_name(int m) {
+  static const char* const names[] = {"none", "fp8", "mxfp8", "block1d", "block2d"};
+  return names[m];
+}
+
+inline bool blockwise(const QSpec& q) { return q.mode == 3 || q.mode == 4; }
 
 inline int64_t ceil32(int64_t n) { return (n + 31) / 32; }
+inline int64_t ceil128(int64_t n) { return (n + 127) / 128; }
+
+// Floats in the scale_inv matrix of a blockwise copy [R, C] (fusible/common.h layouts).
+inline size_t block_scales(int mode, int64_t R, int64_t C) {
+  return static_cast<size_t>(mode == 3 ? ceil128(C) * R : ceil128(R) * ceil128(C));
+}
 
 // Slots of a quantized output inside a Buffers, in this order.
 enum QOff { kQRow = 0, kQCol, kQRowS, kQColS, kQScale, kQAmax, kQSlots };
@@ -43,6 +56,10 @@ inline int add_q_buffers(Buffers& b, int64_t rows, int64_t cols, const QSpec& q)
     b.add_filled(q.row ? static_cast<size_t>(rows * ceil32(cols)) : 0);
     b.add_filled(q.col ? static_cast<size_t>(ceil32(rows) * cols) : 0);
     b.add_filled(0);
+  } else if (blockwise(q)) {
+    b.add_filled(q.row ? 4 * block_scales(q.mode, rows, cols) : 0);
+    b.add_filled(q.col ? 4 * block_scales(q.mode, cols, rows) : 0);
+    b.add_filled(0);
   } else {
     b.add_filled(on ? 4 : 0);
     b.add_filled(0);
@@ -57,7 +74,10 @@ inline int add_q_buffers(Buffers& b, int64_t rows, int64_t cols, const QSpec& q)
 
 inline fus_quantized make_q(const std::vector<void*>& p, int first, int64_t rows, int64_t cols,
                             const QSpec& q) {
-  return fus_quantized{q.mode == 2 ? FUS_SCALING_MXFP8 : FUS_SCALING_PER_TENSOR,
+  static const fus_scaling_mode modes[] = {FUS_SCALING_PER_TENSOR, FUS_SCALING_PER_TENSOR,
+                                           FUS_SCALING_MXFP8, FUS_SCALING_BLOCK_1D,
+                                           FUS_SCALING_BLOCK_2D};
+  return fus_quantized{modes[q.mode],
                        q.fmt,
                        rows,
                        cols,
@@ -66,7 +86,25 @@ inline fus_quantized make_q(const std::vector<void*>& p, int first, int64_t rows
                        p[first + kQRowS],
                        p[first + kQColS],
                        static_cast<float*>(p[first + kQScale]),
-                       static_cast<float*>(p[first + kQAmax])};
+                       static_cast<float*>(p[first + kQAmax]),
+                       q.pow2 ? 1 : 0,
+                       q.eps};
+}
+
+// A per-tensor E4M3 rowwise output over data / scale_inv, no scale or amax (the argument tests).
+inline fus_quantized rowwise_q(void* data, void* scale_inv, int64_t rows, int64_t cols) {
+  return fus_quantized{FUS_SCALING_PER_TENSOR,
+                       FUS_FLOAT8_E4M3,
+                       rows,
+                       cols,
+                       data,
+                       nullptr,
+                       scale_inv,
+                       nullptr,
+                       nullptr,
+                       nullptr,
+                       0,
+                       0.0f};
 }
 
 // The unfused path: fus_quantize (CPU) of a stored high-precision matrix; returns its buffers

@@ -68,10 +68,10 @@ def reference(x64: torch.Tensor, kind: str) -> torch.Tensor:
     return act(x64, kind)
 
 
-def fwd(
-    x, kind, out_dtype=None, quant="none", fp8_dtype=E4M3, scale=None, rowwise=True, columnwise=True
-):
-    return ops.act_fwd(x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise)
+# **block: the blockwise cast's power_2_scale / amax_epsilon (the ops' keyword arguments).
+def fwd(x, kind, out_dtype=None, quant="none", fp8_dtype=E4M3, scale=None, rowwise=True,
+        columnwise=True, **block):  # fmt: skip
+    return ops.act_fwd(x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise, **block)
 
 
 def bwd(
@@ -85,9 +85,10 @@ def bwd(
     rowwise=True,
     columnwise=True,
     with_dbias=False,
+    **block,
 ):
     return ops.act_bwd(
-        grad, x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise, with_dbias
+        grad, x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise, with_dbias, **block
     )
 
 
@@ -210,6 +211,40 @@ def test_backward_quantized_equals_quantize_of_output(kind, dtype, quant, fp8_dt
                 assert_bits_equal(out[6], full[6], f"{what} dbias")
 
 
+# Rows 1, primes and 2^n - 1 around the 128-row blocks; H that is and is not a multiple of 128
+# (gated backward: blocks straddling [da | db]).
+BLOCK_SHAPES = [(1, 1), (7, 128), (31, 129), (127, 64), (3, 5, 300), (257, 256)]
+
+
+@pytest.mark.parametrize("block_dim", (1, 2))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=_name)
+@pytest.mark.parametrize("kind", KINDS)
+def test_blockwise_output_equals_quantize_fp8_block_of_output(kind, dtype, block_dim):
+    quant = f"block{block_dim}d"
+    for shape in BLOCK_SHAPES:
+        x = make(in_shape(shape, kind), dtype)
+        g = make(shape, dtype, std=1.0)
+        for out_dtype, rowwise, columnwise, fp8, pow2, eps in (
+            (None, True, True, E4M3, True, 0.0),
+            (dtype, True, False, E5M2, False, 0.0),
+            (torch.float32, False, True, E4M3, True, 1e-3),
+        ):
+            what = f"{shape} out_dtype={out_dtype} rowwise={rowwise} columnwise={columnwise}"
+            q = dict(quant=quant, fp8_dtype=fp8, rowwise=rowwise, columnwise=columnwise,
+                     power_2_scale=pow2, amax_epsilon=eps)  # fmt: skip
+            out = fwd(x, kind, out_dtype, **q)
+            y = fwd(x, kind, out_dtype or dtype)[0]
+            want = ops.quantize_fp8_block(y, fp8, block_dim, pow2, eps, rowwise, columnwise)
+            for i, (a, w) in enumerate(zip((out[1], out[3], out[2], out[4]), want, strict=True)):
+                assert_bits_equal(a, w, f"forward {what} output {i}")
+            out = bwd(g, x, kind, out_dtype, with_dbias=True, **q)
+            dx, *_, dbias = bwd(g, x, kind, out_dtype or dtype, with_dbias=True)
+            want = ops.quantize_fp8_block(dx, fp8, block_dim, pow2, eps, rowwise, columnwise)
+            for i, (a, w) in enumerate(zip((out[1], out[3], out[2], out[4]), want, strict=True)):
+                assert_bits_equal(a, w, f"backward {what} output {i}")
+            assert_bits_equal(out[6], dbias, f"backward {what} dbias")
+
+
 def test_gated_mxfp8_rowwise_needs_h_multiple_of_32():
     x, g = make((4, 14), torch.float32), make((4, 7), torch.float32)
     with pytest.raises(ValueError, match=r"fusible\.act_bwd.*H % 32"):
@@ -232,7 +267,7 @@ GPU_SHAPES = [
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("quant", ("none", "fp8", "mxfp8"))
+@pytest.mark.parametrize("quant", ("none", "fp8", "mxfp8", "block1d", "block2d"))
 @pytest.mark.parametrize("dtype", HP_DTYPES, ids=_name)
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_matches_cpu(kind, dtype, quant):
@@ -297,10 +332,15 @@ def _opcheck_cases(device):
         "fwd_fp8": ("act_fwd", (x, "gelu", torch.float32, "fp8", E4M3, s, True, True)),
         "fwd_mx": ("act_fwd", (x.bfloat16(), "geglu", None, "mxfp8", E5M2, None, True, False)),
         "bwd": ("act_bwd", (g, x, "swiglu", torch.bfloat16, "fp8", E5M2, s, True, True, True)),
+        "fwd_block": ("act_fwd", (x, "silu", None, "block2d", E4M3, None, True, True, True, 0.0)),
+        "bwd_block": (
+            "act_bwd",
+            (g, x, "geglu", None, "block1d", E4M3, None, True, True, True, False, 1e-3),
+        ),
     }
 
 
-@pytest.mark.parametrize("case", ["fwd_fp8", "fwd_mx", "bwd"])
+@pytest.mark.parametrize("case", ["fwd_fp8", "fwd_mx", "bwd", "fwd_block", "bwd_block"])
 def test_opcheck(case, devices):
     name, args = _opcheck_cases(devices)[case]
     # test_schema is left out: its mutation check calls torch.allclose, which has no float8
@@ -325,6 +365,13 @@ _ERRORS = [
         (_X.t(), "gelu", F32, "none", E4M3, None, True, True),
     ),
     ("kind", ValueError, "act_fwd", "kind", (_X, "tanh", F32, "none", E4M3, None, True, True)),
+    (
+        "block_epsilon",
+        ValueError,
+        "act_fwd",
+        "amax_epsilon",
+        (_X, "gelu", F32, "block1d", E4M3, None, True, True, True, -1.0),
+    ),
     (
         "odd_gated",
         ValueError,

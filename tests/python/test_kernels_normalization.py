@@ -4,8 +4,8 @@ The contract is cpp/include/fusible/normalization.h. References:
 
 - forward: torch.nn.functional.layer_norm / rms_norm in float64 on the stored inputs;
 - backward: torch.autograd through the same float64 functions;
-- quantized outputs: fusible's own quantize_fp8 / quantize_mxfp8 of the high-precision output,
-  compared bit for bit (fused == unfused);
+- quantized outputs: fusible's own quantize_fp8 / quantize_mxfp8 / quantize_fp8_block of the
+  high-precision output, compared bit for bit (fused == unfused);
 - CUDA (tests marked ``cuda``): the CPU backend, bit for bit.
 """
 
@@ -77,10 +77,10 @@ def norm(
     scale=None,
     rowwise=True,
     columnwise=True,
+    **block,  # the blockwise cast's power_2_scale / amax_epsilon
 ):
-    return ops.norm_fwd(
-        x, gamma, beta, EPS, kind, zc, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise
-    )
+    return ops.norm_fwd(x, gamma, beta, EPS, kind, zc, out_dtype, quant, fp8_dtype, scale,
+                        rowwise, columnwise, **block)  # fmt: skip
 
 
 def inputs(shape, dtype, kind, zc=False, gamma_dtype=None, with_beta=True):
@@ -165,6 +165,38 @@ def test_quantized_output_equals_quantize_of_output(kind, dtype, quant, fp8_dtyp
                     assert_bits_equal(out[0], y, f"{what} y")
 
 
+# Rows 1, primes and 2^n - 1 around the 128-row blocks; widths that are and are not multiples of
+# 128 (partial edge blocks: the quantize's documented rule).
+BLOCK_SHAPES = [(1, 1), (7, 128), (31, 129), (127, 384), (3, 5, 300), (257, 256), (2, 16384)]
+
+
+@pytest.mark.parametrize("fp8_dtype", (E4M3, E5M2), ids=_name)
+@pytest.mark.parametrize("block_dim", (1, 2))
+@pytest.mark.parametrize("dtype", HP_DTYPES, ids=_name)
+@pytest.mark.parametrize("kind", KINDS)
+def test_blockwise_output_equals_quantize_fp8_block_of_output(kind, dtype, block_dim, fp8_dtype):
+    quant = f"block{block_dim}d"
+    for shape in BLOCK_SHAPES:
+        x, gamma, beta = inputs(shape, dtype, kind)
+        for out_dtype, rowwise, columnwise, pow2, eps in (
+            (None, True, True, True, 0.0),
+            (dtype, True, False, False, 0.0),
+            (torch.float32, False, True, True, 1e-3),
+        ):
+            out = norm(x, gamma, beta, kind, out_dtype=out_dtype, quant=quant, fp8_dtype=fp8_dtype,
+                       rowwise=rowwise, columnwise=columnwise, power_2_scale=pow2,
+                       amax_epsilon=eps)  # fmt: skip
+            y = norm(x, gamma, beta, kind, out_dtype=out_dtype or dtype)[0]
+            want = ops.quantize_fp8_block(y, fp8_dtype, block_dim, pow2, eps, rowwise, columnwise)
+            got = (out[1], out[3], out[2], out[4])  # data, scale_inv, data_t, col_scale_inv
+            what = f"{shape} out_dtype={out_dtype} rowwise={rowwise} columnwise={columnwise}"
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                assert_bits_equal(g, w, f"{what} output {i}")
+            assert_bits_equal(out[5], y.float().abs().max().reshape(1), f"{what} amax")
+            if out_dtype is not None:
+                assert_bits_equal(out[0], y, f"{what} y")
+
+
 def test_quant_none_returns_empty_quantized_outputs():
     x, gamma, beta = inputs((4, 8), torch.float32, "layernorm")
     out = norm(x, gamma, beta, "layernorm", out_dtype=torch.float32)
@@ -245,7 +277,7 @@ def _to(t, device):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("quant", ("none", "fp8", "mxfp8"))
+@pytest.mark.parametrize("quant", ("none", "fp8", "mxfp8", "block1d", "block2d"))
 @pytest.mark.parametrize("dtype", HP_DTYPES, ids=_name)
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_forward_matches_cpu(kind, dtype, quant):
@@ -319,6 +351,8 @@ def _opcheck_cases(device):
     _, *_, mean, rstd = ops.norm_fwd(
         x, g, g, EPS, "layernorm", False, torch.float32, "none", E4M3, None, True, True
     )
+    block = (x.bfloat16(), g, g, EPS, "layernorm", False, None, "block1d", E4M3, None, True, True)
+    block += (False, 1e-4)  # power_2_scale, amax_epsilon
     return {
         "fwd_fp8": (
             "norm_fwd",
@@ -328,11 +362,12 @@ def _opcheck_cases(device):
             "norm_fwd",
             (x.bfloat16(), g, None, EPS, "rmsnorm", True, None, "mxfp8", E5M2, None, True, False),
         ),
+        "fwd_block": ("norm_fwd", block),
         "bwd": ("norm_bwd", (x, x, mean, rstd, g, "layernorm", False)),
     }
 
 
-@pytest.mark.parametrize("case", ["fwd_fp8", "fwd_mx", "bwd"])
+@pytest.mark.parametrize("case", ["fwd_fp8", "fwd_mx", "fwd_block", "bwd"])
 def test_opcheck(case, devices):
     name, args = _opcheck_cases(devices)[case]
     # test_schema is left out: its mutation check calls torch.allclose, which has no float8

@@ -31,10 +31,13 @@
  *
  * The quantized output q (optional, describing the output matrix: [N, H] forward, [N, K]
  * backward) follows common.h: per tensor (q->scale required; rowwise and/or transposed columnwise
- * copy; rowwise_scale_inv = 1 / scale) or MXFP8 (rowwise and/or columnwise copies with E8M0
- * scales). Backward of a gated kind with an MXFP8 rowwise copy needs H % 32 == 0 (so no 32-element
- * block straddles the [da | db] boundary). One pass over the inputs; the CUDA dbias needs a
- * second, small launch over [groups, K] partial sums held in the caller's workspace.
+ * copy; rowwise_scale_inv = 1 / scale), MXFP8 (rowwise and/or columnwise copies with E8M0
+ * scales) or blockwise (1x128 or 128x128 blocks with q->power_2_scale and q->amax_epsilon;
+ * rowwise and/or transposed columnwise copies with fp32 scales; blocks of a gated backward may
+ * straddle [da | db], as they do in the stored dx). Backward of a gated kind with an MXFP8 rowwise
+ * copy needs H % 32 == 0 (so no 32-element block straddles the [da | db] boundary). One pass over
+ * the inputs; the CUDA dbias needs a second, small launch over [groups, K] partial sums held in
+ * the caller's workspace.
  *
  * All functions accept N == 0 and require H >= 1.
  */

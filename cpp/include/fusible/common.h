@@ -99,6 +99,8 @@ typedef enum fus_scaling_mode {
  *                         x ~= q * scale_inv of the element's block (1D: R contiguous, the
  *                         "M-major" layout cuBLASLt's VEC128_32F mode reads)
  *   scale                 unused
+ *   power_2_scale         0 or 1, amax_epsilon finite and >= 0: the parameters of the cast's
+ *                         scale rule (quantize.h); read only in these two modes
  * amax (optional, all modes): float[1], receives max |x| over X (NaN if X holds a NaN).
  */
 typedef struct fus_quantized {
@@ -112,6 +114,8 @@ typedef struct fus_quantized {
   void* columnwise_scale_inv;
   float* scale;
   float* amax;
+  int power_2_scale;  /* blockwise modes: scales rounded down to powers of two (0 or 1) */
+  float amax_epsilon; /* blockwise modes: floor on each block's amax (finite, >= 0) */
 } fus_quantized;
 
 /* Message of the last failed call on this thread ("" if none). */

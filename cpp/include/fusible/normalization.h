@@ -63,11 +63,16 @@ typedef enum fus_norm_kind {
  *                        transposed columnwise_data [H, N], rowwise_scale_inv = 1 / scale.
  *            MXFP8:      rowwise_data + rowwise_scale_inv and/or columnwise_data +
  *                        columnwise_scale_inv (layouts in common.h).
+ *            blockwise:  1x128 or 128x128 blocks (FUS_SCALING_BLOCK_1D / 2D, with
+ *                        q->power_2_scale and q->amax_epsilon): rowwise_data + rowwise_scale_inv
+ *                        and/or the transposed columnwise_data + columnwise_scale_inv (fp32
+ *                        scales, layouts in common.h; partial edge blocks as quantize.h says).
  *            q->amax (optional) receives max |rounded y|.
  *   mean   float[N], LayerNorm: required; RMSNorm: ignored (may be NULL).
  *   rstd   float[N], required.
  * One pass over x for y, mean, rstd, the rowwise copies and amax; a columnwise copy (per-tensor
- * transpose or MXFP8 columnwise) costs a second read of x on the CUDA backend.
+ * transpose, MXFP8 or blockwise columnwise) or 128x128 blockwise tiles (both copies) cost a second
+ * read of x on the CUDA backend.
  */
 fus_status fus_norm_forward(fus_norm_kind kind, const fus_tensor* x, const fus_tensor* gamma,
                             const fus_tensor* beta, float eps, int zero_centered_gamma,

@@ -33,7 +33,9 @@
  *    copy is the byte transpose of the rowwise one, its scales the transposed scale matrix).
  *    Partial blocks at the right and bottom edges (cols or rows not divisible by 128) are scaled
  *    over the elements that exist; the scale matrices have ceil(n/128) entries along those edges.
- *    Both copies come from one call (one kernel on CUDA); fus_quantize_blockwise writes them.
+ *    Both copies come from one call (one kernel on CUDA). power_2_scale and amax_epsilon are
+ *    fields of the fus_quantized (common.h); the fused normalization and activation kernels
+ *    write blockwise output by the same rule (the same bits as this cast of their output).
  *  - Dequantize: x' = fp32(float(q) * scale_inv) (per tensor and blockwise) or float(q) * 2^(s - 127) (MXFP8),
  *    the product rounded to fp32 first and then to the output dtype (RNE); for fp16/bf16 outputs
  *    that is two roundings, deliberately: it is what a GEMM consuming fp32-dequantized operands
@@ -51,17 +53,18 @@ extern "C" {
 #endif
 
 /*
- * Cast input [rows, cols] into out, using the scale already in out->scale (per tensor) or the
- * OCP rule (MXFP8). Writes every non-NULL copy of out and its scale_inv, and out->amax if non-NULL.
- * One pass over the input. out->rows/cols must equal input's.
+ * Cast input [rows, cols] into out, using the scale already in out->scale (per tensor), the OCP
+ * rule (MXFP8) or the blockwise rule with out->power_2_scale and out->amax_epsilon (blockwise).
+ * Writes every non-NULL copy of out and its scale_inv, and out->amax if non-NULL. One pass over
+ * the input. out->rows/cols must equal input's.
  */
 fus_status fus_quantize(const fus_tensor* input, fus_quantized* out, const fus_context* ctx);
 
 /*
- * Blockwise FP8 cast (out->mode FUS_SCALING_BLOCK_1D or FUS_SCALING_BLOCK_2D): writes every non-NULL
- * copy of out with its scale_inv matrix (layouts in common.h), and out->amax (max |x|) if non-NULL.
- * power_2_scale (0 or 1) and amax_epsilon (finite, >= 0) as in the rule above. fus_quantize rejects
- * these modes (it has no place for the two parameters).
+ * Blockwise FP8 cast (out->mode FUS_SCALING_BLOCK_1D or FUS_SCALING_BLOCK_2D): fus_quantize of a
+ * copy of *out whose power_2_scale (0 or 1) and amax_epsilon (finite, >= 0) are the arguments (the
+ * fields of *out are not read). Writes every non-NULL copy of out with its scale_inv matrix
+ * (layouts in common.h), and out->amax (max |x|) if non-NULL.
  */
 fus_status fus_quantize_blockwise(const fus_tensor* input, fus_quantized* out, int power_2_scale,
                                   float amax_epsilon, const fus_context* ctx);

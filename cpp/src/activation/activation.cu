@@ -10,7 +10,15 @@
 // Gated kinds read a and b from the two halves of x; their backward emits two strips (da, db).
 // With dbias, each block leaves its group's column sums in the workspace and a small second
 // kernel adds the groups in order.
+//
+// Blockwise FP8 output (1x128 or 128x128 blocks) needs whole 128-element blocks along rows and
+// down columns, which the 32 x 64 tiles do not hold: act_block_kernel computes the values of one
+// 128 x 128 tile of the output at a time (a block walks the tiles of one column strip for a range
+// of rows) and hands them to the shared blockwise tile cast (common/block_cast.cuh), which writes
+// both copies; the high-precision output, amax and the dbias column sums (staged through shared
+// memory and summed in row order, the ranges of rows aligned to activation.h's groups) as above.
 #include "activation/activation_impl.h"
+#include "common/block_cast.cuh"
 #include "common/cuda_utils.h"
 #include "common/fused_epilogue.cuh"
 
@@ -118,6 +126,185 @@ __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
     *p.scale_inv = f_div(1.0f, *p.out.scale);
 }
 
+// Calls f(kGated, kBwd) with the two flags as std::bool_constant values (a kernel's template
+// arguments).
+template <typename F>
+void with_flags(bool gated, bool bwd, F&& f) {
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (bwd) {
+    if (gated)
+      f(Yes{}, Yes{});
+    else
+      f(No{}, Yes{});
+  } else {
+    if (gated)
+      f(Yes{}, No{});
+    else
+      f(No{}, No{});
+  }
+}
+
+// ---- blockwise output
+// -------------------------------------------------------------------------------
+
+struct ActBlockParams {
+  const void* x;
+  fus_dtype x_dtype;
+  const void* grad;
+  fus_dtype grad_dtype;
+  int64_t rows, cols;  // cols = H
+  fus_dtype round_dtype;
+  void* hp;  // high-precision output [rows, out_cols] or null
+  fus_dtype hp_dtype;
+  block_cast::Out out;      // [rows, out_cols]
+  int64_t tiles_per_block;  // 128-row tiles a block walks (blockIdx.y: its range)
+  int64_t rows_per_group;   // dbias: activation.h's row groups
+  float* amax;              // or null
+  float* partial;           // dbias: [groups, out_cols] column sums, or null
+};
+
+// Output element (r, c) of the activation, rounded to round_dtype (act_kernel's values: the same
+// functions of the same inputs).
+template <ActFn A, bool kGated, bool kBwd>
+__device__ __forceinline__ float act_value(const ActBlockParams& p, int64_t r, int64_t c) {
+  const int64_t H = p.cols, in_cols = kGated ? 2 * H : H;
+  float v;
+  if constexpr (!kBwd) {
+    const float a = load_hp(p.x, p.x_dtype, r * in_cols + c);
+    if constexpr (kGated)
+      v = gated_fwd<A>(a, load_hp(p.x, p.x_dtype, r * in_cols + H + c));
+    else
+      v = act_fn<A>(a);
+  } else if constexpr (kGated) {
+    const int64_t k = c < H ? c : c - H;  // dx = [da | db]
+    float da, db;
+    gated_grad<A>(load_hp(p.grad, p.grad_dtype, r * H + k),
+                  load_hp(p.x, p.x_dtype, r * in_cols + k),
+                  load_hp(p.x, p.x_dtype, r * in_cols + H + k), &da, &db);
+    v = c < H ? da : db;
+  } else {
+    v = act_grad<A>(load_hp(p.grad, p.grad_dtype, r * H + c), load_hp(p.x, p.x_dtype, r * H + c));
+  }
+  return round_hp(p.round_dtype, v);
+}
+
+template <ActFn A, bool kGated, bool kBwd, Fp8Format F>
+__global__ void __launch_bounds__(block_cast::kThreads) act_block_kernel(const ActBlockParams p) {
+  constexpr int kT = block_cast::kTile;
+  __shared__ block_cast::Smem sm;
+  __shared__ float stage[32][kT + 1];  // dbias: 32 rows of the tile at a time
+  const block_cast::Out& o = p.out;
+  const int64_t tc = blockIdx.x, c0 = tc * kT;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * p.tiles_per_block;
+  const int64_t t1 = fused::imin(o.nbr, t0 + p.tiles_per_block);
+  const int tid = threadIdx.x, warp = tid / 32;
+  uint32_t amax = 0;
+  float colsum = 0.0f;  // threads < 128: column c0 + tid's running sum over its current group
+  int64_t group = t0 * kT / (p.rows_per_group > 0 ? p.rows_per_group : 1);
+  for (int64_t tr = t0; tr < t1; ++tr) {
+    const int64_t r0 = tr * kT;
+    block_cast::Values v;
+#pragma unroll
+    for (int i = 0; i < block_cast::kRowsPerWarp; ++i) {
+      const int64_t r = block_cast::tile_row(r0, i);
+#pragma unroll
+      for (int j = 0; j < block_cast::kColsPerLane; ++j) {
+        const int64_t c = block_cast::tile_col(c0, j);
+        float val = 0.0f;
+        if (r < o.rows && c < o.cols) {
+          val = act_value<A, kGated, kBwd>(p, r, c);
+          if (p.hp) store_hp(p.hp, p.hp_dtype, r * o.cols + c, val);
+        }
+        v[i][j] = val;
+      }
+    }
+    amax = max(amax, block_cast::cast_tile<F>(o, sm, v, tr, tc));
+    if (p.partial) {
+      // Rows 32 q .. 32 q + 31 of the tile are v[i] for i in [4 q, 4 q + 4) (row warp + 8 i).
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+#pragma unroll
+        for (int i = 4 * q; i < 4 * q + 4; ++i)
+#pragma unroll
+          for (int j = 0; j < block_cast::kColsPerLane; ++j)
+            stage[warp + block_cast::kWarps * (i - 4 * q)][tid % 32 + 32 * j] = v[i][j];
+        __syncthreads();
+        if (tid < kT) {
+          for (int rr = 0; rr < 32; ++rr) {
+            const int64_t r = r0 + 32 * q + rr;
+            if (r >= o.rows) break;
+            const int64_t g = r / p.rows_per_group;
+            if (g != group) {  // the previous group is complete (rows are in order)
+              if (c0 + tid < o.cols) p.partial[group * o.cols + c0 + tid] = colsum;
+              colsum = 0.0f;
+              group = g;
+            }
+            colsum = f_add(colsum, stage[rr][tid]);
+          }
+        }
+        __syncthreads();
+      }
+    }
+  }
+  if (p.partial && tid < kT && c0 + tid < o.cols && t0 < t1)
+    p.partial[group * o.cols + c0 + tid] = colsum;
+  if (p.amax && tid == 0 && amax != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax), amax);
+}
+
+// Launches act_block_kernel for a blockwise q (rows > 0).
+void act_block_launch(const ActArgs& a, bool bwd, int64_t out_cols, cudaStream_t stream) {
+  const fus_quantized& q = *a.q;
+  ActBlockParams p{};
+  p.x = a.x.data;
+  p.x_dtype = a.x.dtype;
+  p.grad = bwd ? a.grad.data : nullptr;
+  p.grad_dtype = a.grad.dtype;
+  p.rows = a.rows;
+  p.cols = a.cols;
+  p.round_dtype = a.round_dtype;
+  p.hp = a.out ? a.out->data : nullptr;
+  p.hp_dtype = a.out ? a.out->dtype : a.round_dtype;
+  p.out = block_cast::make_out(q);
+  p.amax = q.amax;
+  const bool colsum = bwd && a.dbias != nullptr;
+  constexpr int64_t kT = block_cast::kTile;
+  if (colsum) {
+    // A block's rows are whole groups: lcm(128, rows_per_group) rows (rows_per_group % 32 == 0).
+    p.rows_per_group = act_dbias_rows_per_group(a.rows);
+    int64_t g = kT, m = p.rows_per_group;
+    while (m != 0) {
+      const int64_t t = g % m;
+      g = m;
+      m = t;
+    }
+    p.tiles_per_block = p.rows_per_group / g;
+    p.partial = static_cast<float*>(a.workspace);
+  } else {
+    p.rows_per_group = 0;
+    p.tiles_per_block = (p.out.nbr + 65534) / 65535;  // grid.y <= 65535
+  }
+  const dim3 grid(static_cast<unsigned>(p.out.nbc),
+                  static_cast<unsigned>((p.out.nbr + p.tiles_per_block - 1) / p.tiles_per_block));
+  dispatch_act(a.fn, [&](auto tag) {
+    constexpr ActFn A = decltype(tag)::value;
+    dispatch_fp8(q.dtype, [&](auto f) {
+      with_flags(a.gated, bwd, [&](auto gated, auto backward) {
+        act_block_kernel<A, decltype(gated)::value, decltype(backward)::value, decltype(f)::value>
+            <<<grid, block_cast::kThreads, 0, stream>>>(p);
+      });
+    });
+  });
+  FUS_CUDA_CHECK_LAUNCH("act_block_kernel");
+  if (colsum) {
+    const int64_t groups = act_dbias_groups(a.rows);
+    fused::
+        colsum_finalize_kernel<<<static_cast<unsigned>((out_cols + 255) / 256), 256, 0, stream>>>(
+            p.partial, groups, out_cols, a.dbias->data, a.dbias->dtype);
+    FUS_CUDA_CHECK_LAUNCH("colsum_finalize_kernel");
+  }
+}
+
 // Carries a kernel's type parameter through a generic lambda; void has no values to pass.
 template <typename T>
 struct TypeTag {
@@ -148,6 +335,9 @@ void act_launch(const ActArgs& a, const fus_context& ctx, bool bwd) {
           cudaMemsetAsync(a.dbias->data, 0, out_cols * fus_dtype_size(a.dbias->dtype), stream));
     return;
   }
+
+  if (q && (q->mode == FUS_SCALING_BLOCK_1D || q->mode == FUS_SCALING_BLOCK_2D))
+    return act_block_launch(a, bwd, out_cols, stream);
 
   ActParams p{};
   p.x = a.x.data;
@@ -209,17 +399,10 @@ void act_launch(const ActArgs& a, const fus_context& ctx, bool bwd) {
   auto launch = [&](auto t, auto tag) {
     using T = typename decltype(t)::type;
     constexpr ActFn A = decltype(tag)::value;
-    if (bwd) {
-      if (a.gated)
-        act_kernel<T, A, true, true><<<grid, kTileThreads, 0, stream>>>(p);
-      else
-        act_kernel<T, A, false, true><<<grid, kTileThreads, 0, stream>>>(p);
-    } else {
-      if (a.gated)
-        act_kernel<T, A, true, false><<<grid, kTileThreads, 0, stream>>>(p);
-      else
-        act_kernel<T, A, false, false><<<grid, kTileThreads, 0, stream>>>(p);
-    }
+    with_flags(a.gated, bwd, [&](auto gated, auto backward) {
+      act_kernel<T, A, decltype(gated)::value, decltype(backward)::value>
+          <<<grid, kTileThreads, 0, stream>>>(p);
+    });
   };
   dispatch_act(a.fn, [&](auto tag) {
     if (!k16)

@@ -65,11 +65,6 @@ int64_t output_cols(const char* fn, fus_activation kind, const fus_tensor* x) {
 
 void check_q(const char* fn, const fus_quantized* q, int64_t rows, int64_t cols) {
   check_quantized(fn, "q", q, rows, cols);
-  // Blockwise output is not fused into the activation kernels: cast it with
-  // fus_quantize_blockwise (the Python layer does so).
-  require(q->mode == FUS_SCALING_PER_TENSOR || q->mode == FUS_SCALING_MXFP8, fn,
-          "q->mode must be FUS_SCALING_PER_TENSOR or FUS_SCALING_MXFP8 (blockwise output is cast "
-          "by fus_quantize_blockwise after the kernel)");
   if (rows * cols > 0 && q->mode == FUS_SCALING_PER_TENSOR)
     require(q->scale != nullptr, fn, "q->scale is NULL; per-tensor scaling needs float[1]");
 }

@@ -2,8 +2,9 @@
 //
 // Values are computed with the shared math (common/activation_math.h), rounded to the output dtype
 // and stored (in the caller's output, or a scratch matrix when only the quantized copy or dbias is
-// wanted); the quantized output is then the quantize family's own CPU cast of that matrix, so
-// "fused == unfused" holds by construction. The CUDA backend is tested against this.
+// wanted); the quantized output (per tensor, MXFP8 or blockwise) is then the shared CPU cast the
+// quantize family runs too (cast_cpu, common/cast.h) of that matrix, so "fused == unfused" holds
+// by construction. The CUDA backend is tested against this.
 //
 // Speed without changing a bit: rows are split over the CPU backend's threads (every element is
 // computed on its own, so the split does not matter), each row in runs of kCpuSeg elements widened
@@ -14,9 +15,9 @@
 #include <vector>
 
 #include "activation/activation_impl.h"
+#include "common/cast.h"
 #include "common/cpu_rows.h"
 #include "common/cpu_runtime.h"
-#include "quantize/quantize_impl.h"
 
 namespace fusible {
 namespace {
@@ -69,7 +70,7 @@ void act_forward_cpu(const ActArgs& a) {
       });
     });
   }
-  if (a.q != nullptr) quantize_cpu(fus_tensor{out.data, a.round_dtype, rows, cols}, *a.q);
+  if (a.q != nullptr) cast_cpu(fus_tensor{out.data, a.round_dtype, rows, cols}, *a.q);
 }
 
 void act_backward_cpu(const ActArgs& a) {
@@ -100,7 +101,7 @@ void act_backward_cpu(const ActArgs& a) {
       });
     });
   }
-  if (a.q != nullptr) quantize_cpu(fus_tensor{out.data, a.round_dtype, rows, out_cols}, *a.q);
+  if (a.q != nullptr) cast_cpu(fus_tensor{out.data, a.round_dtype, rows, out_cols}, *a.q);
   if (a.dbias != nullptr) {
     // Sequential sums within groups of rows, then over the groups (activation.h), for each
     // column; the columns are split over the threads.

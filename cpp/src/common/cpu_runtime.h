@@ -17,8 +17,10 @@
 // tests run each one available (set_cpu_isa_cap) against the scalar reference.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace fusible {
 
@@ -116,6 +118,45 @@ void parallel_ranges(int64_t n, int64_t min_chunk, F&& f) {
   if (chunk < 1) chunk = 1;
   const int64_t tasks = (n + chunk - 1) / chunk;
   parallel_for(tasks, [&](int64_t t) {
+    const int64_t b = t * chunk;
+    f(b, b + chunk < n ? b + chunk : n);
+  });
+}
+
+// Tasks of about 64K elements: the min_chunk of a parallel_ranges over units of elems_per_unit
+// elements (1 with cpu_force_split).
+inline int64_t cpu_min_units(int64_t elems_per_unit) {
+  if (cpu_force_split()) return 1;
+  const int64_t e = elems_per_unit > 1 ? elems_per_unit : 1;
+  const int64_t u = (int64_t{1} << 16) / e;
+  return u > 1 ? u : 1;
+}
+
+// Per-task partial maxima (ordered bits, common/numerics.h abs_bits) of a parallel run over n
+// units in ranges of at least min_chunk: for_ranges(n, tm, f) calls f(begin, end) for each range,
+// which stores its maximum in tm.at(begin); tm.max() combines them.
+struct TaskMax {
+  std::vector<uint32_t> v;
+  int64_t chunk;
+  TaskMax(int64_t n, int64_t min_chunk) {
+    const int threads = cpu_threads();
+    const int64_t per = (n + 4 * threads - 1) / (4 * threads);
+    chunk = per > min_chunk ? per : min_chunk;
+    if (chunk < 1) chunk = 1;
+    v.assign(static_cast<size_t>((n + chunk - 1) / chunk), 0u);
+  }
+  uint32_t& at(int64_t begin) { return v[static_cast<size_t>(begin / chunk)]; }
+  uint32_t max() const {
+    uint32_t m = 0;
+    for (uint32_t x : v) m = x > m ? x : m;
+    return m;
+  }
+};
+
+template <typename F>
+void for_ranges(int64_t n, const TaskMax& tm, F&& f) {
+  const int64_t chunk = tm.chunk;
+  parallel_for(static_cast<int64_t>(tm.v.size()), [&](int64_t t) {
     const int64_t b = t * chunk;
     f(b, b + chunk < n ? b + chunk : n);
   });

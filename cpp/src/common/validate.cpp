@@ -1,5 +1,6 @@
 #include "common/validate.h"
 
+#include <cmath>
 #include <string>
 
 namespace fusible {
@@ -70,6 +71,15 @@ void check_quantized(const char* fn, const char* arg, const fus_quantized* q, in
     throw Error(FUS_ERROR_INVALID_ARGUMENT,
                 where + " describes [" + std::to_string(q->rows) + ", " + std::to_string(q->cols) +
                     "], expected [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
+  if (q->mode == FUS_SCALING_BLOCK_1D || q->mode == FUS_SCALING_BLOCK_2D) {
+    if (q->power_2_scale != 0 && q->power_2_scale != 1)
+      throw Error(FUS_ERROR_INVALID_ARGUMENT, where + "->power_2_scale must be 0 or 1, got " +
+                                                  std::to_string(q->power_2_scale));
+    if (!std::isfinite(q->amax_epsilon) || q->amax_epsilon < 0.0f)
+      throw Error(
+          FUS_ERROR_INVALID_ARGUMENT,
+          where + "->amax_epsilon must be finite and >= 0, got " + std::to_string(q->amax_epsilon));
+  }
   const bool empty = rows * cols == 0;
   if (empty) return;
   if (q->rowwise_data == nullptr && q->columnwise_data == nullptr)

@@ -8,14 +8,18 @@
 //    128 threads. The row is read once (16-byte vectors when aligned) and kept in registers for the
 //    mean, variance and output passes (up to 4 chunks = 32 elements a lane, H <= 16384; beyond,
 //    the passes re-read the row, which then comes from L1/L2). The output pass writes y, the
-//    rowwise FP8 / MXFP8 copy (32-wide blocks = 4 adjacent lanes, combined by shuffles), mean,
-//    rstd and the block's amax (one atomicMax).
+//    rowwise FP8 / MXFP8 / 1x128 blockwise copy (32-wide blocks = 4 adjacent lanes, 128-wide
+//    blocks = 16 adjacent lanes, combined by shuffles), mean, rstd and the block's amax (one
+//    atomicMax).
 //  - norm_fwd_fast_kernel: the same for the common case (16-bit dtypes throughout, aligned, whole
 //    chunks, no MXFP8) with those choices fixed at compile time; persistent over rows.
-//  - a per-tensor transposed copy: the rowwise copy's bytes transposed (quantize family).
+//  - a per-tensor transposed copy: the rowwise copy's bytes transposed (common/cast.h).
 //  - norm_col_kernel, for an MXFP8 columnwise copy (or a transposed copy without a rowwise one):
 //    32 x 64 tiles, recomputing y from x, mean and rstd (same formula, same bits) and writing
 //    through the shared tile epilogue (common/fused_epilogue.cuh).
+//  - norm_block_kernel, for a blockwise columnwise copy (1x128 blocks down the columns of y) or
+//    128x128 tiles (both copies): one 128 x 128 tile a block, y recomputed from x, mean and rstd
+//    and cast by the shared blockwise tile cast (common/block_cast.cuh).
 // Backward:
 //  - norm_bwd_kernel: one block per row group, `teams` teams per block; per row two team sums,
 //    then dx; dgamma / dbeta accumulate per team in registers (fp32), are combined across the
@@ -24,11 +28,12 @@
 //  - norm_bwd_fast_kernel: the same for 16-bit dtypes throughout, aligned, two or four whole
 //    chunks a lane (H = 16384 is four), with dy and x kept as 16-bit vectors in registers and the
 //    next row's loads in flight while the current row is finished.
+#include "common/block_cast.cuh"
+#include "common/cast.h"
 #include "common/cuda_utils.h"
 #include "common/fused_epilogue.cuh"
 #include "normalization/normalization_impl.h"
 #include "normalization/normalization_math.h"
-#include "quantize/quantize_impl.h"
 
 namespace fusible {
 namespace {
@@ -112,11 +117,14 @@ struct NormFwdParams {
   fus_dtype y_dt;
   bool vec_y;
   fus_dtype round_dt;
-  bool out;  // y or any quantized copy is wanted
-  int qmode;
+  bool out;   // y or any quantized copy is wanted
+  int qmode;  // 0 none, 1 per tensor, 2 MXFP8, 3 blockwise 1x128 (rowwise copy)
   bool e5m2;
-  uint8_t* q_row;  // rowwise fp8 (per tensor or MXFP8)
+  uint8_t* q_row;  // rowwise fp8 (per tensor, MXFP8 or blockwise)
   uint8_t* s_row;  // MXFP8 rowwise scales
+  float* bs_row;   // blockwise rowwise scales [ceil(cols / 128), rows]
+  float fp8_max, block_eps;
+  bool block_pow2;
   const float* scale;
   float* scale_inv;
   bool vec_q;
@@ -220,6 +228,12 @@ __global__ void __launch_bounds__(512) norm_fwd_kernel(const NormFwdParams p) {
           m = max(m, __shfl_xor_sync(kFull, m, 2));
           e = fused::e8m0_for(p.e5m2, m);
           mult = e8m0_inverse(e);
+        } else if (p.qmode == 3) {
+          // A 128-wide block is 16 consecutive lanes of one team (chunk k * L + lane, L % 32 == 0).
+#pragma unroll
+          for (int off = 1; off < 16; off <<= 1) m = max(m, __shfl_xor_sync(kFull, m, off));
+          mult = block_scale(bits_as_float(m), p.fp8_max, p.block_eps, p.block_pow2);
+          if (lane % 16 == 0 && n > 0) p.bs_row[(col / FUS_FP8_BLOCK) * p.rows + row] = 1.0f / mult;
         }
         if (n > 0)
           fused::store_words8(p.q_row + base + col, n, p.vec_q, fused::cast8(p.e5m2, y, mult));
@@ -347,17 +361,27 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
 // ---- forward, columnwise copies
 // -------------------------------------------------------------------
 
-struct NormColParams {
+// What the kernels that recompute y from x and the row statistics read (after the rowwise
+// kernel): norm_col_kernel and norm_block_kernel.
+struct NormSource {
   bool ln, zc;
   const void* x;
   fus_dtype x_dt;
-  bool vec_x;
   const void* gamma;
   fus_dtype g_dt;
   const void* beta;
   fus_dtype b_dt;
   const float* mean;
   const float* rstd;
+};
+
+NormSource source_of(const NormFwdArgs& a) {
+  return NormSource{a.layernorm,   a.zero_centered, a.x.data,     a.x.dtype, a.gamma.data,
+                    a.gamma.dtype, a.beta,          a.beta_dtype, a.mean,    a.rstd};
+}
+
+struct NormColParams : NormSource {
+  bool vec_x;
   int64_t rows, cols;
   int64_t rows_per_block;
   fused::EpilogueOut out;
@@ -388,6 +412,49 @@ __global__ void __launch_bounds__(fused::kTileThreads) norm_col_kernel(const Nor
     for (int j = 0; j < 8; ++j) v[j] = norm_y(p.ln, norm_xhat(p.ln, v[j], mean, rstd), w[j], b[j]);
     fused::emit_tile(p.out, sm, acc, r0, c0, strip_cols, v, n);
   }
+}
+
+// ---- forward, blockwise tiles
+// ---------------------------------------------------------------------
+
+struct NormBlockParams : NormSource {
+  fus_dtype round_dt;
+  block_cast::Out out;  // [rows, cols] = x's shape
+};
+
+// One 128 x 128 tile of y a block: y recomputed as norm_fwd_kernel computes it (same formula,
+// same rounding, same bits), then the shared blockwise tile cast.
+template <Fp8Format F>
+__global__ void __launch_bounds__(block_cast::kThreads) norm_block_kernel(const NormBlockParams p) {
+  __shared__ block_cast::Smem sm;
+  const block_cast::Out& o = p.out;
+  const int64_t tr = blockIdx.x / o.nbc, tc = blockIdx.x % o.nbc, H = o.cols;
+  const int64_t r0 = tr * block_cast::kTile, c0 = tc * block_cast::kTile;
+  float w[block_cast::kColsPerLane], b[block_cast::kColsPerLane];
+#pragma unroll
+  for (int j = 0; j < block_cast::kColsPerLane; ++j) {
+    const int64_t c = block_cast::tile_col(c0, j);
+    w[j] = c < H ? norm_weight(load_hp(p.gamma, p.g_dt, c), p.zc) : 0.0f;
+    b[j] = c < H && p.beta ? load_hp(p.beta, p.b_dt, c) : 0.0f;
+  }
+  block_cast::Values v;
+#pragma unroll
+  for (int i = 0; i < block_cast::kRowsPerWarp; ++i) {
+    const int64_t r = block_cast::tile_row(r0, i);
+    const bool in = r < o.rows;
+    const float mean = in && p.ln ? p.mean[r] : 0.0f, rstd = in ? p.rstd[r] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < block_cast::kColsPerLane; ++j) {
+      const int64_t c = block_cast::tile_col(c0, j);
+      v[i][j] =
+          in && c < H
+              ? round_hp(p.round_dt,
+                         norm_y(p.ln, norm_xhat(p.ln, load_hp(p.x, p.x_dt, r * H + c), mean, rstd),
+                                w[j], b[j]))
+              : 0.0f;
+    }
+  }
+  block_cast::cast_tile<F>(o, sm, v, tr, tc);
 }
 
 // ---- backward
@@ -729,24 +796,27 @@ void finish_norm_forward(const NormFwdArgs& a, const NormFwdParams& p, const fus
   const cudaStream_t stream = stream_of(ctx);
   const int64_t rows = a.x.rows, H = a.x.cols;
   const bool vec = H % 8 == 0;
-  if (q && q->columnwise_data && per_tensor && q->rowwise_data) {
+  const bool blockwise = q && (q->mode == FUS_SCALING_BLOCK_1D || q->mode == FUS_SCALING_BLOCK_2D);
+  if (blockwise) {
+    // The copies the rowwise kernel did not write: 1D the columnwise one, 2D both.
+    fus_quantized rest = *q;
+    if (q->mode == FUS_SCALING_BLOCK_1D) rest.rowwise_data = rest.rowwise_scale_inv = nullptr;
+    if (!rest.rowwise_data && !rest.columnwise_data) return;
+    const NormBlockParams c{source_of(a), a.round_dtype, block_cast::make_out(rest)};
+    const auto tiles = static_cast<unsigned>(c.out.nbr * c.out.nbc);
+    dispatch_fp8(q->dtype, [&](auto f) {
+      norm_block_kernel<decltype(f)::value><<<tiles, block_cast::kThreads, 0, stream>>>(c);
+      FUS_CUDA_CHECK_LAUNCH("norm_block_kernel");
+    });
+  } else if (q && q->columnwise_data && per_tensor && q->rowwise_data) {
     // Per tensor, the transposed copy is the rowwise one's bytes transposed (same scale): a byte
     // transpose moves half the bytes norm_col_kernel would and does no arithmetic.
     transpose_fp8_cuda(fus_tensor{q->rowwise_data, q->dtype, rows, H},
                        fus_tensor{q->columnwise_data, q->dtype, H, rows}, ctx);
   } else if (q && q->columnwise_data) {
     NormColParams c{};
-    c.ln = a.layernorm;
-    c.zc = a.zero_centered;
-    c.x = a.x.data;
-    c.x_dt = a.x.dtype;
+    static_cast<NormSource&>(c) = source_of(a);
     c.vec_x = p.vec_x;
-    c.gamma = a.gamma.data;
-    c.g_dt = a.gamma.dtype;
-    c.beta = a.beta;
-    c.b_dt = a.beta_dtype;
-    c.mean = a.mean;
-    c.rstd = a.rstd;
     c.rows = rows;
     c.cols = H;
     const int64_t tiles = (rows + fused::kTileRows - 1) / fused::kTileRows;
@@ -779,6 +849,8 @@ void norm_forward_cuda(const NormFwdArgs& a, const fus_context& ctx) {
   const int64_t rows = a.x.rows, H = a.x.cols;
   const fus_quantized* q = a.q;
   const bool per_tensor = q && q->mode == FUS_SCALING_PER_TENSOR;
+  const bool block1d = q && q->mode == FUS_SCALING_BLOCK_1D;
+  const bool block2d = q && q->mode == FUS_SCALING_BLOCK_2D;
   float* scale_inv = per_tensor ? static_cast<float*>(q->rowwise_scale_inv) : nullptr;
   float* amax = q ? q->amax : nullptr;
   if (amax) FUS_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
@@ -813,10 +885,16 @@ void norm_forward_cuda(const NormFwdArgs& a, const fus_context& ctx) {
   p.vec_y = vec && aligned(p.y, 16);
   p.round_dt = a.round_dtype;
   p.out = a.y != nullptr || q != nullptr;
-  p.qmode = q ? (per_tensor ? 1 : 2) : 0;
+  // 128x128 tiles need whole tiles of y: the rowwise kernel writes no copy then (norm_block_kernel
+  // writes both, finish_norm_forward).
+  p.qmode = !q ? 0 : per_tensor ? 1 : block1d ? 3 : block2d ? 0 : 2;
   p.e5m2 = q && q->dtype == FUS_FLOAT8_E5M2;
-  p.q_row = q ? static_cast<uint8_t*>(q->rowwise_data) : nullptr;
-  p.s_row = q && !per_tensor ? static_cast<uint8_t*>(q->rowwise_scale_inv) : nullptr;
+  p.q_row = q && !block2d ? static_cast<uint8_t*>(q->rowwise_data) : nullptr;
+  p.s_row = q && p.qmode == 2 ? static_cast<uint8_t*>(q->rowwise_scale_inv) : nullptr;
+  p.bs_row = block1d ? static_cast<float*>(q->rowwise_scale_inv) : nullptr;
+  p.fp8_max = q ? fus_fp8_max(q->dtype) : 0.0f;
+  p.block_eps = q ? q->amax_epsilon : 0.0f;
+  p.block_pow2 = q && q->power_2_scale != 0;
   p.scale = per_tensor ? q->scale : nullptr;
   p.scale_inv = scale_inv;
   p.vec_q = vec && aligned(p.q_row, 8);
@@ -830,7 +908,7 @@ void norm_forward_cuda(const NormFwdArgs& a, const fus_context& ctx) {
   const bool same_dt = a.x.dtype != FUS_FLOAT32 && a.gamma.dtype == a.x.dtype &&
                        (!a.beta || a.beta_dtype == a.x.dtype) && a.round_dtype == a.x.dtype &&
                        p.y_dt == a.x.dtype;
-  const bool fast = same_dt && p.qmode != 2 && p.kmax == 4 &&
+  const bool fast = same_dt && (p.qmode == 0 || p.qmode == 1) && p.kmax == 4 &&
                     norm_chunks(H) == 4 * static_cast<int64_t>(p.lanes) && p.vec_x && p.vec_g &&
                     p.vec_b && p.vec_y && (p.qmode == 0 || (p.q_row && p.vec_q));
   if (fast) {

@@ -64,10 +64,6 @@ fus_status fus_norm_forward(fus_norm_kind kind, const fus_tensor* x, const fus_t
     }
     if (q != nullptr) {
       check_quantized(fn, "q", q, rows, cols);
-      // Blockwise output is not fused into the normalization kernels (see quantize.h).
-      require(q->mode == FUS_SCALING_PER_TENSOR || q->mode == FUS_SCALING_MXFP8, fn,
-              "q->mode must be FUS_SCALING_PER_TENSOR or FUS_SCALING_MXFP8 (blockwise output is "
-              "cast by fus_quantize_blockwise after the kernel)");
       if (rows > 0 && q->mode == FUS_SCALING_PER_TENSOR)
         require(q->scale != nullptr, fn, "q->scale is NULL; per-tensor scaling needs float[1]");
     }

@@ -2,9 +2,10 @@
 // fusible/normalization.h. Row statistics follow the reduction plan of normalization_math.h
 // literally, so the CUDA backend can match them bit for bit.
 //
-// The quantized output is produced by the quantize family's own CPU cast (quantize_cpu) applied to
-// the rounded high-precision result, so "fused == unfused" holds here by construction; the CUDA
-// backend is tested against this.
+// The quantized output (per tensor, MXFP8 or blockwise) is produced by the shared CPU cast that
+// the quantize family runs too (cast_cpu, common/cast.h) applied to the rounded high-precision
+// result, so "fused == unfused" holds here by construction; the CUDA backend is tested against
+// this.
 //
 // Speed without changing a bit. Rows are independent and split over the CPU backend's threads.
 // A row sum runs every lane of the plan at once: the row is transposed into xt[j][c] = x[8 c + j]
@@ -17,12 +18,12 @@
 #include <algorithm>
 #include <vector>
 
+#include "common/cast.h"
 #include "common/cpu_rows.h"
 #include "common/cpu_runtime.h"
 #include "common/hp_access.h"
 #include "normalization/normalization_impl.h"
 #include "normalization/normalization_math.h"
-#include "quantize/quantize_impl.h"
 
 namespace fusible {
 namespace {
@@ -166,7 +167,7 @@ void norm_forward_cpu(const NormFwdArgs& a) {
       }
     });
   });
-  if (a.q != nullptr) quantize_cpu(fus_tensor{out, out_dt, rows, cols}, *a.q);
+  if (a.q != nullptr) cast_cpu(fus_tensor{out, out_dt, rows, cols}, *a.q);
 }
 
 void norm_backward_cpu(const NormBwdArgs& a) {

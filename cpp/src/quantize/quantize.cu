@@ -1,4 +1,4 @@
-// CUDA backend of the quantize family. Bit-identical to quantize_cpu.cpp: every value goes through
+// CUDA backend of the quantize family. Bit-identical to common/cast_cpu.cpp: every value goes through
 // the shared numerics (common/numerics.h); only the memory access pattern differs.
 //
 // All kernels are memory bound and use 256 threads a block.
@@ -17,9 +17,8 @@
 //  - dequantize_kernel: 16-byte fp8 loads, several per thread in flight; fp8 decoding through a
 //    256-entry shared table built with the shared numerics (per tensor the table holds the final
 //    output bits).
-//  - transpose_fp8_kernel: a byte transpose in 128 x 128 tiles, persistent like the casts (next
-//    tile's 16-byte row pieces in flight by cp.async into a second stage), gathered as in
-//    cast_transpose_kernel and stored as 16-byte pieces (128 contiguous bytes per 8 lanes).
+// (The FP8 byte transpose, which the normalization family uses too, is common/cast.cu; the
+// tile loads and transposed stores both share are common/tile_io.cuh.)
 // amax is a max over abs_bits (uint32), so NaN propagates; blocks combine with one atomicMax on
 // the bits of a float zeroed by cudaMemsetAsync on the same stream.
 #include <climits>
@@ -27,23 +26,16 @@
 #include "common/cuda_utils.h"
 #include "common/device_common.cuh"
 #include "common/dispatch.h"
+#include "common/tile_io.cuh"
 #include "quantize/quantize_impl.h"
 
 namespace fusible {
 namespace {
 
+using namespace tile_io;  // NOLINT(build/namespaces): the shared tile loads and stores
+
 constexpr int kThreads = 256;
 constexpr int kMx = FUS_MXFP8_BLOCK;
-
-// Elements of T in one 16-byte chunk.
-template <typename T>
-constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-
-template <typename T>
-union Chunk {
-  uint4 u;
-  T e[kVec<T>];
-};
 
 template <typename T>
 __device__ __forceinline__ float chunk_elem(const uint4& raw, int i) {
@@ -81,59 +73,6 @@ __device__ __forceinline__ uint32_t chunk_amax(const uint4& raw) {
   }
 }
 
-// Stores N packed bytes to an N-byte aligned dst with one vector store.
-template <int N>
-__device__ __forceinline__ void store_vec(uint8_t* dst, const uint32_t (&w)[N / 4]) {
-  if constexpr (N == 16) {
-    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-  } else if constexpr (N == 8) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-  } else {
-    *reinterpret_cast<uint32_t*>(dst) = w[0];
-  }
-}
-
-// Stores N packed bytes to dst, of which only the first `valid` lie inside the matrix. vec: dst
-// is N-byte aligned whenever valid >= N.
-template <int N>
-__device__ __forceinline__ void store_bytes(uint8_t* dst, int64_t valid, bool vec,
-                                            const uint32_t (&w)[N / 4]) {
-  if (vec && valid >= N) {
-    store_vec<N>(dst, w);
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-      if (i < valid) dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
-  }
-}
-
-// cp.async (sm_80+): 16 bytes global -> shared without a register round trip; with valid false
-// the slot is zero-filled and nothing is read.
-__device__ __forceinline__ void cp_async16(uint4* smem, const void* gmem, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-               "r"(valid ? 16 : 0)
-               : "memory");
-#else
-  *smem = valid ? *static_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
-#endif
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-// Waits until at most kPending of this thread's most recent cp.async groups are in flight.
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-#endif
-}
-
 // Geometry of a cast tile: kCols columns; every thread owns kSteps 16-byte chunks, rows
 // tr + k * kRps at columns [tc, tc + kVec).
 template <typename T, int kCols, int kStepsT>
@@ -150,42 +89,6 @@ struct TileShape {
 template <typename S, int kStages>
 struct InputRing {
   uint4 slot[kStages][S::kSteps][kThreads];
-};
-
-struct CastParams {
-  const void* x;
-  uint8_t* row;        // rowwise fp8 [rows, cols] or null
-  uint8_t* col;        // columnwise fp8: [cols, rows] per tensor, [rows, cols] MXFP8; or null
-  uint8_t* row_scale;  // MXFP8 E8M0 [rows, ceil(cols / 32)]
-  uint8_t* col_scale;  // MXFP8 E8M0 [ceil(rows / 32), cols]
-  const float* scale;  // per tensor
-  float* scale_inv;    // per tensor, may be null
-  float* amax;         // may be null
-  int64_t rows, cols;
-  unsigned tiles_r, tiles_c;  // tile t is (t / tiles_c, t % tiles_c)
-  bool vec_in;                // 16-byte loads are legal (aligned base, cols % kVec == 0)
-  bool vec_row;               // rowwise chunks may be stored as one vector
-  bool vec_col;               // columnwise chunks may be stored as one vector
-};
-
-// Walks tiles blockIdx.x + i * gridDim.x in (tile row, tile column) form without a division per
-// step.
-struct TileWalk {
-  unsigned tr, tc, dr, dc;
-  __device__ TileWalk(const CastParams& p, unsigned t)
-      : tr(t / p.tiles_c),
-        tc(t % p.tiles_c),
-        dr(gridDim.x / p.tiles_c),
-        dc(gridDim.x % p.tiles_c) {}
-  __device__ bool valid(const CastParams& p) const { return tr < p.tiles_r; }
-  __device__ void next(const CastParams& p) {
-    tr += dr;
-    tc += dc;
-    if (tc >= p.tiles_c) {
-      tc -= p.tiles_c;
-      ++tr;
-    }
-  }
 };
 
 // Issues the loads of tile w (if any) into stage s of the ring and commits them as one group
@@ -235,46 +138,6 @@ template <typename T>
 constexpr int kPtStages = 2;
 template <typename T>
 constexpr int kMxStages = 1 + 64 / (MxShape<T>::kSteps * 16);
-
-// Transposes a 4x4 byte block: out[i] holds byte i of in[0..3], in order.
-__device__ __forceinline__ void transpose4x4(const uint32_t (&in)[4], uint32_t (&out)[4]) {
-  const uint32_t t0 = __byte_perm(in[0], in[1], 0x5140), t1 = __byte_perm(in[0], in[1], 0x7362);
-  const uint32_t t2 = __byte_perm(in[2], in[3], 0x5140), t3 = __byte_perm(in[2], in[3], 0x7362);
-  out[0] = __byte_perm(t0, t2, 0x5410);
-  out[1] = __byte_perm(t0, t2, 0x7632);
-  out[2] = __byte_perm(t1, t3, 0x5410);
-  out[3] = __byte_perm(t1, t3, 0x7632);
-}
-
-// The transposed write of 16 rows x 4 columns of an fp8 byte tile: rows row0 .. row0 + 15,
-// columns col0 .. col0 + 3 (col0 % 4 == 0), read as words at byte_at(row, col0), transposed 4x4
-// at a time; column cc + i of the matrix (tile column col0 + i) is stored as the 16 bytes of rows
-// r .. r + 15 at out + i * rows. fast: all of them lie inside the matrix and 16-byte stores are
-// legal.
-template <typename ByteAt>
-__device__ __forceinline__ void store_transposed16(ByteAt byte_at, int row0, int col0, uint8_t* out,
-                                                   int64_t rows, int64_t r, int64_t cc,
-                                                   int64_t cols, bool fast, bool vec) {
-  uint32_t piece[4][4];  // [tile column col0 + i][rows row0 + 4 * m ...]
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    uint32_t rw[4], cw[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      rw[i] = *reinterpret_cast<const uint32_t*>(byte_at(row0 + 4 * m + i, col0));
-    transpose4x4(rw, cw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) piece[i][m] = cw[i];
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (fast) {
-      store_vec<16>(out + i * rows, piece[i]);
-    } else if (cc + i < cols) {
-      store_bytes<16>(out + i * rows, rows - r, vec, piece[i]);
-    }
-  }
-}
 
 // The per-tensor cast of p with `scale` (the body of cast_transpose_kernel and of one group of
 // grouped_cast_transpose_kernel).
@@ -669,94 +532,6 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DqParams p) 
   }
 }
 
-// ---- FP8 byte transpose -------------------------------------------------------------------------
-
-// Tiles of kTp x kTp bytes. Each thread loads kTpSteps 16-byte row pieces of a tile (tile rows
-// threadIdx.x / 8 + k * kTpRps, columns threadIdx.x % 8 * 16 ...) and, after the barrier, gathers
-// 16 tile rows x 4 tile columns: one 16-byte piece of each of 4 output rows.
-constexpr int kTp = 128;
-constexpr int kTpCpr = kTp / 16;           // 16-byte pieces per tile row
-constexpr int kTpRps = kThreads / kTpCpr;  // tile rows one load step covers
-constexpr int kTpSteps = kTp / kTpRps;     // load steps per tile
-constexpr int kTpGroupPad = 16;            // bytes after every 16 tile rows
-constexpr int kTpTileBytes = kTp * kTp + kTp / 16 * kTpGroupPad;
-constexpr int kTpStages = 2;  // one tile in flight while one is stored
-static_assert(kTp / 16 * (kTp / 4) == kThreads, "one gather task of 16 x 4 bytes per thread");
-
-// Byte offset of tile element (r, c). The padding puts the 16-row groups 4 banks apart, so the
-// gather's word reads (8 row groups x 4 column words per warp) hit 32 distinct banks; a quarter
-// warp's 16-byte writes cover one 128-byte tile row.
-__device__ __forceinline__ int tp_at(int r, int c) { return r * kTp + (r >> 4) * kTpGroupPad + c; }
-
-// Loads tile w (if any) of the [rows, cols] byte matrix p.x into `tile` and commits one cp.async
-// group (always, so the group count stays in step with the tiles). Pieces outside the matrix are
-// zero-filled; they are never stored. Without vec_in the pieces are read byte by byte.
-__device__ __forceinline__ void tp_issue(const CastParams& p, uint8_t* tile, const TileWalk& w) {
-  if (w.valid(p)) {
-    const uint8_t* __restrict__ x = static_cast<const uint8_t*>(p.x);
-    const int64_t rows = p.rows, cols = p.cols;
-    const int64_t r0 = static_cast<int64_t>(w.tr) * kTp, c0 = static_cast<int64_t>(w.tc) * kTp;
-    const int tr = threadIdx.x / kTpCpr, tc = threadIdx.x % kTpCpr * 16;
-    const int64_t r = r0 + tr, c = c0 + tc;
-    if (p.vec_in && r0 + kTp <= rows && c0 + kTp <= cols) {
-      const uint8_t* src = x + r * cols + c;
-#pragma unroll
-      for (int k = 0; k < kTpSteps; ++k)
-        cp_async16(reinterpret_cast<uint4*>(tile + tp_at(tr + k * kTpRps, tc)),
-                   src + k * kTpRps * cols, true);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kTpSteps; ++k) {
-        const int64_t rr = r + k * kTpRps;
-        uint4* dst = reinterpret_cast<uint4*>(tile + tp_at(tr + k * kTpRps, tc));
-        if (p.vec_in) {  // cols % 16 == 0: a piece is wholly inside or outside
-          const bool in = rr < rows && c < cols;
-          cp_async16(dst, in ? x + rr * cols + c : x, in);
-        } else {
-          Chunk<uint8_t> ch;
-#pragma unroll
-          for (int i = 0; i < 16; ++i)
-            ch.e[i] = rr < rows && c + i < cols ? x[rr * cols + c + i] : 0;
-          *dst = ch.u;
-        }
-      }
-    }
-  }
-  cp_async_commit();
-}
-
-// out[c, r] = in[r, c] for the byte matrix in = p.x [rows, cols], out = p.col [cols, rows].
-// Persistent: the tiles of a block are walked with a grid stride, the next tile's loads (cp.async
-// into the other shared-memory stage) in flight while the current one is transposed and stored.
-// The gather reads 4 x 4 byte blocks as words, transposes them with byte permutes and stores
-// 16-byte pieces of output rows: the 8 lanes of one row group store 128 contiguous bytes.
-__global__ void __launch_bounds__(kThreads) transpose_fp8_kernel(const CastParams p) {
-  __shared__ alignas(16) uint8_t tiles[kTpStages][kTpTileBytes];
-  const int64_t rows = p.rows, cols = p.cols;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  const int j = lane & 7, cg = warp * 4 + (lane >> 3);  // tile rows 16 * j ..., columns 4 * cg ...
-
-  TileWalk ahead(p, blockIdx.x);
-#pragma unroll
-  for (int d = 0; d < kTpStages - 1; ++d, ahead.next(p)) tp_issue(p, tiles[d], ahead);
-  int stage = 0;
-  for (TileWalk w(p, blockIdx.x); w.valid(p); w.next(p), ahead.next(p)) {
-    tp_issue(p, tiles[(stage + kTpStages - 1) % kTpStages], ahead);
-    cp_async_wait<kTpStages - 1>();  // this thread's pieces of tile w have landed
-    __syncthreads();                 // and every other thread's
-
-    const uint8_t* tile = tiles[stage];
-    const int64_t r0 = static_cast<int64_t>(w.tr) * kTp, c0 = static_cast<int64_t>(w.tc) * kTp;
-    const int64_t r = r0 + 16 * j, cc = c0 + 4 * cg;
-    const bool fast = p.vec_col && r0 + kTp <= rows && c0 + kTp <= cols;
-    store_transposed16([&](int row, int col) { return tile + tp_at(row, col); }, 16 * j, 4 * cg,
-                       p.col + cc * rows + r, rows, r, cc, cols, fast, p.vec_col);
-    __syncthreads();  // the stage is reloaded by the next iteration's issue
-    stage = (stage + 1) % kTpStages;
-  }
-  cp_async_wait<0>();
-}
-
 }  // namespace
 
 void quantize_cuda(const fus_tensor& input, const fus_quantized& out, const fus_context& ctx) {
@@ -974,33 +749,6 @@ void dequantize_cuda(const fus_quantized& in, bool columnwise, const fus_tensor&
       FUS_CUDA_CHECK_LAUNCH("dequantize_kernel");
     });
   });
-}
-
-void transpose_fp8_cuda(const fus_tensor& input, const fus_tensor& output, const fus_context& ctx) {
-  CudaDeviceGuard guard(ctx.device_index);
-  const cudaStream_t stream = stream_of(ctx);
-  const int64_t rows = input.rows, cols = input.cols;
-  if (rows * cols == 0) return;
-  const int64_t tiles = ceil_div(rows, kTp) * ceil_div(cols, kTp);
-  if (tiles > INT_MAX)
-    throw Error(FUS_ERROR_UNSUPPORTED, "fus_transpose_fp8: matrix too large for the CUDA backend");
-  // The transpose reuses the cast's tile walk: x is the input, col the [cols, rows] output.
-  CastParams p{};
-  p.x = input.data;
-  p.col = static_cast<uint8_t*>(output.data);
-  p.rows = rows;
-  p.cols = cols;
-  p.tiles_r = static_cast<unsigned>(ceil_div(rows, kTp));
-  p.tiles_c = static_cast<unsigned>(ceil_div(cols, kTp));
-  p.vec_in = cols % 16 == 0 && is_aligned(p.x, 16);
-  p.vec_col = rows % 16 == 0 && is_aligned(p.col, 16);
-  // As many tiles for every block (a block with one tile more than the others would run alone at
-  // the end): the fewest blocks that need no more tiles each than the resident blocks would.
-  const auto kernel = transpose_fp8_kernel;
-  const int64_t per_block = ceil_div(tiles, persistent_blocks(kernel, kThreads, tiles));
-  const auto grid = static_cast<unsigned>(ceil_div(tiles, per_block));
-  kernel<<<grid, kThreads, 0, stream>>>(p);
-  FUS_CUDA_CHECK_LAUNCH("transpose_fp8_kernel");
 }
 
 }  // namespace fusible

@@ -4,9 +4,7 @@
 
 #include "common/validate.h"
 #include "fusible/quantize.h"
-#include "fusible/recipe.h"
 #include "quantize/quantize_impl.h"
-#include "recipe/recipe_impl.h"
 
 namespace fusible {
 namespace {
@@ -14,6 +12,36 @@ namespace {
 constexpr std::initializer_list<fus_dtype> kHighPrecision = {FUS_FLOAT32, FUS_FLOAT16,
                                                              FUS_BFLOAT16};
 constexpr std::initializer_list<fus_dtype> kFp8 = {FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2};
+
+bool is_blockwise(fus_scaling_mode mode) {
+  return mode == FUS_SCALING_BLOCK_1D || mode == FUS_SCALING_BLOCK_2D;
+}
+
+// The cast of a validated (input, out) on ctx's backend, every mode.
+void cast(const fus_tensor& input, const fus_quantized& out, const fus_context& ctx) {
+  if (is_cuda(&ctx)) {
+#if defined(FUSIBLE_WITH_CUDA)
+    if (is_blockwise(out.mode))
+      quantize_blockwise_cuda(input, out, ctx);
+    else
+      quantize_cuda(input, out, ctx);
+#endif
+  } else {
+    cast_cpu(input, out);
+  }
+}
+
+// The per-tensor scale rule on one amax, on ctx's backend.
+void scale_from_amax(const float* amax, float* scale, float* scale_inv, float fp8_max, int margin,
+                     const fus_context& ctx) {
+  if (is_cuda(&ctx)) {
+#if defined(FUSIBLE_WITH_CUDA)
+    scale_from_amax_cuda(amax, scale, scale_inv, fp8_max, margin, false, ctx);
+#endif
+  } else {
+    scale_from_amax_cpu(amax, scale, scale_inv, fp8_max, margin, false);
+  }
+}
 
 }  // namespace
 }  // namespace fusible
@@ -28,18 +56,9 @@ fus_status fus_quantize(const fus_tensor* input, fus_quantized* out, const fus_c
     check_context(fn, ctx);
     check_matrix(fn, "input", input, kHighPrecision);
     check_quantized(fn, "out", out, input->rows, input->cols);
-    require(out->mode != FUS_SCALING_BLOCK_1D && out->mode != FUS_SCALING_BLOCK_2D, fn,
-            "out->mode is blockwise; blockwise casts take power_2_scale and amax_epsilon: call "
-            "fus_quantize_blockwise");
     if (input->rows * input->cols > 0 && out->mode == FUS_SCALING_PER_TENSOR)
       require(out->scale != nullptr, fn, "out->scale is NULL; per-tensor scaling needs float[1]");
-    if (is_cuda(ctx)) {
-#if defined(FUSIBLE_WITH_CUDA)
-      quantize_cuda(*input, *out, *ctx);
-#endif
-    } else {
-      quantize_cpu(*input, *out);
-    }
+    cast(*input, *out, *ctx);
     return FUS_SUCCESS;
   });
 }
@@ -50,21 +69,14 @@ fus_status fus_quantize_blockwise(const fus_tensor* input, fus_quantized* out, i
   return guarded(fn, [&] {
     check_context(fn, ctx);
     check_matrix(fn, "input", input, kHighPrecision);
-    check_quantized(fn, "out", out, input->rows, input->cols);
-    require(out->mode == FUS_SCALING_BLOCK_1D || out->mode == FUS_SCALING_BLOCK_2D, fn,
+    require(out != nullptr, fn, "out is NULL");
+    require(is_blockwise(out->mode), fn,
             "out->mode must be FUS_SCALING_BLOCK_1D or FUS_SCALING_BLOCK_2D");
-    require(power_2_scale == 0 || power_2_scale == 1, fn,
-            "power_2_scale must be 0 or 1, got " + std::to_string(power_2_scale));
-    require(std::isfinite(amax_epsilon) && amax_epsilon >= 0.0f, fn,
-            "amax_epsilon must be finite and >= 0, got " + std::to_string(amax_epsilon));
-    const BlockScaling p{power_2_scale != 0, amax_epsilon};
-    if (is_cuda(ctx)) {
-#if defined(FUSIBLE_WITH_CUDA)
-      quantize_blockwise_cuda(*input, *out, p, *ctx);
-#endif
-    } else {
-      quantize_blockwise_cpu(*input, *out, p);
-    }
+    fus_quantized q = *out;
+    q.power_2_scale = power_2_scale;
+    q.amax_epsilon = amax_epsilon;
+    check_quantized(fn, "out", &q, input->rows, input->cols);
+    cast(*input, q, *ctx);
     return FUS_SUCCESS;
   });
 }
@@ -101,11 +113,11 @@ fus_status fus_quantize_current_scaling(const fus_tensor* input, fus_quantized* 
     // Pass 1: amax. Then the scale (one scalar). Pass 2: the cast, which need not re-reduce amax.
     fus_status st = fus_compute_amax(input, out->amax, ctx);
     if (st != FUS_SUCCESS) return st;
-    st = fus_compute_scale(out->amax, out->scale, nullptr, fus_fp8_max(out->dtype), margin, 0, ctx);
-    if (st != FUS_SUCCESS) return st;
-    fus_quantized cast = *out;
-    cast.amax = nullptr;
-    return fus_quantize(input, &cast, ctx);
+    scale_from_amax(out->amax, out->scale, nullptr, fus_fp8_max(out->dtype), margin, *ctx);
+    fus_quantized q = *out;
+    q.amax = nullptr;
+    cast(*input, q, *ctx);
+    return FUS_SUCCESS;
   });
 }
 
@@ -152,12 +164,12 @@ fus_status fus_quantize_grouped(const fus_tensor* inputs, fus_quantized* outs, i
       for (int64_t g = 0; g < count; ++g) {
         if (current_scaling) {
           amax_cpu(inputs[g], outs[g].amax);
-          compute_scale_cpu(outs[g].amax, outs[g].scale, nullptr, fp8_max, margin, false);
-          fus_quantized cast = outs[g];
-          cast.amax = nullptr;
-          quantize_cpu(inputs[g], cast);
+          scale_from_amax_cpu(outs[g].amax, outs[g].scale, nullptr, fp8_max, margin, false);
+          fus_quantized q = outs[g];
+          q.amax = nullptr;
+          cast_cpu(inputs[g], q);
         } else {
-          quantize_cpu(inputs[g], outs[g]);
+          cast_cpu(inputs[g], outs[g]);
         }
       }
     }

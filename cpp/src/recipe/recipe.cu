@@ -1,5 +1,5 @@
 // CUDA backend of the recipe family: the delayed-scaling update (one block per column, see the
-// kernel) and the scale rule (the shared compute_scale); results equal the CPU backend bit for bit.
+// kernel); results equal the CPU backend bit for bit. (The scale of one amax is common/cast.cu.)
 #include <algorithm>
 
 #include "common/cuda_utils.h"
@@ -73,13 +73,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-__global__ void compute_scale_kernel(const float* amax, float* scale, float* scale_inv,
-                                     float fp8_max, int margin, bool keep_previous) {
-  const float s = compute_scale(*amax, fp8_max, margin, keep_previous ? *scale : 1.0f);
-  *scale = s;
-  if (scale_inv) *scale_inv = 1.0f / s;
-}
-
 }  // namespace
 
 void delayed_scaling_update_cuda(const fus_delayed_scaling_group* groups, int num_groups,
@@ -107,14 +100,6 @@ void delayed_scaling_update_cuda(const fus_delayed_scaling_group* groups, int nu
     delayed_scaling_update_kernel<<<grid, kThreads, 0, stream>>>(b, most_recent, margin);
     FUS_CUDA_CHECK_LAUNCH("delayed_scaling_update_kernel");
   }
-}
-
-void compute_scale_cuda(const float* amax, float* scale, float* scale_inv, float fp8_max,
-                        int margin, bool keep_previous, const fus_context& ctx) {
-  CudaDeviceGuard guard(ctx.device_index);
-  compute_scale_kernel<<<1, 1, 0, stream_of(ctx)>>>(amax, scale, scale_inv, fp8_max, margin,
-                                                    keep_previous);
-  FUS_CUDA_CHECK_LAUNCH("compute_scale_kernel");
 }
 
 }  // namespace fusible

@@ -55,10 +55,10 @@ fus_status fus_compute_scale(const float* amax, float* scale, float* scale_inv, 
       throw Error(FUS_ERROR_INVALID_ARGUMENT, std::string(fn) + ": fp8_max must be > 0");
     if (is_cuda(ctx)) {
 #if defined(FUSIBLE_WITH_CUDA)
-      compute_scale_cuda(amax, scale, scale_inv, fp8_max, margin, keep_previous != 0, *ctx);
+      scale_from_amax_cuda(amax, scale, scale_inv, fp8_max, margin, keep_previous != 0, *ctx);
 #endif
     } else {
-      compute_scale_cpu(amax, scale, scale_inv, fp8_max, margin, keep_previous != 0);
+      scale_from_amax_cpu(amax, scale, scale_inv, fp8_max, margin, keep_previous != 0);
     }
     return FUS_SUCCESS;
   });

@@ -13,11 +13,4 @@ void delayed_scaling_update_cpu(const fus_delayed_scaling_group* groups, int num
   }
 }
 
-void compute_scale_cpu(const float* amax, float* scale, float* scale_inv, float fp8_max, int margin,
-                       bool keep_previous) {
-  const float s = compute_scale(*amax, fp8_max, margin, keep_previous ? *scale : 1.0f);
-  *scale = s;
-  if (scale_inv) *scale_inv = 1.0f / s;
-}
-
 }  // namespace fusible

@@ -1,6 +1,8 @@
-// Backend entry points of the recipe family; arguments validated by recipe_api.cpp.
+// Backend entry points of the recipe family; arguments validated by recipe_api.cpp. The scale of
+// one amax (fus_compute_scale) is the shared rule of common/cast.h.
 #pragma once
 
+#include "common/cast.h"
 #include "common/numerics.h"
 #include "fusible/recipe.h"
 
@@ -26,14 +28,10 @@ FUS_HD void delayed_scaling_update_column(float* history, float* scale, int64_t 
 
 void delayed_scaling_update_cpu(const fus_delayed_scaling_group* groups, int num_groups,
                                 fus_amax_algo algo, int margin);
-void compute_scale_cpu(const float* amax, float* scale, float* scale_inv, float fp8_max, int margin,
-                       bool keep_previous);
 
 #if defined(FUSIBLE_WITH_CUDA)
 void delayed_scaling_update_cuda(const fus_delayed_scaling_group* groups, int num_groups,
                                  fus_amax_algo algo, int margin, const fus_context& ctx);
-void compute_scale_cuda(const float* amax, float* scale, float* scale_inv, float fp8_max,
-                        int margin, bool keep_previous, const fus_context& ctx);
 #endif
 
 }  // namespace fusible

@@ -25,6 +25,7 @@ from fusible.quantization.quantizers import (
 __all__ = [
     "HandOff",
     "as_2d",
+    "blockwise_gemm",
     "can_requantize_columnwise",
     "dequant_dtype",
     "dequantize",
@@ -112,7 +113,8 @@ def handoff_after(q: Quantizer | None, y: torch.Tensor) -> torch.Tensor | HandOf
     instead of living on while the next op quantizes it and runs its GEMM. (Current scaling
     casts every copy with the scale of the whole tensor, so these are the bits the next op's
     own cast would make; blockwise scales are functions of ``y``'s blocks alone, so the same holds
-    for a blockwise quantizer.) ``y`` itself otherwise."""
+    for a blockwise quantizer, which the norm/activation kernels fuse but other callers may not.)
+    ``y`` itself otherwise."""
     if isinstance(q, (Float8CurrentScalingQuantizer, Float8BlockQuantizer)):
         return handoff(q, y)
     return y
@@ -124,15 +126,22 @@ def record_amax(q: Quantizer, amax: torch.Tensor) -> None:
         q.record_amax(amax)
 
 
-def fused_quant_args(q: Quantizer | None) -> tuple[str, torch.dtype, torch.Tensor | None] | None:
-    """Arguments with which a norm/activation kernel writes its output quantized by ``q``, or
-    None if that quantizer cannot be fused into the kernel (current scaling needs the amax of the
-    whole output before the first cast, so that output is cast by a separate pass; blockwise
-    output is not fused into these kernels and is cast by the blockwise quantize kernel)."""
+FusedQuant = tuple[str, torch.dtype, torch.Tensor | None, bool, float]
+
+
+def fused_quant_args(q: Quantizer | None) -> FusedQuant | None:
+    """Arguments ``(quant, fp8_dtype, scale, power_2_scale, amax_epsilon)`` with which a
+    norm/activation kernel writes its output quantized by ``q``, or None if that quantizer cannot
+    be fused into the kernel (current scaling needs the amax of the whole output before the first
+    cast, so that output is cast by a separate pass). Blockwise quantizers (1x128 or 128x128
+    blocks) fuse: the kernels write the cast ``q.quantize`` makes of their output, bit for bit."""
     if isinstance(q, Float8Quantizer):
-        return "fp8", q.dtype, q.scale
+        return "fp8", q.dtype, q.scale, True, 0.0
     if isinstance(q, MXFP8Quantizer):
-        return "mxfp8", q.dtype, None
+        return "mxfp8", q.dtype, None, True, 0.0
+    if isinstance(q, Float8BlockQuantizer):
+        quant = "block1d" if q.block_dim == 1 else "block2d"
+        return quant, q.dtype, None, q.power_2_scale, q.amax_epsilon
     return None
 
 
@@ -140,7 +149,7 @@ def wrap_quantized(
     q: Quantizer, outs: tuple[torch.Tensor, ...], shape: torch.Size, dtype: torch.dtype
 ) -> HandOff:
     """Hand-off of a kernel's quantized outputs ``(data, data_t|col, scale_inv|scale, col_scale,
-    amax)`` (layouts of ``_kernels.quantize_fp8`` / ``quantize_mxfp8``)."""
+    amax)`` (layouts of ``_kernels.quantize_fp8`` / ``quantize_mxfp8`` / ``quantize_fp8_block``)."""
     data, second, third, col_scale, amax = outs
 
     def opt(t: torch.Tensor) -> torch.Tensor | None:
@@ -148,7 +157,10 @@ def wrap_quantized(
 
     if isinstance(q, Float8Quantizer):
         record_amax(q, amax)
-        qd: Float8Data | MXFP8Data = Float8Data(opt(data), opt(second), third, q.dtype, shape)
+        qd: QuantizedData = Float8Data(opt(data), opt(second), third, q.dtype, shape)
+    elif isinstance(q, Float8BlockQuantizer):
+        qd = Float8BlockData(opt(data), opt(third), opt(second), opt(col_scale), q.dtype, shape,
+                             q.block_dim)  # fmt: skip
     else:
         qd = MXFP8Data(opt(data), opt(third), opt(second), opt(col_scale), q.dtype, shape)
     return HandOff(qd, dtype)
@@ -231,6 +243,12 @@ def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``, which is ``t`` itself when it has that dtype (checked here: a call less
     on the hot path)."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def blockwise_gemm(a: Any, b: Any) -> bool:
+    """Whether the GEMM of operands ``a`` and ``b`` is the blockwise FP8 GEMM, which has no
+    epilogues (its bias and GELU run after it, see ``_gemm_blockwise``)."""
+    return type(a) is Float8BlockData and type(b) is Float8BlockData and _block_gemm(a, b)
 
 
 def _block_gemm(a: Any, b: Any) -> bool:

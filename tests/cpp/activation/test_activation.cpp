@@ -336,6 +336,31 @@ using QParam = std::tuple<fus_activation, fus_dtype, bool, int, std::pair<int64_
 
 class ActQuantized : public ::testing::TestWithParam<QParam> {};
 
+// The fused quantized output of s (with the high-precision output of s.out_dt) equals
+// fus_quantize of that output; without it, fus_quantize of the output rounded to the input's
+// dtype (x forward, grad backward), and dbias is unchanged.
+void expect_fused_equals_unfused(const ActSetup& s) {
+  Data d = make_data(s);
+  ASSERT_EQ(run_cpu(d.bufs, call(s)), FUS_SUCCESS) << fus_last_error();
+  expect_same_q(d.bufs, kQ, quantize_of(d.bufs.b[kOut], s.out_dt, s.rows, s.out_cols(), s.q), 1,
+                "fused vs quantize(out)");
+  const fus_dtype dt = s.bwd ? s.g_dt : s.x_dt;
+  ActSetup n = s;
+  n.has_out = false;
+  Data dn = make_data(n);
+  ASSERT_EQ(run_cpu(dn.bufs, call(n)), FUS_SUCCESS) << fus_last_error();
+  ActSetup o = s;
+  o.out_dt = dt;
+  o.q.mode = 0;
+  Data dout = make_data(o);
+  ASSERT_EQ(run_cpu(dout.bufs, call(o)), FUS_SUCCESS) << fus_last_error();
+  expect_same_q(dn.bufs, kQ, quantize_of(dout.bufs.b[kOut], dt, s.rows, s.out_cols(), s.q), 1,
+                "fused without out vs quantize(out in the input's dtype)");
+  if (s.dbias) {
+    EXPECT_EQ(dn.bufs.b[kBias], dout.bufs.b[kBias]) << "dbias without out";
+  }
+}
+
 TEST_P(ActQuantized, EqualsQuantizeOfHighPrecisionOutput) {
   const auto [kind, dt, bwd, qmode, shape] = GetParam();
   for (int variant = 0; variant < 3; ++variant) {
@@ -351,40 +376,27 @@ TEST_P(ActQuantized, EqualsQuantizeOfHighPrecisionOutput) {
     s.q.scale = qmode == 1 ? 11.0f : 1.0f;
     s.q.row = variant != 2;
     s.q.col = variant != 0;
+    s.q.pow2 = variant != 1;  // blockwise: exact scales with an amax floor
+    s.q.eps = variant == 1 ? 1e-3f : 0.0f;
     if (bwd && gated(kind) && qmode == 2 && s.cols % 32 != 0) s.q.row = false;  // documented limit
     if (!s.q.row && !s.q.col) s.q.col = true;
     s.dbias = bwd;
     SCOPED_TRACE(describe(s));
-    Data d = make_data(s);
-    ASSERT_EQ(run_cpu(d.bufs, call(s)), FUS_SUCCESS) << fus_last_error();
-    expect_same_q(d.bufs, kQ, quantize_of(d.bufs.b[kOut], s.out_dt, s.rows, s.out_cols(), s.q), 1,
-                  "fused vs quantize(out)");
-    // Without the high-precision output: rounded to x's (forward) or grad's (backward) dtype.
-    ActSetup n = s;
-    n.has_out = false;
-    Data dn = make_data(n);
-    ASSERT_EQ(run_cpu(dn.bufs, call(n)), FUS_SUCCESS) << fus_last_error();
-    ActSetup o = s;
-    o.out_dt = dt;
-    o.q.mode = 0;
-    Data dout = make_data(o);
-    ASSERT_EQ(run_cpu(dout.bufs, call(o)), FUS_SUCCESS) << fus_last_error();
-    expect_same_q(dn.bufs, kQ, quantize_of(dout.bufs.b[kOut], dt, s.rows, s.out_cols(), s.q), 1,
-                  "fused without out vs quantize(out in the input's dtype)");
-    if (s.dbias) {
-      EXPECT_EQ(dn.bufs.b[kBias], dout.bufs.b[kBias]) << "dbias without out";
-    }
+    expect_fused_equals_unfused(s);
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, ActQuantized,
-    ::testing::Combine(::testing::ValuesIn(kKinds), ::testing::Values(FUS_FLOAT32, FUS_BFLOAT16),
-                       ::testing::Bool(), ::testing::Values(1, 2),
-                       ::testing::Values(std::make_pair<int64_t, int64_t>(1, 1),
-                                         std::make_pair<int64_t, int64_t>(127, 7),
-                                         std::make_pair<int64_t, int64_t>(33, 64),
-                                         std::make_pair<int64_t, int64_t>(70, 4097))));
+// Modes 1 per tensor, 2 MXFP8, 3 / 4 blockwise 1x128 / 128x128. Rows 1, primes and 2^n - 1
+// around the 32- and 128-row blocks; H that is and is not a multiple of 32 and 128 (partial edge
+// blocks; gated backward: blocks straddling [da | db]).
+const std::vector<std::pair<int64_t, int64_t>> kQShapes = {
+    {1, 1}, {127, 7}, {33, 64}, {70, 4097}, {1, 300}, {31, 129}, {128, 127}, {257, 256}};
+
+INSTANTIATE_TEST_SUITE_P(All, ActQuantized,
+                         ::testing::Combine(::testing::ValuesIn(kKinds),
+                                            ::testing::Values(FUS_FLOAT32, FUS_BFLOAT16),
+                                            ::testing::Bool(), ::testing::Values(1, 2, 3, 4),
+                                            ::testing::ValuesIn(kQShapes)));
 
 TEST(ActQuantizedEdge, ZeroRows) {
   ActSetup s;
@@ -429,10 +441,14 @@ TEST(ActErrors, RejectBadArguments) {
   EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GEGLU, &odd, &ty, nullptr, &ctx),
                        FUS_ERROR_INVALID_ARGUMENT, {f, "x", "even"}));
   uint8_t q8[24], s8[8];
-  fus_quantized q{
-      FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, 3, 8, q8, nullptr, s8, nullptr, nullptr, nullptr};
+  fus_quantized q = rowwise_q(q8, s8, 3, 8);
   EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GELU, &tx, nullptr, &q, &ctx),
                        FUS_ERROR_INVALID_ARGUMENT, {f, "q->scale"}));
+  fus_quantized qb = q;
+  qb.mode = FUS_SCALING_BLOCK_2D;
+  qb.amax_epsilon = NAN;
+  EXPECT_TRUE(is_error(fus_activation_forward(FUS_ACT_GELU, &tx, nullptr, &qb, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {f, "q->amax_epsilon"}));
   EXPECT_TRUE(is_error(
       fus_activation_backward(FUS_ACT_GELU, &tg8, &tx, nullptr, nullptr, nullptr, nullptr, 0, &ctx),
       FUS_ERROR_INVALID_ARGUMENT, {b, "dx", "q", "dbias"}));
@@ -446,8 +462,8 @@ TEST(ActErrors, RejectBadArguments) {
       fus_activation_backward(FUS_ACT_GEGLU, &tg, &tx, &tdx, nullptr, &db4, nullptr, 0, &ctx),
       FUS_ERROR_INVALID_ARGUMENT, {b, "dbias", "[1, 8]"}));
   uint8_t mx[24], ms[8];
-  fus_quantized qm{FUS_SCALING_MXFP8, FUS_FLOAT8_E4M3, 3,      8, mx, nullptr, ms,
-                   nullptr,           nullptr,         nullptr};
+  fus_quantized qm{FUS_SCALING_MXFP8, FUS_FLOAT8_E4M3, 3,       8, mx,  nullptr, ms,
+                   nullptr,           nullptr,         nullptr, 0, 0.0f};
   EXPECT_TRUE(is_error(
       fus_activation_backward(FUS_ACT_SWIGLU, &tg, &tx, nullptr, &qm, nullptr, nullptr, 0, &ctx),
       FUS_ERROR_INVALID_ARGUMENT, {b, "H % 32"}));
@@ -480,8 +496,10 @@ class ActCuda : public ::testing::TestWithParam<std::tuple<fus_activation, fus_d
 TEST_P(ActCuda, BitIdenticalToCpu) {
   FUSTEST_REQUIRE_CUDA();
   const auto [kind, dt, bwd, qmode] = GetParam();
+  // {6000, 40} with dbias: blockwise blocks walk three 128-row tiles (row groups of 96 rows).
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
-      {1, 1}, {7, 7}, {127, 127}, {4097, 7}, {3, 4097}, {64, 1024}, {96, 96}, {2500, 64}, {31, 40}};
+      {1, 1},   {7, 7},     {127, 127}, {4097, 7},  {3, 4097},  {64, 1024},
+      {96, 96}, {2500, 64}, {31, 40},   {129, 100}, {257, 384}, {6000, 40}};
   for (const auto& shape : shapes) {
     for (int variant = 0; variant < 3; ++variant) {
       ActSetup s;
@@ -499,7 +517,10 @@ TEST_P(ActCuda, BitIdenticalToCpu) {
       s.q.fmt = variant == 2 ? FUS_FLOAT8_E5M2 : FUS_FLOAT8_E4M3;
       s.q.scale = 5.0f;
       s.q.col = variant != 0 || qmode == 2;
-      s.q.row = !(bwd && gated(kind) && qmode == 2 && s.cols % 32 != 0);
+      s.q.row = !(bwd && gated(kind) && qmode == 2 && s.cols % 32 != 0) &&
+                !(qmode >= 3 && variant == 2);  // blockwise: the columnwise copy alone too
+      s.q.pow2 = variant != 1;                  // blockwise: exact scales with an amax floor
+      s.q.eps = variant == 1 ? 1e-3f : 0.0f;
       if (!s.has_out && !qmode && !s.dbias) s.has_out = true;
       SCOPED_TRACE(describe(s));
       Data d = make_data(s, cuda_workspace(s));
@@ -519,7 +540,7 @@ INSTANTIATE_TEST_SUITE_P(All, ActCuda,
                          ::testing::Combine(::testing::ValuesIn(kKinds),
                                             ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
                                                               FUS_BFLOAT16),
-                                            ::testing::Bool(), ::testing::Values(0, 1, 2)));
+                                            ::testing::Bool(), ::testing::Values(0, 1, 2, 3, 4)));
 
 // The CUDA kernel's 16-bit path (x, grad and every output of one 16-bit type, H a multiple of 64,
 // aligned vectors, no MXFP8): each output combination, partial last tiles, several tiles a block,

@@ -3,9 +3,9 @@
 // implementation they replaced, kept below verbatim as legacy:: (703b091): every output byte (the
 // output, the quantized copies and their scales, amax, dbias) must be equal, for every
 // instruction set this processor runs and 1, 2 and 3 threads, at odd sizes, for every function,
-// gated or not, every dtype, with special values. (Both call the quantize family's current CPU
-// cast for the quantized output; tests/cpp/quantize/test_quantize_legacy.cpp checks that one
-// against its legacy code.)
+// gated or not, every dtype, with special values. (Both call the current shared CPU cast,
+// common/cast.h cast_cpu, for the quantized output -- the legacy code called it quantize_cpu;
+// tests/cpp/quantize/test_quantize_legacy.cpp checks that one against its legacy code.)
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "activation/activation_impl.h"
+#include "common/cast.h"
 #include "common/hp_access.h"
 #include "legacy_test_utils.h"
-#include "quantize/quantize_impl.h"
 
 // ---- legacy: cpp/src/activation/activation_cpu.cpp at 703b091, verbatim --------------------------
 
@@ -56,7 +56,7 @@ void act_forward_cpu(const ActArgs& a) {
         }
     });
   }
-  if (a.q != nullptr) quantize_cpu(fus_tensor{out.data, a.round_dtype, rows, cols}, *a.q);
+  if (a.q != nullptr) cast_cpu(fus_tensor{out.data, a.round_dtype, rows, cols}, *a.q);
 }
 
 void act_backward_cpu(const ActArgs& a) {
@@ -80,7 +80,7 @@ void act_backward_cpu(const ActArgs& a) {
         }
     });
   }
-  if (a.q != nullptr) quantize_cpu(fus_tensor{out.data, a.round_dtype, rows, out_cols}, *a.q);
+  if (a.q != nullptr) cast_cpu(fus_tensor{out.data, a.round_dtype, rows, out_cols}, *a.q);
   if (a.dbias != nullptr) {
     // Sequential sums within groups of rows, then over the groups (activation.h).
     const int64_t per = act_dbias_rows_per_group(rows);

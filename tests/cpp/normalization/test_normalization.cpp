@@ -177,6 +177,27 @@ using QParam = std::tuple<fus_norm_kind, fus_dtype, int, fus_dtype, std::pair<in
 
 class NormQuantized : public ::testing::TestWithParam<QParam> {};
 
+// The fused quantized output of s (with y of s.y_dt) equals fus_quantize of y; without y, it
+// equals fus_quantize of y rounded to x's dtype (what an unfused norm would have produced).
+void expect_fused_equals_unfused(const FwdSetup& s) {
+  FwdData d = fwd_data(s);
+  ASSERT_EQ(run_cpu(d.bufs, fwd_call(s)), FUS_SUCCESS) << fus_last_error();
+  const Buffers unfused = quantize_of(d.bufs.b[kY], s.y_dt, s.rows, s.cols, s.q);
+  expect_same_q(d.bufs, kQ, unfused, 1, "fused vs quantize(y)");
+
+  FwdSetup n = s;
+  n.has_y = false;
+  FwdData dn = fwd_data(n);
+  ASSERT_EQ(run_cpu(dn.bufs, fwd_call(n)), FUS_SUCCESS) << fus_last_error();
+  FwdSetup yx = s;
+  yx.y_dt = s.x_dt;
+  yx.q.mode = 0;
+  FwdData dy = fwd_data(yx);
+  ASSERT_EQ(run_cpu(dy.bufs, fwd_call(yx)), FUS_SUCCESS) << fus_last_error();
+  expect_same_q(dn.bufs, kQ, quantize_of(dy.bufs.b[kY], s.x_dt, s.rows, s.cols, s.q), 1,
+                "fused without y vs quantize(y in x's dtype)");
+}
+
 TEST_P(NormQuantized, EqualsQuantizeOfHighPrecisionOutput) {
   const auto [kind, dt, qmode, fmt, shape] = GetParam();
   for (int variant = 0; variant < 4; ++variant) {
@@ -191,38 +212,30 @@ TEST_P(NormQuantized, EqualsQuantizeOfHighPrecisionOutput) {
     s.q.scale = qmode == 1 ? 37.5f : 1.0f;
     s.q.row = variant != 2;
     s.q.col = variant != 1;
+    s.q.pow2 = variant != 3;  // blockwise: exact scales with an amax floor
+    s.q.eps = variant == 3 ? 1e-3f : 0.0f;
+    s.zc = variant == 1;
     s.y_dt = variant == 3 ? FUS_FLOAT32 : (variant == 0 ? FUS_BFLOAT16 : dt);
     SCOPED_TRACE(describe(s) + " variant " + std::to_string(variant));
-    FwdData d = fwd_data(s);
-    ASSERT_EQ(run_cpu(d.bufs, fwd_call(s)), FUS_SUCCESS) << fus_last_error();
-    const Buffers unfused = quantize_of(d.bufs.b[kY], s.y_dt, s.rows, s.cols, s.q);
-    expect_same_q(d.bufs, kQ, unfused, 1, "fused vs quantize(y)");
-
-    // Without y, the values are rounded to x's dtype: the same bytes as quantize(y in x's dtype).
-    FwdSetup n = s;
-    n.has_y = false;
-    FwdData dn = fwd_data(n);
-    ASSERT_EQ(run_cpu(dn.bufs, fwd_call(n)), FUS_SUCCESS) << fus_last_error();
-    FwdSetup yx = s;
-    yx.y_dt = dt;
-    yx.q.mode = 0;
-    FwdData dy = fwd_data(yx);
-    ASSERT_EQ(run_cpu(dy.bufs, fwd_call(yx)), FUS_SUCCESS) << fus_last_error();
-    expect_same_q(dn.bufs, kQ, quantize_of(dy.bufs.b[kY], dt, s.rows, s.cols, s.q), 1,
-                  "fused without y vs quantize(y in x's dtype)");
+    expect_fused_equals_unfused(s);
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Modes, NormQuantized,
-    ::testing::Combine(::testing::Values(FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM),
-                       ::testing::Values(FUS_FLOAT32, FUS_BFLOAT16, FUS_FLOAT16),
-                       ::testing::Values(1, 2), ::testing::Values(FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2),
-                       ::testing::Values(std::make_pair<int64_t, int64_t>(1, 1),
-                                         std::make_pair<int64_t, int64_t>(7, 127),
-                                         std::make_pair<int64_t, int64_t>(127, 7),
-                                         std::make_pair<int64_t, int64_t>(65, 4097),
-                                         std::make_pair<int64_t, int64_t>(64, 256))));
+// Modes 1 per tensor, 2 MXFP8, 3 / 4 blockwise 1x128 / 128x128. Rows 1, primes and 2^n - 1
+// around the 32- and 128-row blocks; widths that are and are not multiples of 32 and 128 (partial
+// edge blocks), across the lane counts of the plan (32 .. 512 lanes, more chunks a lane beyond
+// 16384).
+const std::vector<std::pair<int64_t, int64_t>> kQShapes = {
+    {1, 1},    {7, 127},   {127, 7},    {65, 4097}, {64, 256},  {1, 300},
+    {31, 129}, {128, 127}, {129, 1000}, {257, 384}, {2, 16384}, {2, 20000}};
+
+INSTANTIATE_TEST_SUITE_P(Modes, NormQuantized,
+                         ::testing::Combine(::testing::Values(FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM),
+                                            ::testing::Values(FUS_FLOAT32, FUS_BFLOAT16,
+                                                              FUS_FLOAT16),
+                                            ::testing::Values(1, 2, 3, 4),
+                                            ::testing::Values(FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2),
+                                            ::testing::ValuesIn(kQShapes)));
 
 TEST(NormQuantizedEdge, ZeroRowsWritesAmaxZeroAndScaleInv) {
   FwdSetup s;
@@ -535,8 +548,7 @@ TEST(NormErrors, ForwardRejectsBadArguments) {
       call(FUS_NORM_LAYERNORM, &x0, &g0, nullptr, 1e-5f, nullptr, nullptr, mean, rstd, &ctx),
       FUS_ERROR_INVALID_ARGUMENT, {fn, "x", "column"}));
   uint8_t q8[12], s8[3];
-  fus_quantized q{
-      FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, 3, 4, q8, nullptr, s8, nullptr, nullptr, nullptr};
+  fus_quantized q = rowwise_q(q8, s8, 3, 4);
   EXPECT_TRUE(is_error(call(FUS_NORM_LAYERNORM, &tx, &tg, &tb, 1e-5f, &ty, &q, mean, rstd, &ctx),
                        FUS_ERROR_INVALID_ARGUMENT, {fn, "q->scale"}));
   fus_quantized qs = q;
@@ -547,6 +559,15 @@ TEST(NormErrors, ForwardRejectsBadArguments) {
   qd.dtype = FUS_BFLOAT16;
   EXPECT_TRUE(is_error(call(FUS_NORM_LAYERNORM, &tx, &tg, &tb, 1e-5f, &ty, &qd, mean, rstd, &ctx),
                        FUS_ERROR_INVALID_ARGUMENT, {fn, "q->dtype"}));
+  fus_quantized qb = q;
+  qb.mode = FUS_SCALING_BLOCK_1D;
+  qb.power_2_scale = 3;
+  EXPECT_TRUE(is_error(call(FUS_NORM_LAYERNORM, &tx, &tg, &tb, 1e-5f, &ty, &qb, mean, rstd, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {fn, "q->power_2_scale"}));
+  qb.power_2_scale = 1;
+  qb.amax_epsilon = -1.0f;
+  EXPECT_TRUE(is_error(call(FUS_NORM_LAYERNORM, &tx, &tg, &tb, 1e-5f, &ty, &qb, mean, rstd, &ctx),
+                       FUS_ERROR_INVALID_ARGUMENT, {fn, "q->amax_epsilon"}));
   const fus_context gpu = cuda_ctx();
   if (!fus_has_cuda()) {
     EXPECT_TRUE(
@@ -631,8 +652,8 @@ TEST_P(NormCudaForward, BitIdenticalToCpu) {
   FUSTEST_REQUIRE_CUDA();
   const auto [kind, dt, qmode] = GetParam();
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
-      {1, 1},    {7, 7},     {127, 127}, {4097, 7},  {3, 4097}, {64, 1024},
-      {33, 768}, {40, 4096}, {9, 16384}, {3, 20000}, {130, 8},  {100, 96}};
+      {1, 1},     {7, 7},     {127, 127}, {4097, 7}, {3, 4097}, {64, 1024}, {33, 768},
+      {40, 4096}, {9, 16384}, {3, 20000}, {130, 8},  {100, 96}, {129, 257}, {257, 384}};
   for (const auto& shape : shapes) {
     for (int variant = 0; variant < 3; ++variant) {
       FwdSetup s;
@@ -649,6 +670,8 @@ TEST_P(NormCudaForward, BitIdenticalToCpu) {
       s.q.fmt = variant == 2 ? FUS_FLOAT8_E5M2 : FUS_FLOAT8_E4M3;
       s.q.scale = 3.0f;
       s.q.col = variant != 0 || qmode == 2;
+      s.q.pow2 = variant != 2;  // blockwise: exact scales with an amax floor
+      s.q.eps = variant == 2 ? 1e-3f : 0.0f;
       SCOPED_TRACE(describe(s));
       FwdData d = fwd_data(s);
       expect_forward_cuda_equals_cpu(s, d);
@@ -661,7 +684,7 @@ INSTANTIATE_TEST_SUITE_P(All, NormCudaForward,
                          ::testing::Combine(::testing::Values(FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM),
                                             ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
                                                               FUS_BFLOAT16),
-                                            ::testing::Values(0, 1, 2)));
+                                            ::testing::Values(0, 1, 2, 3, 4)));
 
 class NormCudaBackward : public ::testing::TestWithParam<std::tuple<fus_norm_kind, fus_dtype>> {};
 
@@ -711,16 +734,16 @@ TEST(NormCuda, NonFiniteRowsMatchCpu) {
   FUSTEST_REQUIRE_CUDA();
   for (fus_dtype dt : {FUS_BFLOAT16, FUS_FLOAT16}) {
     for (fus_norm_kind kind : {FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM}) {
-      for (int qmode : {0, 1}) {
+      for (int qmode : {0, 1, 3, 4}) {
         FwdSetup s;
         s.kind = kind;
         s.x_dt = s.g_dt = s.y_dt = dt;
         s.has_beta = kind == FUS_NORM_LAYERNORM;
         s.rows = 40;
-        s.cols = 4096;  // the 16-bit fast path (four whole chunks a lane)
+        s.cols = 4096;  // the 16-bit fast path (four whole chunks a lane), blockwise not
         s.q.mode = qmode;
         s.q.scale = 3.0f;
-        s.q.col = qmode == 1;
+        s.q.col = qmode != 0;
         SCOPED_TRACE(describe(s));
         FwdData d = fwd_data(s);
         auto put = [&](int64_t r, int64_t c, uint16_t bits) {
@@ -770,7 +793,7 @@ TEST(NormCuda, NonFiniteRowsMatchCpu) {
 TEST(NormCuda, ColumnwiseOnlyCopyMatchesCpu) {
   FUSTEST_REQUIRE_CUDA();
   for (fus_dtype dt : {FUS_BFLOAT16, FUS_FLOAT16}) {
-    for (int qmode : {1, 2}) {
+    for (int qmode : {1, 2, 3, 4}) {
       FwdSetup s;
       s.kind = FUS_NORM_LAYERNORM;
       s.x_dt = s.g_dt = s.y_dt = dt;

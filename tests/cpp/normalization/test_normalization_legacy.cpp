@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "common/cast.h"
 #include "common/hp_access.h"
 #include "legacy_test_utils.h"
 #include "normalization/normalization_impl.h"
 #include "normalization/normalization_math.h"
-#include "quantize/quantize_impl.h"
 
 // ---- legacy: cpp/src/normalization/normalization_cpu.cpp at 703b091, verbatim --------------------
 
@@ -65,7 +65,7 @@ void norm_forward_cpu(const NormFwdArgs& a) {
       store_hp(out, out_dt, r * cols + c, norm_y(a.layernorm, xh, w[c], b[c]));
     }
   }
-  if (a.q != nullptr) quantize_cpu(fus_tensor{out, out_dt, rows, cols}, *a.q);
+  if (a.q != nullptr) cast_cpu(fus_tensor{out, out_dt, rows, cols}, *a.q);
 }
 
 void norm_backward_cpu(const NormBwdArgs& a) {

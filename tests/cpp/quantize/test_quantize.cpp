@@ -107,7 +107,9 @@ ApiCall quantize_call(const QuantizeSetup& s, int margin = INT_MIN) {
                     p[kRowS],
                     p[kColS],
                     static_cast<float*>(p[kScale]),
-                    static_cast<float*>(p[kAmax])};
+                    static_cast<float*>(p[kAmax]),
+                    0,
+                    0.0f};
     return margin == INT_MIN ? fus_quantize(&t, &q, &ctx)
                              : fus_quantize_current_scaling(&t, &q, margin, &ctx);
   };
@@ -128,8 +130,8 @@ struct DequantizeSetup {
 
 ApiCall dequantize_call(const DequantizeSetup& s) {
   return [s](const std::vector<void*>& p, const fus_context& ctx) {
-    fus_quantized q{s.mode,   s.fmt,     s.rows,    s.cols,  p[kDRow],
-                    p[kDCol], p[kDRowS], p[kDColS], nullptr, nullptr};
+    fus_quantized q{s.mode,    s.fmt,     s.rows,  s.cols,  p[kDRow], p[kDCol],
+                    p[kDRowS], p[kDColS], nullptr, nullptr, 0,        0.0f};
     const bool transposed = s.columnwise && s.mode == FUS_SCALING_PER_TENSOR;
     fus_tensor out{p[kDOut], s.out_dtype, transposed ? s.cols : s.rows,
                    transposed ? s.rows : s.cols};
@@ -759,7 +761,9 @@ TEST(PerTensor, EmptyInputWithNullData) {
                     &scale_inv,
                     nullptr,
                     &scale,
-                    &amax};
+                    &amax,
+                    0,
+                    0.0f};
     const fus_context ctx = cpu_ctx();
     ASSERT_EQ(fus_quantize(&t, &q, &ctx), FUS_SUCCESS) << fus_last_error();
     EXPECT_EQ(amax, 0.0f);
@@ -1463,7 +1467,9 @@ struct ErrFixture : ::testing::Test {
                   &scale_inv,
                   nullptr,
                   &scale,
-                  &amax};
+                  &amax,
+                  0,
+                  0.0f};
   fus_context ctx = cpu_ctx();
   std::vector<float> yv = std::vector<float>(12);
   fus_tensor out{yv.data(), FUS_FLOAT32, 3, 4};
@@ -2072,7 +2078,9 @@ TEST(CudaVsCpu, NonDefaultStream) {
                   p[kRowS],
                   p[kColS],
                   static_cast<float*>(p[kScale]),
-                  static_cast<float*>(p[kAmax])};
+                  static_cast<float*>(p[kAmax]),
+                  0,
+                  0.0f};
   const fus_context ctx{FUS_DEVICE_CUDA, 0, stream};
   ASSERT_EQ(fus_quantize_current_scaling(&t, &q, 0, &ctx), FUS_SUCCESS) << fus_last_error();
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);

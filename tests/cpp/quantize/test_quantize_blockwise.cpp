@@ -87,19 +87,27 @@ Buffers make_buffers(const std::vector<float>& x, int64_t rows, int64_t cols, bo
   return b;
 }
 
+// The fus_quantized over make_buffers' buffers (power_2_scale / amax_epsilon as given).
+fus_quantized block_q(const std::vector<void*>& p, int64_t rows, int64_t cols, bool two_d,
+                      fus_dtype fp8, int pow2 = 0, float eps = 0.0f) {
+  return fus_quantized{two_d ? FUS_SCALING_BLOCK_2D : FUS_SCALING_BLOCK_1D,
+                       fp8,
+                       rows,
+                       cols,
+                       p[1],
+                       p[2],
+                       p[3],
+                       p[4],
+                       nullptr,
+                       static_cast<float*>(p[5]),
+                       pow2,
+                       eps};
+}
+
 ApiCall quantize_call(int64_t rows, int64_t cols, bool two_d, fus_dtype fp8, bool pow2, float eps) {
   return [=](const std::vector<void*>& p, const fus_context& ctx) {
     fus_tensor in{p[0], FUS_FLOAT32, rows, cols};
-    fus_quantized q{two_d ? FUS_SCALING_BLOCK_2D : FUS_SCALING_BLOCK_1D,
-                    fp8,
-                    rows,
-                    cols,
-                    p[1],
-                    p[2],
-                    p[3],
-                    p[4],
-                    nullptr,
-                    static_cast<float*>(p[5])};
+    fus_quantized q = block_q(p, rows, cols, two_d, fp8);
     return fus_quantize_blockwise(&in, &q, pow2 ? 1 : 0, eps, &ctx);
   };
 }
@@ -192,7 +200,9 @@ TEST(Blockwise, DequantizeRoundTripsBothCopies) {
                             b.b[3].data(),
                             b.b[4].data(),
                             nullptr,
-                            nullptr};
+                            nullptr,
+                            0,
+                            0.0f};
       const int64_t R = columnwise ? cols : rows, C = columnwise ? rows : cols;
       fus_tensor o{out.data(), FUS_FLOAT32, R, C};
       const fus_context ctx = cpu_ctx();
@@ -212,12 +222,34 @@ TEST(Blockwise, DequantizeRoundTripsBothCopies) {
   }
 }
 
+TEST(Blockwise, QuantizeReadsTheParametersFromOut) {
+  // fus_quantize_blockwise(in, out, p, e) is fus_quantize with out->power_2_scale = p and
+  // out->amax_epsilon = e: the same bits.
+  const int64_t rows = 130, cols = 257;
+  std::vector<float> x = random_values(static_cast<size_t>(rows * cols), 5u);
+  for (bool two_d : {false, true}) {
+    for (bool pow2 : {false, true}) {
+      Buffers want = make_buffers(x, rows, cols, two_d), got = want;
+      ASSERT_EQ(run_cpu(want, quantize_call(rows, cols, two_d, FUS_FLOAT8_E4M3, pow2, 1e-3f)),
+                FUS_SUCCESS);
+      auto via_quantize = [&](const std::vector<void*>& p, const fus_context& ctx) {
+        fus_tensor in{p[0], FUS_FLOAT32, rows, cols};
+        fus_quantized q = block_q(p, rows, cols, two_d, FUS_FLOAT8_E4M3, pow2 ? 1 : 0, 1e-3f);
+        return fus_quantize(&in, &q, &ctx);
+      };
+      ASSERT_EQ(run_cpu(got, via_quantize), FUS_SUCCESS) << fus_last_error();
+      for (int i = 1; i <= 5; ++i)
+        EXPECT_EQ(want.get<uint8_t>(i), got.get<uint8_t>(i)) << "buffer " << i;
+    }
+  }
+}
+
 TEST(Blockwise, RejectsBadArguments) {
   std::vector<float> x(16, 1.0f);
   Buffers b = make_buffers(x, 4, 4, false);
   EXPECT_TRUE(is_error(run_cpu(b, quantize_call(4, 4, false, FUS_FLOAT8_E4M3, true, -1.0f)),
                        FUS_ERROR_INVALID_ARGUMENT, {"fus_quantize_blockwise", "amax_epsilon"}));
-  // fus_quantize has no place for the blockwise parameters.
+  // fus_quantize reads the parameters from out (power_2_scale must be 0 or 1).
   auto via_quantize = [](const std::vector<void*>& p, const fus_context& ctx) {
     fus_tensor in{p[0], FUS_FLOAT32, 4, 4};
     fus_quantized q{FUS_SCALING_BLOCK_1D,
@@ -229,11 +261,13 @@ TEST(Blockwise, RejectsBadArguments) {
                     p[3],
                     nullptr,
                     nullptr,
-                    nullptr};
+                    nullptr,
+                    2,
+                    0.0f};
     return fus_quantize(&in, &q, &ctx);
   };
   EXPECT_TRUE(is_error(run_cpu(b, via_quantize), FUS_ERROR_INVALID_ARGUMENT,
-                       {"fus_quantize", "fus_quantize_blockwise"}));
+                       {"fus_quantize", "power_2_scale"}));
   auto missing_scale = [](const std::vector<void*>& p, const fus_context& ctx) {
     fus_tensor in{p[0], FUS_FLOAT32, 4, 4};
     fus_quantized q{FUS_SCALING_BLOCK_2D,
@@ -245,7 +279,9 @@ TEST(Blockwise, RejectsBadArguments) {
                     nullptr,
                     nullptr,
                     nullptr,
-                    nullptr};
+                    nullptr,
+                    0,
+                    0.0f};
     return fus_quantize_blockwise(&in, &q, 1, 0.0f, &ctx);
   };
   EXPECT_TRUE(

@@ -51,7 +51,7 @@ struct GroupedCase {
         in.push_back(fus_tensor{p[b], in_dtype, r, c});
         out.push_back(fus_quantized{FUS_SCALING_PER_TENSOR, fp8, r, c, p[b + 1], p[b + 2], p[b + 4],
                                     nullptr, static_cast<float*>(p[b + 3]),
-                                    static_cast<float*>(p[b + 5])});
+                                    static_cast<float*>(p[b + 5]), 0, 0.0f});
       }
       if (!per_tensor)
         return fus_quantize_grouped(in.data(), out.data(), static_cast<int64_t>(in.size()),
@@ -143,7 +143,9 @@ TEST(QuantizeGroupedArgs, Validation) {
                       si.data(),
                       nullptr,
                       s.data(),
-                      am.data()};
+                      am.data(),
+                      0,
+                      0.0f};
   EXPECT_EQ(fus_quantize_grouped(in, out, 2, 0, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(fus_last_error()).find("inputs[1] has dtype"), std::string::npos)
       << fus_last_error();

@@ -1,5 +1,6 @@
-// The CPU quantize kernels (cpp/src/quantize/quantize_cpu.cpp: split over threads, vectorised per
-// instruction set, casts in select form) against the scalar implementation they replaced, kept
+// The CPU quantize kernels (the casts of cpp/src/common/cast_cpu.cpp, amax / dequantize of
+// cpp/src/quantize/quantize_cpu.cpp: split over threads, vectorised per instruction set, casts in
+// select form) against the scalar implementation they replaced, kept
 // below verbatim as legacy:: (703b091): every output byte must be equal, for every instruction set
 // this processor runs and 1, 2 and 3 threads, at odd sizes, every dtype, FP8 format, scaling mode
 // and copy, with special values (NaN, inf, subnormal, huge) and scales that overflow or are NaN.
@@ -318,7 +319,7 @@ TEST(QuantizeCpuLegacy, PerTensorAndMxfp8EveryCopyDtypeAndSize) {
             for (int threads : {1, 2, 3}) {
               Runtime rt(isa, threads);
               legacy_test::QuantOut got(mode, fp8, sz.rows, sz.cols, copies & 1, copies & 2, sc);
-              fusible::quantize_cpu(t, got.q);
+              fusible::cast_cpu(t, got.q);
               EXPECT_TRUE(got.same(want))
                   << sz.rows << "x" << sz.cols << " in=" << in << " fp8=" << fp8 << " mode=" << mode
                   << " copies=" << copies << " scale=" << sc << Runtime::name(isa, threads);

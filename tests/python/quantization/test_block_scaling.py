@@ -353,9 +353,9 @@ def test_layernorm_mlp_and_layernorm_linear_vs_fp64(dtype):
     assert "blockwise FP8" in text or not text
 
 
-def test_fused_ops_fall_back_to_unfused_quantize():
-    """Norm and activation kernels do not write blockwise output: the fused plan equals the
-    unfused one bit for bit (the same separate blockwise casts on both paths)."""
+def test_fused_plan_equals_unfused_plan():
+    """The norm and activation kernels write the blockwise output themselves (the cast of their
+    rounded output): the fused plan equals the unfused one bit for bit."""
     torch.manual_seed(0)
     model = ops.Sequential(ops.LayerNorm(128), ops.Linear(128, 256), ops.GELU(),
                            ops.Linear(256, 128))  # fmt: skip
@@ -366,8 +366,102 @@ def test_fused_ops_fall_back_to_unfused_quantize():
         text = model.explain()
         with ops.fusion_disabled():
             y2 = twin(x)
-    assert "linear_bias_activation" in text and "blockwise FP8: a separate blockwise cast" in text
+    assert "linear_bias_activation" in text and "separate blockwise cast" not in text
     assert torch.equal(y, y2)
+
+
+# ---- the fused kernels write the blockwise output ------------------------------------------------
+
+# The recipes' blockwise variants the fused kernels take: 1x128 activations (default), 128x128
+# ones (x_block_scaling_dim=2, weights 1x128 then), exact fp32 scales with an amax floor.
+FUSED_RECIPES = {
+    "default": recipe.Float8BlockScaling(),
+    "x128x128": recipe.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1),
+    "exact_eps": recipe.Float8BlockScaling(power_2_scale=False, amax_epsilon=1e-3),
+}
+ACTS = [
+    ops.GELU,
+    lambda: ops.GELU(approximate="none"),
+    ops.ReLU,
+    ops.SiLU,
+    ops.SwiGLU,
+    ops.GEGLU,
+]
+
+
+def _fused_models(h: int, f: int, dtype: torch.dtype):
+    """(name, model, [(pass, shape)] of the activations a separate cast would quantize): every
+    pattern whose units write the next op's blockwise input -- norm + quantize, activation +
+    quantize forward and backward, Linear + Bias + GELU forward, dact + dbias + quantize."""
+    out = []
+    for norm in (ops.LayerNorm, ops.RMSNorm):
+        torch.manual_seed(0)
+        model = ops.Sequential(norm(h, dtype=dtype), ops.Linear(h, f, dtype=dtype))
+        out.append((norm.__name__, model, [("fwd", h)]))
+    for make in ACTS:
+        for bias in (False, True):
+            torch.manual_seed(0)
+            act = make()
+            f2 = f // 2 if act.glu else f
+            model = ops.Sequential(ops.Linear(h, f, bias=bias, dtype=dtype), act,
+                                   ops.Linear(f2, h, dtype=dtype))  # fmt: skip
+            with torch.no_grad():
+                if bias:
+                    model[1].bias.normal_()
+            out.append((f"{act.kind}_bias{int(bias)}", model, [("fwd", f2), ("bwd", f)]))
+    return out
+
+
+@pytest.mark.parametrize("tokens", [16, 144])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rec_name", sorted(FUSED_RECIPES))
+def test_fused_kernels_write_blockwise_output_bit_for_bit(rec_name, dtype, tokens, monkeypatch):
+    """Every fusion under Float8BlockScaling against the unfused ops (fusion_disabled: no
+    hand-off, the next op casts with the blockwise quantize): outputs and gradients bit for bit
+    (the bias gradient of a dact + dbias unit is summed in the kernel's fixed order, so within
+    fp32 rounding), and the fused plan runs no separate cast of the activations it hands off.
+    Widths 80 and 224 are not multiples of 128 (partial blocks), nor is the token count 144."""
+    rec = FUSED_RECIPES[rec_name]
+    h, f = 80, 224
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    real = K.quantize_fp8_block
+
+    def counting(x, *args):
+        calls.append((phase[0], tuple(x.shape)))
+        return real(x, *args)
+
+    phase = ["fwd"]
+    monkeypatch.setattr(K, "quantize_fp8_block", counting)
+    for name, model, handed in _fused_models(h, f, dtype):
+        twin = copy.deepcopy(model)
+        x = _x((tokens, h), dtype, seed=1).float().clamp(-8, 8).to(dtype)
+        results = []
+        for m, fused in ((model, True), (twin, False)):
+            calls.clear()
+            xr = x.clone().requires_grad_(True)
+            with fusible.autocast(recipe=rec):
+                phase[0] = "fwd"
+                if fused:
+                    y = m(xr)
+                    text = m.explain()
+                else:
+                    with ops.fusion_disabled():
+                        y = m(xr)
+            phase[0] = "bwd"
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(dtype))
+            seen = {(p, s[-1]) for p, s in calls if s[0] == tokens}
+            for pas, width in handed:  # a separate cast of a handed-off activation?
+                assert ((pas, width) in seen) != fused, (name, fused, pas, width, seen)
+            results.append((y, xr.grad, {n: p.grad for n, p in m.named_parameters()}))
+        (y, dx, grads), (y2, dx2, grads2) = results
+        assert "separate blockwise cast" not in text
+        assert torch.equal(_bits(y), _bits(y2)), name
+        assert torch.equal(_bits(dx), _bits(dx2)), name
+        for n in grads:
+            if n == "1.bias":  # dact + dbias: the kernel's column-sum order
+                torch.testing.assert_close(grads[n], grads2[n], rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(_bits(grads[n]), _bits(grads2[n])), (name, n)
 
 
 def test_quantized_model_init_and_state_dict_round_trip():

@@ -10,9 +10,6 @@ from fusible.ops.op import BasicOperation
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
-# Blockwise FP8 output is not fused into these kernels (docs/quantization.md).
-_BLOCKWISE = "; blockwise FP8: a separate blockwise cast"
-
 
 class _Norm(BasicOperation):
     kind: str = ""
@@ -55,10 +52,7 @@ class _Norm(BasicOperation):
 
     def kernels(self, fwd: bool) -> list[str]:
         return (
-            [
-                f"norm_fwd({self.kind}, + quantize for the next op when its quantizer allows"
-                f"{_BLOCKWISE})"
-            ]
+            [f"norm_fwd({self.kind}, + quantize for the next op when its quantizer allows)"]
             if fwd
             else [f"norm_bwd({self.kind})"]
         )
@@ -82,12 +76,12 @@ class _Norm(BasicOperation):
             out = y if q is None else C.handoff_after(q, y)
         else:
             # Norm + quantize: the kernel writes the next op's FP8 input directly.
-            quant, fp8_dtype, scale = fused
+            quant, fp8_dtype, scale, pow2, eps = fused
             assert next_input_quantizer is not None
             colwise = next_input_quantizer.columnwise
             y, d, d2, s, s2, amax, mean, rstd = K.norm_fwd(
                 x, gamma, beta, self.eps, self.kind, self.zero_centered_gamma, None, quant,
-                fp8_dtype, scale, True, colwise,
+                fp8_dtype, scale, True, colwise, pow2, eps,
             )  # fmt: skip
             out = C.wrap_quantized(next_input_quantizer, (d, d2, s, s2, amax), x.shape, x.dtype)
         # What backward reads -- nothing when no gradient reaches here (it does not run).

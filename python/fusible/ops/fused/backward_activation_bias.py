@@ -10,9 +10,6 @@ from fusible.ops.op import BasicOperation, FusedOperation
 
 __all__ = ["BackwardActivationBias", "accepts"]
 
-# Blockwise FP8 output is not fused into these kernels (docs/quantization.md).
-_BLOCKWISE = "; blockwise FP8: a separate blockwise cast"
-
 
 def accepts(ops: Sequence[BasicOperation], recipe: Any) -> str | None:
     """Fusion rule (pattern: Bias then an activation, in forward order). Rejections:
@@ -28,7 +25,7 @@ class BackwardActivationBias(FusedOperation):
 
     def kernels(self, fwd: bool) -> list[str]:
         act: _Activation = self.ops[1]  # type: ignore[assignment]
-        return [f"act_bwd({act.kind}, dbias, quantized grad for the preceding op{_BLOCKWISE})"]
+        return [f"act_bwd({act.kind}, dbias, quantized grad for the preceding op)"]
 
     def fuser_backward(self, ctxs, dy, *, prev_grad_quantizer, extra_output_grads):
         act: _Activation = self.ops[1]  # type: ignore[assignment]

@@ -8,8 +8,9 @@ from typing import Any
 
 from fusible.ops import _compute as C
 from fusible.ops.basic import BasicLinear, Bias
-from fusible.ops.basic.activation import ACTIVATIONS, _Activation
+from fusible.ops.basic.activation import ACTIVATIONS, _act, _Activation
 from fusible.ops.op import BasicOperation, FusedOperation
+from fusible.quantization.quantizers import Float8BlockData
 
 __all__ = ["ForwardLinearBiasActivation", "accepts"]
 
@@ -58,13 +59,27 @@ class ForwardLinearBiasActivation(FusedOperation):
         lead = x.shape[:-1]
         xq, wq, _ = linear.fprop_operands(ctxs[0], x, w, out_dtype)
         act = len(self.ops) == 3
-        y, aux = C.gemm_fprop(xq, wq, out_dtype, bias=b.to(out_dtype), epilogue=self.epilogue)
+        # The blockwise GEMM has no epilogues: after its bias, the activation kernel writes the
+        # next op's blockwise input itself (the bits of activation then cast).
+        q = next_input_quantizer
+        late_act = (
+            act
+            and type(xq) is Float8BlockData  # no calls on the other recipes' hot path
+            and C.blockwise_gemm(xq, wq)
+            and C.fused_quant_args(q) is not None
+        )
+        epi = "bias" if late_act else self.epilogue
+        y, aux = C.gemm_fprop(xq, wq, out_dtype, bias=b.to(out_dtype), epilogue=epi)
+        aux = y if late_act else aux
         del xq, wq  # freed before a hand-off cast allocates
         n = linear.out_features
         ctxs[1].attrs["dtype"] = b.dtype
         y = y.view(*lead, n)
         if act:  # the activation's backward reads the pre-activation (when a gradient reaches it)
             ctxs[2].saved = [aux.view(*lead, n) if ctxs[2].input_requires_grad else None]
+        if late_act:
+            act_op: _Activation = self.ops[2]  # type: ignore[assignment]
+            return _act(y, act_op.kind, False, q), [[] for _ in self.ops]
         if next_input_quantizer is not None:
             # The GEMM epilogue cannot cast for the next op here; one cast kernel does.
             return C.handoff(next_input_quantizer, y), [[] for _ in self.ops]
