@@ -56,7 +56,16 @@ from torch import nn
 from _common import dynamo_graphs, environment, error_cell, print_table, time_ms, write_json
 
 # "tl-<recipe>": the layers are fusible.TransformerLayer instead of the hand-wired Layer below.
-FUSIBLE = ("bf16", "delayed", "current", "mxfp8", "blockwise", "tl-bf16", "tl-delayed", "tl-current")
+FUSIBLE = (
+    "bf16",
+    "delayed",
+    "current",
+    "mxfp8",
+    "blockwise",
+    "tl-bf16",
+    "tl-delayed",
+    "tl-current",
+)
 ALL_VARIANTS = ("torch", *FUSIBLE, "torchao")
 MIB = 2**20
 FULL = {"layers": 8, "hidden": 2048, "heads": 16, "seq": 1024, "batch": 8, "vocab": 32768,
