@@ -267,11 +267,16 @@ class PlanReplay:
         elif sig == self.last_sig:
             self.last_sig = self.last = None
 
-    def known_tensors(self) -> dict[int, tuple[Any, torch.Tensor]]:
-        out: dict[int, tuple[Any, torch.Tensor]] = {}
+    def known_tensors(self) -> dict[tuple[Any, int], tuple[Any, torch.Tensor]]:
+        """(device, storage address) -> (holder, buffer) of the buffers constants may come from
+        (by storage, not by ``_base``: views of an inference tensor -- a state built inside
+        ``torch.inference_mode`` -- have none)."""
+        out: dict[tuple[Any, int], tuple[Any, torch.Tensor]] = {}
         for b in self.buffers:
             for t in (b.amax_history, b.scale):
-                out[id(t)] = (b, t)
+                ptr = t.untyped_storage().data_ptr()
+                if ptr:
+                    out[(t.device, ptr)] = (b, t)
         return out
 
 
@@ -329,11 +334,18 @@ def _walk(t: Any, kind: type) -> Iterator[Any]:
 class _Recorder(TorchDispatchMode):
     """Records the calls of one run of the Python executor (see the module docstring).
     ``inputs``: the function's tensor inputs in slot order (None: no tensor there);
-    ``known``: id -> (holder, tensor) of the recipe-state buffers constants may come from.
-    ``trace``: also keep each call's name and a copy of its outputs (the check mode)."""
+    ``groups``: per input, the group within which one tensor may be given at two positions
+    (the recording then reads the first: the signature says which are one tensor, or they are
+    the parameters, tied for good), None for any input when none may (backward);
+    ``known``: see :meth:`PlanReplay.known_tensors`; ``trace``: also keep each call's name and
+    a copy of its outputs (the check mode)."""
 
     def __init__(
-        self, inputs: list[Any], known: dict[int, tuple[Any, torch.Tensor]], trace: bool = False
+        self,
+        inputs: list[Any],
+        known: dict[tuple[Any, int], tuple[Any, torch.Tensor]],
+        trace: bool = False,
+        groups: list[int] | None = None,
     ) -> None:
         super().__init__()
         self.ids: dict[int, tuple[Any, int]] = {}
@@ -346,14 +358,15 @@ class _Recorder(TorchDispatchMode):
         self.traced: list[tuple[str, list[torch.Tensor | None]]] = []
         self.result: Any = None
         self.n_inputs = len(inputs)
-        for t in inputs:
+        for j, t in enumerate(inputs):
             if t is not None:
+                i = self._find(t)
                 if type(t) not in _PLAIN:
                     self.fail(f"an input is a {type(t).__name__}")
-                elif self._find(t) is not None:
-                    self.fail("the same tensor is given as two inputs")
-                else:
+                elif i is None:
                     self.ids[id(t)] = (weakref.ref(t), self.n)
+                elif groups is None or groups[i] != groups[j]:
+                    self.fail("the same tensor is given as two inputs")
             self.n += 1
 
     def fail(self, why: str) -> None:
@@ -372,9 +385,8 @@ class _Recorder(TorchDispatchMode):
             i = self._find(v)
             if i is not None:
                 return _S(i)
-            root = v._base if v._base is not None else v
-            k = self.known.get(id(root))
-            if k is not None and k[1] is root:
+            k = self.known.get((v.device, v.untyped_storage().data_ptr()))
+            if k is not None:
                 self.used[id(k[0])] = k[0]
                 return _K(v)
             raise _Unreplayable(
@@ -605,8 +617,10 @@ def record_forward(
     """Run the Python forward under a recorder, store what it recorded for ``sig`` and return
     the forward's outputs (its backward may then record too: ``ctx.fusible`` names the
     recording)."""
-    rec = _Recorder([x, *args], rc.known_tensors())
-    for p in args[plan.n_extra_in : plan.n_extra_in + plan.n_params]:
+    n, m = plan.n_extra_in, plan.n_extra_in + plan.n_params
+    groups = [0] * (1 + n) + [1] * plan.n_params + [2] * (len(args) - m)
+    rec = _Recorder([x, *args], rc.known_tensors(), groups=groups)
+    for p in args[n:m]:
         if not p.is_contiguous():
             rec.fail("a parameter is not contiguous (its strides are not in the signature)")
     with rec:
@@ -732,10 +746,34 @@ _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 _no_autocast = torch._C._DisableAutocast
 
 
+def _modes_block() -> bool:
+    """Whether an active ``TorchDispatchMode`` forbids replay: any mode does unless it declares
+    ``replay_transparent = True`` (it sees every operator and calls it unchanged, as a memory
+    tracker does: a replay's operators reach it as the Python executor's would)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return not all(
+        getattr(m, "replay_transparent", False) for m in _get_current_dispatch_mode_stack()
+    )
+
+
 def _autocast_key() -> tuple[Any, ...]:
     return tuple(
         (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
     )
+
+
+def _extras_key(x: torch.Tensor, extras: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The extra inputs' part of a forward signature: each one's :func:`_meta` and which
+    earlier input it is (``block(x, x)``: the recording reads one tensor there), or -1."""
+    out: tuple[Any, ...] = ()
+    for j, t in enumerate(extras):
+        same = 0 if t is x else -1
+        for i in range(j):
+            if same < 0 and extras[i] is t:
+                same = i + 1
+        out += ((t.shape, t.stride(), t.dtype, t.device, t._base is None, same),)
+    return out
 
 
 def _meta(ts: Any) -> tuple[Any, ...]:
@@ -758,7 +796,7 @@ def forward(ctx: Any, plan: Any, consts: Any, x: torch.Tensor, args: tuple[Any, 
     why = None
     if _top_hooks is None or _top_hooks(True) is not None:
         why = "saved_tensor_hooks"
-    elif _dispatch_depth():
+    elif _dispatch_depth() and _modes_block():
         why = "dispatch_mode"
     elif _function_mode():
         why = "torch_function_mode"
@@ -779,7 +817,7 @@ def forward(ctx: Any, plan: Any, consts: Any, x: torch.Tensor, args: tuple[Any, 
     )  # fmt: skip
     n = plan.n_extra_in
     if n:
-        sig += (_meta(args[:n]),)
+        sig += (_extras_key(x, args[:n]),)
     if 1 in consts[0]:
         sig += (_meta(args[n + plan.n_params :]),)
     entry = rc.last if sig == rc.last_sig else rc.lookup(sig)
@@ -823,7 +861,7 @@ def backward(ctx: Any, dy: Any, out_grads: tuple[Any, ...]) -> Any:
         why = "disabled"
     elif _grad_enabled():
         why = "grad_mode"
-    elif _dispatch_depth():
+    elif _dispatch_depth() and _modes_block():
         why = "dispatch_mode"
     elif _function_mode():
         why = "torch_function_mode"
