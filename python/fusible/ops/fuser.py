@@ -695,7 +695,8 @@ def run_plan(
     if cache_params is None:
         cache_params = params
     ws_flat: list[torch.Tensor | None] = []
-    if is_first_microbatch is None:
+    # (No slots: is_first_microbatch is not read, so torch.compile does not specialize on it.)
+    if not plan.workspace_slots or is_first_microbatch is None:
         modes: Any = plan.ws_off  # nothing cached: every slot quantizes and keeps nothing
     else:
         modes = []

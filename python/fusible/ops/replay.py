@@ -901,6 +901,8 @@ def backward(ctx: Any, dy: Any, out_grads: tuple[Any, ...]) -> Any:
             )  # fmt: skip
         else:
             if entry is None:
+                if len(frec.backward) >= MAX_SIGNATURES:
+                    frec.backward.clear()  # bounded (gradient layouts rarely vary)
                 frec.backward[bsig] = _SEEN
             _STATS["backward.python"] += 1
             grads = _PY_BACKWARD(ctx, dy, out_grads, frec, None, None)
