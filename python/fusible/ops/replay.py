@@ -10,12 +10,12 @@ and aten: views, copies, factories...) with its arguments, each tensor argument 
 *slot*: an input of the function (``x``, extra inputs, parameters, workspaces given; in backward
 the saved tensors and the output gradients), an output of an earlier recorded call, or a
 *constant* (a recipe-state buffer or a view of one -- delayed-scaling ``amax_history`` /
-``scale`` --, kept by reference, its identity guarded at every replay). The outputs, the tensors
-saved for backward, the saved layout and the ops' ``ctx.attrs`` are recorded as slots /
-constants too. The recording is compiled into one straight-line Python function (one statement
-per kernel call, each operator overload prebound -- ``OpOverload._op``, no dispatch mode, no
-``OpOverload.__call__`` frame --, every slot deleted right after its last use) that later calls
-of the signature run instead of the executor.
+``scale`` --, kept by reference, its holder's buffers guarded by identity at every replay). The
+outputs, the tensors saved for backward, the saved layout and the ops' ``ctx.attrs`` are
+recorded as slots / constants too. The recording is compiled into one straight-line Python
+function (one statement per kernel call, each operator overload prebound -- ``OpOverload._op``,
+no dispatch mode, no ``OpOverload.__call__`` frame --, every slot deleted right after its last
+use) that later calls of the signature run instead of the executor.
 
 Decisions (docs/architecture.md, "The replay executor", repeats them):
 
@@ -26,31 +26,34 @@ Decisions (docs/architecture.md, "The replay executor", repeats them):
   and recipe-state generations, dtypes, devices, parameter shapes / types / contiguity and
   requires-grad, grad mode, training flags, fusion registry -- is part of it), the constants
   handed to ``_PlanFunction`` (workspace modes, per-call constants), the input's shape, strides
-  and whether it is a view, each extra input's and each workspace tensor's shape / strides /
-  dtype / device / view-ness, inference mode (plans built with grad off), the ``torch.autocast``
-  state when any is on, and :data:`fusible.ops.op.CONFIG_EPOCH` (bumped when a public attribute
-  of any op is assigned: ``Dropout.p``, ``LayerNorm.eps`` ... are read by the Python at every
-  step). The identity of the recipe-state buffers the recording reads is a guard checked at each
-  replay (a moved or rebuilt state re-records). Backward: the output gradients' None-pattern and
-  strides, and the ``torch.autocast`` state.
+  and whether it is a view, each extra input's shape / strides / dtype / device / view-ness and
+  which earlier input it is the same tensor as (``block(x, x)``), each given workspace tensor's
+  metadata, inference mode (plans built with grad off), the ``torch.autocast`` state when any is
+  on (the replay then runs with autocast off: the recorded calls are its casts' results), and
+  :data:`fusible.ops.op.CONFIG_EPOCH` (bumped when a public attribute of any op is assigned:
+  ``Dropout.p``, ``LayerNorm.eps`` ... are read by the Python at every step). The identity of
+  the recipe-state buffers the recording reads is a guard checked at each replay (a moved or
+  rebuilt state re-records). Backward: the output gradients' None-pattern and strides, and the
+  ``torch.autocast`` state.
 * **What is not replayed** (the Python executor runs, counted in :func:`stats` under
   ``fallback.<reason>``): ``torch.compile`` tracing (never replayed), saved-tensor hooks active
-  (activation checkpointing, offloading: the hooks may hand backward other tensors), any
-  ``TorchDispatchMode`` (user, fake, proxy) or ``TorchFunctionMode`` active, a
+  (activation checkpointing, offloading: the hooks may hand backward other tensors), a
+  ``TorchDispatchMode`` (user, fake, proxy; unless it declares ``replay_transparent = True``:
+  an observer that calls every operator unchanged) or a ``TorchFunctionMode`` active, a
   ``fusible.checkpoint`` scale log active, anomaly mode, CUDA graph capture (the graph's own
   replay is the fast path there; capturing runs the Python executor), grad mode on in backward
   (``create_graph``), ``FUSIBLE_REPLAY=0``. A signature is not replayable when its recording saw a
   call it cannot represent: an operator returning a Python scalar or a data-dependent shape (a
   host sync: ``.item()``, ``nonzero``), a tensor argument that is neither a slot nor a known
   recipe-state buffer, a tensor subclass, an argument of another type (a process group: the
-  collectives of ``ops.AllGather`` & co.), the same tensor given as two inputs, a non-contiguous
-  parameter, ``ctx.attrs`` holding a tensor. A plan is not replayable when one of its ops, fused
-  ops or quantizers is of a class defined outside fusible that does not declare
-  ``replayable = True`` (its Python may have side effects the recorder cannot see), or a
-  parameter is a ``QuantizedTensor`` (its data are Python attributes).
+  collectives of ``ops.AllGather`` & co.), one tensor given as two inputs of different kinds, a
+  non-contiguous parameter, ``ctx.attrs`` holding a tensor. A plan is not replayable when one
+  of its ops, fused ops or quantizers is of a class defined outside fusible that does not
+  declare ``replayable = True`` (its Python may have side effects the recorder cannot see), or
+  a parameter is a ``QuantizedTensor`` (its data are Python attributes).
 * **Side effects outside tensors** are replayed explicitly or guarded: the delayed-scaling
   registrations (``end_forward_pass_of_plan`` in ``Sequential.forward``,
-  ``end_backward_pass`` in ``_PlanFunction.backward``) run outside the recorded region at every
+  ``end_backward_pass_of_plan`` after the backward) run outside the recorded region at every
   step; the amax recording is an in-place ``torch.maximum(out=)`` on a constant, replayed as
   any call; ``ctx.attrs`` and the saved layout are kept per recording, so a backward that must
   run the Python executor after a replayed forward (a new backward signature, a fallback) gets
@@ -60,11 +63,12 @@ Decisions (docs/architecture.md, "The replay executor", repeats them):
   empties); calls whose outputs nobody reads and that have no side effect (no mutable argument,
   not random) are dropped. So a replay never holds a tensor longer than the Python executor.
 * **Bounded**: at most :data:`MAX_SIGNATURES` recordings per plan (least recently used
-  dropped), and recordings live on their plan (a dropped model frees them).
+  dropped; as many backward signatures per recording), and recordings live on their plan (a
+  dropped model frees them).
 * **Numerics**: the same kernels with the same arguments in the same order: bit-identical.
-  ``FUSIBLE_REPLAY_CHECK=1`` (or :func:`configure`) runs both at every step on the same state
-  (recipe-state buffers and RNG restored in between) and raises :class:`ReplayMismatch`
-  naming the plan and the first differing call.
+  ``FUSIBLE_REPLAY_CHECK=1`` (or :func:`configure`) runs both at every replayable step on the
+  same state (recipe-state buffers and RNG restored in between) and raises
+  :class:`ReplayMismatch` naming the plan and the first differing call.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fusible.ops.op import CONFIG_EPOCH
+from fusible.ops.op import CONFIG_EPOCH, RECORDED_OPS
 from fusible.quantization.quantizers import _log_stack
 
 __all__ = [
@@ -399,8 +403,8 @@ class _Recorder(TorchDispatchMode):
             return v
         if t is float:
             return v if math.isfinite(v) else _K(v)
-        if t in (list, tuple):
-            return t(self._arg(e, func) for e in v)
+        if t in (list, tuple, torch.Size):
+            return (list if t is list else tuple)(self._arg(e, func) for e in v)
         if isinstance(v, _OBJECTS):
             return _K(v)
         raise _Unreplayable(f"{func}: an argument of type {t.__name__}")
@@ -626,6 +630,8 @@ def record_forward(
     with rec:
         outs = _PY_FORWARD(ctx, plan, consts, x, args, rec)
     _STATS["forward.record"] += 1
+    for op in plan.ops:  # from now on, assigning their public attributes bumps CONFIG_EPOCH
+        RECORDED_OPS.add(op)
     entry: Any
     try:
         if rec.failed is not None:
