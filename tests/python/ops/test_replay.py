@@ -39,6 +39,13 @@ import peak_memory as pm  # noqa: E402
 H, F, T = 64, 128, 32  # MXFP8 and blockwise FP8 want multiples of 32 / 16
 
 
+@pytest.fixture(autouse=True)
+def _default_options():
+    """Replay on, the check mode off (whatever FUSIBLE_REPLAY / FUSIBLE_REPLAY_CHECK say)."""
+    with replay.options(enabled=True, check=False):
+        yield
+
+
 def _custom(role: QuantizerRole) -> Any:
     # A custom recipe: current scaling for activations and weights, high precision for fc2's
     # gradient, delayed scaling (a RoleRules child) nowhere -- routing by role.
