@@ -875,6 +875,8 @@ def backward(ctx: Any, dy: Any, out_grads: tuple[Any, ...]) -> Any:
         why = "scale_log"
     elif _anomaly():
         why = "anomaly_mode"
+    elif dy is not None and dy.is_cuda and _capturing():
+        why = "cuda_graph_capture"
     if why is None:
         auto = _any_autocast()
         bsig = (
