@@ -76,6 +76,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import keyword
 import math
 import os
 import weakref
@@ -335,6 +336,23 @@ def _walk(t: Any, kind: type) -> Iterator[Any]:
             yield from _walk(v, kind)
 
 
+def _has_tensor(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, dict):
+        v = list(v.values())
+    return isinstance(v, (list, tuple, set, frozenset)) and any(_has_tensor(e) for e in v)
+
+
+def _tensors(t: Any) -> Iterator[torch.Tensor]:
+    """The tensors of an operator's output, in order (as :func:`_walk` finds their slots)."""
+    if isinstance(t, torch.Tensor):
+        yield t
+    elif isinstance(t, (list, tuple)):
+        for v in t:
+            yield from _tensors(v)
+
+
 class _Recorder(TorchDispatchMode):
     """Records the calls of one run of the Python executor (see the module docstring).
     ``inputs``: the function's tensor inputs in slot order (None: no tensor there);
@@ -440,9 +458,7 @@ class _Recorder(TorchDispatchMode):
             except _Unreplayable as e:
                 self.fail(str(e))
         if self.trace:
-            leaves = [o for o in _walk(out, torch.Tensor)]
-            leaves += [o for o in _walk(out, torch.nn.Parameter)]
-            self.traced.append((str(func), [o.clone() for o in leaves]))
+            self.traced.append((str(func), [o.clone() for o in _tensors(out)]))
         return out
 
     def slot_of(self, v: Any) -> Any:
@@ -591,7 +607,9 @@ def _compile(
     for j, c in enumerate(kept):
         f = f"F{j}"
         ns[f] = c.func._op
-        args = [expr(a) for a in c.args] + [f"{k}={expr(v)}" for k, v in c.kwargs.items()]
+        args = [expr(a) for a in c.args]
+        for k, v in c.kwargs.items():  # a keyword-only argument named like a Python keyword
+            args.append(f"**{{{k!r}: {expr(v)}}}" if keyword.iskeyword(k) else f"{k}={expr(v)}")
         dead: list[str] = []
         tgt = target(c.outs, dead)
         lines.append(f"{tgt} = {f}({', '.join(args)})  # {c.name}")
@@ -650,11 +668,8 @@ def _finish_forward(plan: Any, rec: _Recorder, outs: tuple[Any, ...], consts: An
     attrs = []
     for c in ctxs:
         a = dict(c.attrs)
-        for v in a.values():
-            if any(True for _ in _walk(v, torch.Tensor)) or any(
-                True for _ in _walk(v, torch.nn.Parameter)
-            ):
-                raise _Unreplayable("an op keeps a tensor in ctx.attrs")
+        if _has_tensor(a):
+            raise _Unreplayable("an op keeps a tensor in ctx.attrs")
         attrs.append(a)
     outputs = [rec.slot_of(v) for v in outs]
     saved = [rec.slot_of(v) for v in tensors]
