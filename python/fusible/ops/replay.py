@@ -348,7 +348,7 @@ def _tensors(t: Any) -> Iterator[torch.Tensor]:
     """The tensors of an operator's output, in order (as :func:`_walk` finds their slots)."""
     if isinstance(t, torch.Tensor):
         yield t
-    elif isinstance(t, (list, tuple)):
+    elif isinstance(t, (list, tuple, type({}.values()))):
         for v in t:
             yield from _tensors(v)
 
@@ -454,6 +454,11 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.failed is None:
             try:
+                if any(not t.is_cpu for t in _tensors((args, kwargs.values()))) and any(
+                    t.is_cpu for t in _tensors(out)
+                ):
+                    # A device-to-host copy: the Python may read its values without dispatch.
+                    raise _Unreplayable(f"{func}: copies to the host (a host sync)")
                 self.calls.append(_Call(func, targs, tkw, self._out(out, func)))
             except _Unreplayable as e:
                 self.fail(str(e))

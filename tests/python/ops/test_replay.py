@@ -512,6 +512,32 @@ def test_disabled_by_environment_variable():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe_name", ["none", "delayed", "current", "mxfp8", "blockwise"])
+def test_cuda_replay_equals_python(recipe_name):
+    # On the GPU too every signature of the block replays (no call it cannot represent).
+    def run(enabled):
+        torch.manual_seed(0)
+        model = _block().cuda().to(torch.bfloat16)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        out = []
+        with replay.options(enabled=enabled):
+            for _ in range(5):
+                x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+                out += _steps(model, [x], RECIPES[recipe_name])
+                out += [p.grad.clone() for p in model.parameters()]
+                opt.step()
+                opt.zero_grad()
+        return out + _state(model)
+
+    want = run(False)
+    replay.reset_stats()
+    _assert_same(want, run(True))
+    stats = replay.stats()
+    assert stats["forward.replay"] == 3 and stats["backward.replay"] == 2, stats
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_capture_runs_the_python_executor():
     torch.manual_seed(0)
     model = _block().cuda()
