@@ -34,6 +34,10 @@ RECIPES = ("none", "delayed", "current")
 
 
 class _Record(TorchDispatchMode):
+    # An observer: fusible's replay executor (ops/replay.py) keeps replaying under it, so the
+    # recorded operators are those of a replayed step.
+    replay_transparent = True
+
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []

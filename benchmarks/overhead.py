@@ -9,9 +9,12 @@ Two tables:
    recipe is set, then ``y.float().sum().backward()``) after 3 warm-up steps, and the ratio to
    torch eager. MXFP8 needs the token count divisible by 32: its row runs 32 tokens and is
    compared with a torch eager row at 32 tokens.
-2. Host time per step (CUDA only): wall time of N steps (forward, backward, ``opt.step()``,
+2. Host time per step: wall time of N steps (forward, backward, ``opt.step()``,
    ``zero_grad(set_to_none=True)``) issued back to back with one synchronize at the end, divided
-   by N. At this tiny shape the GPU idles, so this is the host's time per step. Three modes:
+   by N. At this tiny shape the GPU idles, so this is the host's time per step (on the CPU
+   (``--device cpu``) the kernels run on the host too: the time includes their arithmetic, in
+   float32, and the ``graphed`` mode does not exist; the default modes there are ``eager``).
+   Three modes:
    ``eager``; ``compiled`` (``torch.compile(fullgraph=True)`` of the forward, autocast inside,
    backward and optimizer outside; one eager step first); ``graphed`` (forward, backward and
    ``opt.step()`` captured in one CUDA graph and replayed: each replay overwrites the grads, so
@@ -19,6 +22,7 @@ Two tables:
    ``graphs`` counts the graphs torch.compile made for a compiled row (1 = no recompiles).
 
     python benchmarks/overhead.py                # on the GPU: both tables, JSON into results/
+    python benchmarks/overhead.py --device cpu   # both tables on the CPU (eager host time)
     python benchmarks/overhead.py --calls-only   # call counts on CPU only (CI prints these);
                                                  # JSON only with --out
     python benchmarks/overhead.py --calls-only --calls-top 30   # + the most called functions
@@ -299,8 +303,10 @@ def main() -> None:
     ap.add_argument("--calls-only", action="store_true",
                     help="only the Python call counts, on CPU (fast; what CI runs)")  # fmt: skip
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                    help="call counts' device (auto: CPU if --calls-only, else CUDA)")  # fmt: skip
-    ap.add_argument("--modes", default=",".join(MODES), help="host-time modes")
+                    help="the tables' device (auto: CPU if --calls-only, else CUDA)")  # fmt: skip
+    ap.add_argument("--modes", default=None,
+                    help=f"host-time modes (default: {','.join(MODES)} on CUDA, eager on the "
+                         "CPU)")  # fmt: skip
     ap.add_argument("--iters", type=int, default=200, help="steps per host-time measurement")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
     ap.add_argument("--calls-top", type=int, default=0, metavar="N",
@@ -312,9 +318,10 @@ def main() -> None:
     device = args.device
     if device == "auto":
         device = "cpu" if args.calls_only else "cuda"
-    if (device == "cuda" or not args.calls_only) and not torch.cuda.is_available():
-        raise SystemExit("benchmarks/overhead.py needs a CUDA GPU (or --calls-only: CPU counts)")
-    modes = [m for m in args.modes.split(",") if m]
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmarks/overhead.py: no CUDA GPU (--device cpu runs on the CPU)")
+    default_modes = ",".join(MODES) if device == "cuda" else "eager"
+    modes = [m for m in (args.modes or default_modes).split(",") if m]
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"--modes: unknown mode {m!r} (choose from {', '.join(MODES)})")
@@ -329,9 +336,10 @@ def main() -> None:
     print_table(calls, ["variant", "tokens", "calls", "vs_torch_eager"])
     payload["calls"] = calls
     if not args.calls_only:
-        host = host_table("cuda", modes, args.iters)
+        host = host_table(device, modes, args.iters)
+        what = "bf16 CUDA" if device == "cuda" else "float32 CPU, kernels' arithmetic included"
         print(f"host time per step, {args.iters} steps back to back (fwd, bwd, SGD step, "
-              "zero_grad), bf16 CUDA; ratios to torch eager at the same token count")  # fmt: skip
+              f"zero_grad), {what}; ratios to torch eager at the same token count")  # fmt: skip
         print_table(host, ["variant", "tokens", "host_us_per_step", "vs_torch_eager", "graphs"])
         payload["host"] = host
     if args.out or not args.calls_only:

@@ -10,10 +10,12 @@ is then a loop over prepared units.
 
 Plans are owned by the ``Sequential`` that built them (``Sequential._plans``): a dropped model
 frees its plans, its ops and their parameters. One ``torch.autograd.Function`` runs a plan; its
-arguments are tensors and plain constants (the plan's integer id), never a module, so
-``torch.compile`` traces it. The id resolves through :data:`_SLOTS`, attributes of a plain object
-(``torch.compile`` reads attributes live at trace time, while a dict would be read as it was when
-the trace first touched it, and miss plans built later in the same trace).
+arguments are tensors and plain constants (the plan's integer id; eagerly, where nothing traces
+it, the plan object itself), never a module, so ``torch.compile`` traces it. Eagerly its passes
+go through the replay executor (ops/replay.py). The id resolves through :data:`_SLOTS`,
+attributes of a plain object (``torch.compile`` reads attributes live at trace time, while a dict
+would be read as it was when the trace first touched it, and miss plans built later in the same
+trace).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fusible.ops import registry
+from fusible.ops import replay as _replay
 from fusible.ops.op import BasicOperation, FusedOperation, OpContext
 from fusible.ops.workspace import (
     WorkspaceCache,
@@ -97,6 +100,8 @@ class Plan:
     n_extra_in: int = 0
     n_params: int = 0
     n_extra_out: list[int] = field(default_factory=list)
+    n_out: int = 1  # the function's outputs before the new workspaces: y and the extra outputs
+    ws_off: tuple[int, ...] = ()  # every workspace slot's mode without the cache (mode 0)
     # (start, stop, fused, next op's input quantizer) per forward unit.
     forward_steps: list[tuple[int, int, FusedOperation | None, Quantizer | None]] = field(
         default_factory=list
@@ -114,6 +119,10 @@ class Plan:
     backward_states: list[Any] = field(default_factory=list)
     # The forward units' results are checked on the first (eager) run only.
     checked: bool = False
+    # Built with grad mode on (then inference mode cannot be on: it turns grad mode off).
+    grad_enabled: bool = True
+    # The plan's replay recordings (ops/replay.py: a PlanReplay), made at its first eager run.
+    replay: Any = None
 
 
 def _build_units(
@@ -192,6 +201,7 @@ def build_plan(
     counts = [len(p) for p in op_params]
     plan = Plan(ops, fwd, bwd, rejected, recipe, counts, registry.fusion_enabled())
     plan.id = next(_IDS)
+    plan.grad_enabled = grad_enabled
     n_in = [op.num_extra_inputs for op in ops]
     extra_rg = list(extra_requires_grad) if extra_requires_grad is not None else []
     extra_rg += [True] * (sum(n_in) - len(extra_rg))
@@ -206,6 +216,7 @@ def build_plan(
     plan.param_bounds, plan.extra_in_bounds = bounds(counts), bounds(n_in)
     plan.n_params, plan.n_extra_in = sum(counts), sum(n_in)
     plan.n_extra_out = [op.num_extra_outputs for op in ops]
+    plan.n_out = 1 + sum(plan.n_extra_out)
     # An op's input needs a gradient if the plan input does, or an earlier op has trainable
     # parameters or extra inputs; backward stops at the first op where neither holds.
     upstream = input_requires_grad and grad_enabled
@@ -232,8 +243,15 @@ def build_plan(
             plan.workspace_slots.append(slot)
         if op.call_kwargs:
             plan.call_ops.append((i, tuple(op.call_kwargs)))
-    plan.forward_states = [s for op in ops if (s := op.recipe_state(True)) is not None]
-    plan.backward_states = [s for op in ops if (s := op.recipe_state(False)) is not None]
+    plan.ws_off = (0,) * len(plan.workspace_slots)
+    # The states to register for the delayed-scaling update at the end of each pass: those
+    # holding delayed-scaling state (registering the others is a no-op, at every step).
+    plan.forward_states = [
+        s for op in ops if (s := op.recipe_state(True)) is not None and s.delayed_states()
+    ]
+    plan.backward_states = [
+        s for op in ops if (s := op.recipe_state(False)) is not None and s.delayed_states()
+    ]
     setattr(_SLOTS, f"p{plan.id}", plan)
     return plan
 
@@ -459,7 +477,12 @@ class _PlanFunction(torch.autograd.Function):
     input, the extra inputs, every op's parameters, and the cached weight workspaces given
     (flattened). Outputs: the output, the extra outputs, then the new workspaces
     (flattened, not differentiable). Workspace modes: 0 quantize the weight and keep nothing,
-    1 use the workspace given, 2 quantize and return the new workspace."""
+    1 use the workspace given, 2 quantize and return the new workspace.
+
+    Eagerly both passes go through the replay executor (ops/replay.py): a step signature seen
+    before replays its recorded kernel calls, anything else runs the Python executor
+    (:func:`_forward_python` / :func:`_backward_python`). Traced (torch.compile), always the
+    Python executor: the graph is the replay there."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -469,120 +492,169 @@ class _PlanFunction(torch.autograd.Function):
         x: torch.Tensor,
         *args: torch.Tensor,
     ) -> Any:
-        plan = plan_by_id(plan_id)
-        ws_modes, calls = consts
-        n_extra = plan.n_extra_in
-        extra_in = [args[a:b] for a, b in plan.extra_in_bounds]
-        params = [args[n_extra + a : n_extra + b] for a, b in plan.param_bounds]
-        ctxs = [OpContext(f[0], f[1], None, None, p) for f, p in plan.ctx_args]
-        if calls is not None:
-            for (i, _), call in zip(plan.call_ops, calls, strict=True):
-                ctxs[i].call = call
-        pos = n_extra + plan.n_params
-        for slot, mode in zip(plan.workspace_slots, ws_modes, strict=True):
-            c = ctxs[slot.op_index]
-            ws = None
-            if mode == 1:
-                n = workspace_len(slot.meta)
-                ws = unflatten_workspace(list(args[pos : pos + n]), slot.meta)
-                pos += n
-            if slot.key is None:
-                c.workspace, c.cache_weight = ws, mode == 2
-                continue
-            if not isinstance(c.cache_weight, dict):  # the op's first keyed workspace
-                c.workspace, c.cache_weight, c.new_workspace = {}, {}, {}
-            if ws is not None:
-                c.workspace[slot.key] = ws
-            c.cache_weight[slot.key] = mode == 2
-        y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
-        compiling = torch.compiler.is_compiling()
-        if type(y) is not torch.Tensor and not isinstance(y, torch.Tensor):
-            y = y.dequantize()
-        elif not compiling and y._base is not None:
-            # A view (a GEMM's 2-D output reshaped) would make the output a view of an autograd
-            # output, which in-place ops (y += residual) reject: an alias that is not a view.
-            y = y.detach()
-        tensors: list[torch.Tensor] = []
-        saved_lists: list[Any] = []
-        for c in ctxs:
-            saved_lists += (c.saved,)
-        layout = _pack(saved_lists, tensors, not compiling)
-        del saved_lists
-        ctx.save_for_backward(*tensors)
-        # Saved-tensor hooks (activation checkpointing, offloading, user hooks) may hand backward
-        # other tensors than forward saved: their containers are then rebuilt with validation.
-        same = not compiling and not _saved_tensor_hooks_active()
-        flat_out: list[Any] = []
-        for eo in extra_out:
-            flat_out += eo
-        new_ws: list[torch.Tensor] = []
-        for slot, mode in zip(plan.workspace_slots, ws_modes, strict=True):
-            if mode == 2:
-                made = ctxs[slot.op_index].new_workspace
-                if slot.key is not None:
-                    made = made[slot.key]
-                new_ws.extend(flatten_workspace(made)[0])  # type: ignore[arg-type]
-        if new_ws:
-            ctx.mark_non_differentiable(*new_ws)
-        if compiling:
-            ctx.fusible = (plan, layout, [c.attrs for c in ctxs], same)
-        else:
-            # Eagerly backward reuses the forward's contexts (their flags, prep, attrs), with
-            # the saved values handed back in place of what forward put there.
-            for c in ctxs:
-                c.saved, c.workspace, c.new_workspace = [], None, None
-            ctx.fusible = (plan, layout, ctxs, same)
-        return (y, *flat_out, *new_ws)
+        if type(plan_id) is Plan:  # run_plan's eager call hands the plan itself
+            return _replay.forward(ctx, plan_id, consts, x, args)
+        if not torch.compiler.is_compiling():
+            return _replay.forward(ctx, plan_by_id(plan_id), consts, x, args)
+        return _forward_python(ctx, plan_by_id(plan_id), consts, x, args, None, True)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor | None, *out_grads: torch.Tensor | None) -> Any:  # type: ignore[override]
-        plan, layout, held, same = ctx.fusible
-        compiling = torch.compiler.is_compiling()
-        # Containers are rebuilt without validation only when nothing could have changed the
-        # saved tensors (no saved-tensor hooks at forward time). ``saved_tensors`` once:
-        # checkpointing unpacks each saved tensor once.
-        saved_lists = _unpack(layout, ctx.saved_tensors, same and not compiling)
-        if not compiling:
-            # Autograd's references to the saved tensors go now (unless it keeps the graph:
-            # retain_graph / create_graph), as torch's compiled backward does: the units' ctxs
-            # then hold the only ones, and each unit's are dropped once it is done
-            # (_backward_units), so an activation is freed after the last backward that reads
-            # it instead of after the whole plan's backward.
-            ctx.maybe_clear_saved_tensors()
-        if compiling:
-            ctxs = [
-                OpContext(f[0], f[1], s, a, p)
-                for (f, p), s, a in zip(plan.ctx_args, saved_lists, held, strict=True)
-            ]
-        else:
-            ctxs = held
-            for c, s in zip(ctxs, saved_lists, strict=True):
-                c.saved = s
-            del s  # the last list: its op's backward must hold the only reference
-        del saved_lists
-        eog: list[Any] = []
-        pos = 0
-        for n in plan.n_extra_out:
-            eog += (list(out_grads[pos : pos + n]),)
-            pos += n
-        if dy is not None and not dy.is_contiguous():
-            dy = dy.contiguous()  # e.g. the expanded gradient of a sum(): kernels read rows
-        dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
+        if ctx.fusible[4] is not None:  # the forward was recorded or replayed
+            return _replay.backward(ctx, dy, out_grads)
+        grads = _backward_python(ctx, dy, out_grads, None, None, None)
+        plan = ctx.fusible[0]
         if plan.backward_states:
-            _autocast.end_backward_pass(plan.backward_states)
-        if dx is not None and ctx.needs_input_grad[2]:
-            if type(dx) is not torch.Tensor:
-                dx = _dequantize_if_needed(dx)
-        else:
-            dx = None
-        grads: list[Any] = [None, None, dx]
-        for eg in extra_in_grads:
-            grads += eg
-        for pg in param_grads:
-            grads += pg
-        # The rest: the workspace inputs (not differentiable).
-        grads += (None,) * (len(ctx.needs_input_grad) - 3 - plan.n_extra_in - plan.n_params)
-        return tuple(grads)
+            _autocast.end_backward_pass_of_plan(plan.backward_states)
+        return grads
+
+
+def _forward_python(
+    ctx: Any,
+    plan: Plan,
+    consts: tuple[tuple[int, ...], tuple[Any, ...] | None],
+    x: torch.Tensor,
+    args: tuple[Any, ...],
+    record: Any,
+    compiling: bool = False,
+) -> Any:
+    """The Python executor's forward of :class:`_PlanFunction`. ``record``: a replay recorder
+    running it (ops/replay.py), which gets the saved tensors, their layout, the contexts and the
+    number of new workspaces as ``record.result``."""
+    ws_modes, calls = consts
+    n_extra = plan.n_extra_in
+    extra_in = [args[a:b] for a, b in plan.extra_in_bounds]
+    params = [args[n_extra + a : n_extra + b] for a, b in plan.param_bounds]
+    ctxs = [OpContext(f[0], f[1], None, None, p) for f, p in plan.ctx_args]
+    if calls is not None:
+        for (i, _), call in zip(plan.call_ops, calls, strict=True):
+            ctxs[i].call = call
+    pos = n_extra + plan.n_params
+    for slot, mode in zip(plan.workspace_slots, ws_modes, strict=True):
+        c = ctxs[slot.op_index]
+        ws = None
+        if mode == 1:
+            n = workspace_len(slot.meta)
+            ws = unflatten_workspace(list(args[pos : pos + n]), slot.meta)
+            pos += n
+        if slot.key is None:
+            c.workspace, c.cache_weight = ws, mode == 2
+            continue
+        if not isinstance(c.cache_weight, dict):  # the op's first keyed workspace
+            c.workspace, c.cache_weight, c.new_workspace = {}, {}, {}
+        if ws is not None:
+            c.workspace[slot.key] = ws
+        c.cache_weight[slot.key] = mode == 2
+    y, extra_out = _forward_units(plan, ctxs, x, params, extra_in)
+    if type(y) is not torch.Tensor and not isinstance(y, torch.Tensor):
+        y = y.dequantize()
+    elif not compiling and y._base is not None:
+        # A view (a GEMM's 2-D output reshaped) would make the output a view of an autograd
+        # output, which in-place ops (y += residual) reject: an alias that is not a view.
+        y = y.detach()
+    tensors: list[torch.Tensor] = []
+    saved_lists: list[Any] = []
+    for c in ctxs:
+        saved_lists += (c.saved,)
+    layout = _pack(saved_lists, tensors, not compiling)
+    del saved_lists
+    ctx.save_for_backward(*tensors)
+    # Saved-tensor hooks (activation checkpointing, offloading, user hooks) may hand backward
+    # other tensors than forward saved: their containers are then rebuilt with validation.
+    same = not compiling and not _saved_tensor_hooks_active()
+    flat_out: list[Any] = []
+    for eo in extra_out:
+        flat_out += eo
+    new_ws: list[torch.Tensor] = []
+    for slot, mode in zip(plan.workspace_slots, ws_modes, strict=True):
+        if mode == 2:
+            made = ctxs[slot.op_index].new_workspace
+            if slot.key is not None:
+                made = made[slot.key]
+            new_ws.extend(flatten_workspace(made)[0])  # type: ignore[arg-type]
+    if new_ws:
+        ctx.mark_non_differentiable(*new_ws)
+    if compiling:
+        ctx.fusible = (plan, layout, [c.attrs for c in ctxs], same, None)
+    else:
+        # Eagerly backward reuses the forward's contexts (their flags, prep, attrs), with
+        # the saved values handed back in place of what forward put there.
+        for c in ctxs:
+            c.saved, c.workspace, c.new_workspace = [], None, None
+        ctx.fusible = (plan, layout, ctxs, same, None)
+    if record is not None:
+        record.result = (tensors, layout, ctxs, len(new_ws))
+    return (y, *flat_out, *new_ws)
+
+
+def _backward_python(
+    ctx: Any,
+    dy: torch.Tensor | None,
+    out_grads: tuple[torch.Tensor | None, ...],
+    frec: Any,
+    record: Any,
+    box: list[Any] | None,
+) -> tuple[Any, ...]:
+    """The Python executor's backward of :class:`_PlanFunction` (without the delayed-scaling
+    registration of the plan's backward states: the caller does it). ``frec``: the forward's
+    replay recording, whose contexts' attributes stand in for the forward's contexts when the
+    forward was replayed (``ctx.fusible`` holds none then). ``record``: a replay recorder
+    running this backward; ``box``: a list holding the saved tensors, read from ``ctx`` by the
+    caller (popped here: nothing else keeps them)."""
+    plan, layout, held, same, _ = ctx.fusible
+    compiling = torch.compiler.is_compiling()
+    # Containers are rebuilt without validation only when nothing could have changed the
+    # saved tensors (no saved-tensor hooks at forward time). ``saved_tensors`` once:
+    # checkpointing unpacks each saved tensor once.
+    saved_lists = _unpack(
+        layout, box.pop() if box is not None else ctx.saved_tensors, same and not compiling
+    )
+    if not compiling:
+        # Autograd's references to the saved tensors go now (unless it keeps the graph:
+        # retain_graph / create_graph), as torch's compiled backward does: the units' ctxs
+        # then hold the only ones, and each unit's are dropped once it is done
+        # (_backward_units), so an activation is freed after the last backward that reads
+        # it instead of after the whole plan's backward.
+        ctx.maybe_clear_saved_tensors()
+    if compiling or held is None:
+        # Traced, or eagerly after a replayed forward (frec): contexts made from the
+        # forward's attributes.
+        attrs = held if compiling else [dict(a) for a in frec.attrs]
+        ctxs = [
+            OpContext(f[0], f[1], s, a, p)
+            for (f, p), s, a in zip(plan.ctx_args, saved_lists, attrs, strict=True)
+        ]
+        if not compiling and frec.calls is not None:
+            for (i, _), call in zip(plan.call_ops, frec.calls, strict=True):
+                ctxs[i].call = call
+    else:
+        ctxs = held
+        for c, s in zip(ctxs, saved_lists, strict=True):
+            c.saved = s
+        del s  # the last list: its op's backward must hold the only reference
+    del saved_lists
+    eog: list[Any] = []
+    pos = 0
+    for n in plan.n_extra_out:
+        eog += (list(out_grads[pos : pos + n]),)
+        pos += n
+    if dy is not None and not dy.is_contiguous():
+        dy = dy.contiguous()  # e.g. the expanded gradient of a sum(): kernels read rows
+    dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
+    del ctxs
+    if dx is not None and ctx.needs_input_grad[2]:
+        if type(dx) is not torch.Tensor:
+            dx = _dequantize_if_needed(dx)
+    else:
+        dx = None
+    grads: list[Any] = [None, None, dx]
+    for eg in extra_in_grads:
+        grads += eg
+    for pg in param_grads:
+        grads += pg
+    # The rest: the workspace inputs (not differentiable).
+    grads += (None,) * (len(ctx.needs_input_grad) - 3 - plan.n_extra_in - plan.n_params)
+    return tuple(grads)
 
 
 def _cache(op: BasicOperation, key: int | None) -> WorkspaceCache:
@@ -614,19 +686,23 @@ def run_plan(
     is_first_microbatch: bool | None = None,
     cache_params: list[torch.Tensor] | None = None,
     calls: tuple[Any, ...] | None = None,
+    eager: bool | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Run ``plan`` on ``x`` with the flat parameter list ``params``; weight workspaces are looked
     up before and stored after the autograd function (see ops/workspace.py for the
     ``is_first_microbatch`` semantics), keyed by ``cache_params`` (the parameters themselves,
     when ``params`` are their casts for torch.autocast; default ``params``). ``calls``: the
-    per-call constants of the plan's ``call_ops`` (see :func:`call_args`)."""
+    per-call constants of the plan's ``call_ops`` (see :func:`call_args`). ``eager``: not
+    under torch.compile (None: found out here)."""
     if cache_params is None:
         cache_params = params
-    modes: list[int] = []
     ws_flat: list[torch.Tensor | None] = []
-    for slot in plan.workspace_slots:
-        mode = 0
-        if is_first_microbatch is not None:
+    # (No slots: is_first_microbatch is not read, so torch.compile does not specialize on it.)
+    if not plan.workspace_slots or is_first_microbatch is None:
+        modes: Any = plan.ws_off  # nothing cached: every slot quantizes and keeps nothing
+    else:
+        modes = []
+        for slot in plan.workspace_slots:
             ws = None
             if not is_first_microbatch:
                 op = plan.ops[slot.op_index]
@@ -635,13 +711,25 @@ def run_plan(
                     params[slot.param_index].dtype,
                 )  # fmt: skip
             if ws is None:
-                mode = 2  # first micro-batch, or an invalid cache: quantize and cache
+                modes.append(2)  # first micro-batch, or an invalid cache: quantize and cache
             else:
-                mode = 1
+                modes.append(1)
                 ws_flat.extend(flatten_workspace(ws)[0])
-        modes.append(mode)
-    outs = _PlanFunction.apply(plan.id, (tuple(modes), calls), x, *extra_inputs, *params, *ws_flat)
-    n_out = 1 + sum(plan.n_extra_out)
+        modes = tuple(modes)
+    if eager is None:
+        eager = not torch.compiler.is_compiling()
+    if not eager or _functorch_active():
+        # Traced: the function by plan id (see the module docstring). With functorch
+        # transforms, Function.apply's own path (which refuses a function without
+        # setup_context).
+        outs = _PlanFunction.apply(plan.id, (modes, calls), x, *extra_inputs, *params, *ws_flat)
+    else:
+        # Eagerly: the C++ apply with the plan itself (see _PlanFunction.forward), without
+        # Function.apply's Python wrapper (its functorch handling: checked above; it also
+        # unwraps tensors left wrapped by a finished functorch transform, which cannot reach
+        # here from a supported use).
+        outs = _apply(plan, (modes, calls), x, *extra_inputs, *params, *ws_flat)
+    n_out = plan.n_out
     if 2 in modes:
         new_ws = list(outs[n_out:])
         for slot, mode in zip(plan.workspace_slots, modes, strict=True):
@@ -675,4 +763,21 @@ def distinct_inputs(
 
 
 def params_of(ops: Sequence[BasicOperation]) -> list[torch.Tensor]:
-    return [p for op in ops for p in op._parameters.values() if p is not None]
+    # A loop over the dicts' keys: no call per op (this runs at every step).
+    out: list[torch.Tensor] = []
+    for op in ops:
+        d = op._parameters
+        for k in d:
+            p = d[k]
+            if p is not None:
+                out += (p,)
+    return out
+
+
+_functorch_active = torch._C._are_functorch_transforms_active
+# The C++ apply of the function (what Function.apply calls after its Python checks).
+_apply = super(torch.autograd.Function, _PlanFunction).apply  # type: ignore[misc]
+
+_replay._PY_FORWARD = _forward_python
+_replay._PY_BACKWARD = _backward_python
+_replay._END_BACKWARD = _autocast.end_backward_pass_of_plan

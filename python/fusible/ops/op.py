@@ -83,6 +83,16 @@ _STATE_GENS = itertools.count(1)
 #: Bumped whenever any op's active states change (built, stashed or restored): a Sequential
 #: re-activates its ops' states only when the recipe or this changed.
 ACTIVE_EPOCH = [0]
+#: Bumped whenever a public attribute of a basic op that a replay recording ran
+#: (:data:`RECORDED_OPS`) is assigned a new value (``Dropout.p``, ``LayerNorm.eps``, a
+#: parameter replaced, ...): the ops read such attributes in Python at every step, so the
+#: replay executor's recordings (ops/replay.py) are valid for one value of this counter only.
+#: ``training`` (in the plan key) and ``state_gen`` (likewise) do not bump it; nor does building
+#: or copying an op (not recorded yet).
+CONFIG_EPOCH = [0]
+RECORDED_OPS: weakref.WeakSet[BasicOperation] = weakref.WeakSet()
+_UNTRACKED = frozenset({"training", "state_gen"})
+_MISSING: Any = object()
 
 
 class BasicOperation(torch.nn.Module):
@@ -122,6 +132,16 @@ class BasicOperation(torch.nn.Module):
         # Recipe state loaded from a checkpoint before the state exists (it is built lazily, at the
         # first forward under a recipe); applied as soon as it is built.
         self._pending_recipe_state: dict[str, dict[str, torch.Tensor]] = {}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (
+            name[0] != "_"
+            and name not in _UNTRACKED
+            and self.__dict__.get(name, _MISSING) is not value
+            and self in RECORDED_OPS
+        ):
+            CONFIG_EPOCH[0] += 1  # see CONFIG_EPOCH
+        super().__setattr__(name, value)
 
     def _assign_uid(self) -> None:
         # Plans are cached by op uid; a copy (deepcopy, pickle) is a different op with its own

@@ -184,7 +184,10 @@ class Sequential(torch.nn.Module):
     def _runs(self) -> list[tuple[int, list[Any], int]]:
         """Maximal runs of basic ops, each ``(index, modules, number of extra inputs)``; each
         plain module is a run of its own (extra inputs -1). Cached until the children change."""
-        mods = tuple(self._modules.values())
+        mods: tuple[Any, ...] = ()
+        d = self._modules
+        for k in d:  # no call per step (a values() view is one)
+            mods += (d[k],)
         cache = self._runs_cache
         if cache is not None and cache[0] == mods:
             return cache[1]  # type: ignore[no-any-return]
@@ -245,13 +248,21 @@ class Sequential(torch.nn.Module):
         self, index: int, rkey: Any, x: torch.Tensor, extra: Any, params: list[torch.Tensor],
         ops: list[Any],
     ) -> tuple[Any, ...]:  # fmt: skip
+        # Loops, not comprehensions: this runs at every step (a comprehension is a call).
+        gens: tuple[Any, ...] = ()
+        training: tuple[bool, ...] = ()
+        for op in ops:
+            gens += (op.state_gen,)
+            training += (op.training,)
+        pkey: tuple[Any, ...] = ()
+        for p in params:
+            pkey += ((p.requires_grad, p.dtype, type(p), p.shape, p.device, p.is_contiguous()),)
+        erg: tuple[bool, ...] = ()
+        for t in extra:
+            erg += (t.requires_grad,)
         return (
-            index, x.requires_grad, torch.is_grad_enabled(),
-            tuple([t.requires_grad for t in extra]) if extra else (),
-            rkey, tuple([op.state_gen for op in ops]), x.dtype, x.device,
-            tuple([(p.requires_grad, p.dtype, type(p), p.shape, p.device, p.is_contiguous())
-                   for p in params]),
-            tuple([op.training for op in ops]), registry._VERSION[0], registry._DISABLED[0],
+            index, x.requires_grad, torch.is_grad_enabled(), erg, rkey, gens, x.dtype, x.device,
+            pkey, training, registry._VERSION[0], registry._DISABLED[0],
         )  # fmt: skip
 
     def _traced_key(
@@ -286,12 +297,12 @@ class Sequential(torch.nn.Module):
         is_first_microbatch: bool | None = None,
         **call_kwargs: Any,
     ) -> Any:
-        if not isinstance(x, torch.Tensor):
+        if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
             raise TypeError(
                 f"{type(self).__name__}.forward: the input must be a torch.Tensor, got "
                 f"{type(x).__name__}"
             )
-        if x.dim() == 0:
+        if x.ndim == 0:
             raise ValueError(
                 f"{type(self).__name__}.forward: the input must have at least one dimension "
                 "(features last), got a 0-dim tensor"
@@ -299,28 +310,33 @@ class Sequential(torch.nn.Module):
         # Under torch.compile the same plans are looked up through constants (see
         # _traced_activate / _traced_plan_id); eagerly, by one dict lookup per run.
         traced = torch.compiler.is_compiling()
-        recipe = _autocast.get_recipe()
         if traced:
+            recipe = _autocast.get_recipe()
             rkey = _recipe_key(recipe)
             _traced_activate(self._seq_uid, rkey)
             runs = self._runs()
         else:
+            state = _autocast._state  # get_recipe(), read inline (the eager hot path)
+            recipe = state.recipe if state.enabled else None
             rkey = None if recipe is None else recipe.key
             runs = self._runs()  # first: changed children reset the token
             if self._token != (rkey, ACTIVE_EPOCH[0]):
                 self._activate(recipe)
         if call_kwargs:
             self._check_call_kwargs(call_kwargs)
-        cast = _torch_autocast_dtype(x)
+        cast = _torch_autocast_dtype(x) if _any_autocast() else None
         pending = extra_inputs
         extra_outputs: list[torch.Tensor] = []
         for index, run, n_in in runs:
             if n_in < 0:
                 x = run[0](x)
                 continue
-            if n_in > len(pending):
-                self._too_few_extra_inputs(extra_inputs)
-            extra, pending = pending[:n_in], pending[n_in:]
+            if n_in:
+                if n_in > len(pending):
+                    self._too_few_extra_inputs(extra_inputs)
+                extra, pending = pending[:n_in], pending[n_in:]
+            else:
+                extra = ()
             params = fuser.params_of(run)
             run_params = params
             if cast is not None:
@@ -334,7 +350,9 @@ class Sequential(torch.nn.Module):
                 key = self._eager_key(index, rkey, x, extra, run_params, run)
                 plan = self._plans.get(key) or self._plan(key, recipe)
             calls = fuser.call_args(plan, call_kwargs) if plan.call_ops else None
-            x, outs = fuser.run_plan(plan, x, extra, run_params, is_first_microbatch, params, calls)
+            x, outs = fuser.run_plan(
+                plan, x, extra, run_params, is_first_microbatch, params, calls, not traced
+            )
             if outs:
                 extra_outputs.extend(outs)
             if plan.forward_states:
@@ -342,7 +360,8 @@ class Sequential(torch.nn.Module):
         if pending:
             self._too_many_extra_inputs(extra_inputs, pending)
         if not traced:
-            self._last_run = (recipe, x.dtype, x.device)
+            # Written past Module.__setattr__ (a dozen calls per step): a plain attribute.
+            self.__dict__["_last_run"] = (recipe, x.dtype, x.device)
         return (x, *extra_outputs) if extra_outputs else x
 
     def _check_call_kwargs(self, kwargs: dict[str, Any]) -> None:
@@ -445,6 +464,9 @@ class Sequential(torch.nn.Module):
                     names = " + ".join(type(op).__name__ for op in ops[a:b])
                     lines.append(f"    {which} '{name}' on [{names}]: {reason}")
         return "\n".join(lines)
+
+
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 def _torch_autocast_dtype(x: torch.Tensor) -> torch.dtype | None:

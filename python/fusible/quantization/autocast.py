@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode as _get_proxy_mode
 
-from fusible.quantization.quantizers import replaying_scales
+from fusible.quantization.quantizers import _log_stack, replaying_scales
 from fusible.quantization.recipe import DelayedScaling, Recipe
 from fusible.quantization.state import RecipeState, update_delayed_scaling
 
@@ -81,20 +81,40 @@ DEFAULT_GROUP: Any = _Default()
 
 
 class _Pending:
-    """States registered for a deferred update, keyed by identity, in registration order."""
+    """States registered for a deferred update, keyed by identity (a state object hashes by
+    identity), in registration order. The step's hot path (issue 11): no call per state."""
 
     def __init__(self) -> None:
-        self.items: dict[int, tuple[RecipeState, Any]] = {}
+        self.items: dict[RecipeState, Any] = {}
 
     def add(self, states: Sequence[RecipeState], group: Any) -> None:
         for s in states:
             if s.delayed_states():
-                self.items.setdefault(id(s), (s, group))
+                self.add_delayed(s, group)
+
+    def add_delayed(self, s: RecipeState, group: Any) -> None:
+        """``add`` of one state known to hold delayed-scaling state."""
+        items = self.items
+        if s not in items:
+            items[s] = group
 
     def flush(self) -> None:
         items, self.items = self.items, {}
+        if not items:
+            return
+        first: Any = None
+        one = True
+        for s in items:
+            g = items[s]
+            if first is None:
+                first = g
+            elif g is not first:
+                one = False
+        if one:  # every state of one reduction group (the usual case): one update
+            update_delayed_scaling(list(items), first)
+            return
         by_group: dict[int, tuple[Any, list[RecipeState]]] = {}
-        for s, g in items.values():
+        for s, g in items.items():
             by_group.setdefault(id(g), (g, []))[1].append(s)
         for g, ss in by_group.values():
             update_delayed_scaling(ss, g)
@@ -145,22 +165,56 @@ def _check_states(
     return out
 
 
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_key_included = torch._C._dispatch_tls_is_dispatch_key_included
+_PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
+
+
 def _tracing() -> bool:
     if torch.compiler.is_compiling():
         return True
+    # A proxy mode is on the dispatch mode stack (which counts the infra modes) or on the
+    # pre-dispatch one (which includes the PreDispatch key while it holds a mode): two C checks
+    # before looking it up (the step's hot path).
+    if not _dispatch_depth() and not _key_included(_PRE_DISPATCH):
+        return False
     return _get_proxy_mode() is not None
 
 
 def end_forward_pass_of_plan(states: Sequence[RecipeState]) -> None:
-    """:func:`end_forward_pass` for a plan's forward states (RecipeStates, no None: checked when
-    the plan was built) with the default group, without re-validating them at every step."""
-    if replaying_scales():
+    """:func:`end_forward_pass` for a plan's forward states (RecipeStates holding delayed-scaling
+    state, no None: chosen when the plan was built) with the default group, without
+    re-validating them at every step."""
+    if _log_stack and replaying_scales():
         return
-    group = _state.amax_reduction_group if _state.enabled else None
-    if _state.depth > 0 and not _tracing():
-        _pending_forward.add(states, group)
+    st = _state
+    group = st.amax_reduction_group if st.enabled else None
+    if st.depth > 0 and not _tracing():
+        items = _pending_forward.items  # _Pending.add_delayed, inline
+        for s in states:
+            if s not in items:
+                items[s] = group
     else:
         update_delayed_scaling(states, group)
+
+
+def end_backward_pass_of_plan(states: Sequence[RecipeState]) -> None:
+    """:func:`end_backward_pass` for a plan's backward states (as for
+    :func:`end_forward_pass_of_plan`) with the default group and deferral."""
+    if _tracing():
+        update_delayed_scaling(states, _last_group)
+        return
+    task = torch._C._current_graph_task_id()
+    if task == -1:
+        update_delayed_scaling(states, _last_group)
+        return
+    items = _pending_backward.items  # _Pending.add_delayed, inline
+    for s in states:
+        if s not in items:
+            items[s] = _last_group
+    if _queued_backward_task != [task]:
+        _queued_backward_task[:] = [task]
+        torch.autograd.Variable._execution_engine.queue_callback(_flush_backward)
 
 
 def end_forward_pass(
@@ -235,7 +289,7 @@ def pending_recipe_states(mode: str) -> list[RecipeState]:
             f"pending_recipe_states: mode must be 'forward' or 'backward', got {mode!r}"
         )
     pending = _pending_forward if mode == "forward" else _pending_backward
-    return [s for s, _ in pending.items.values()]
+    return list(pending.items)
 
 
 @contextlib.contextmanager

@@ -448,9 +448,14 @@ def _prepared_update(states: Sequence[RecipeState]) -> _Prepared | None:
 
 
 def _run_prepared(entry: _Prepared) -> None:
-    with torch.no_grad():
+    # torch.no_grad() without its context-manager machinery (a dozen calls per step).
+    prev = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
         for args in entry[2]:
             _kernels.delayed_scaling_update(*args)
+    finally:
+        torch._C._set_grad_enabled(prev)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
