@@ -14,13 +14,14 @@ activation kernels that issue 18 is about: a CPU proxy and the instruction count
 ``--base REV`` measures the header at a git revision next to the working tree's.
 
     python3 benchmarks/act_math.py [--base REV] [--isa avx512|avx2|baseline] [--rounds 15]
-        [--out DIR]
+        [--out DIR]        # --isa: default the widest this processor runs
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import platform
 import re
 import shutil
 import subprocess
@@ -92,6 +93,19 @@ using namespace fusible;
   const float x = in[i]; out[i] = (expr); }
 K(copy, x)
 """
+
+
+def best_isa() -> str:
+    """The widest of TARGETS this processor runs (what the CPU backend's cpu_isa() would pick)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "baseline"
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "baseline"
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "baseline"
 
 
 def headers(dest: Path, rev: str | None) -> Path:
@@ -173,7 +187,7 @@ def ptx_counts(variants: dict[str, Path], tmp: Path) -> dict[str, list] | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", help="also measure the header at this git revision")
-    ap.add_argument("--isa", choices=list(TARGETS), default="avx512")
+    ap.add_argument("--isa", choices=list(TARGETS), default=best_isa(), help="default: the best")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--out", help="directory for the JSON (default benchmarks/results)")
     args = ap.parse_args()
