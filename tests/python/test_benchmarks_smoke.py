@@ -1,14 +1,17 @@
 """The benchmarks run end to end at tiny sizes: benchmarks/gpt.py (every variant, eager, and its
-profiler path), benchmarks/overhead.py --calls-only, benchmarks/grouped.py --tiny and
-benchmarks/peak_memory.py, as
+profiler path), benchmarks/overhead.py --calls-only, benchmarks/grouped.py --tiny,
+benchmarks/peak_memory.py and benchmarks/act_math.py (one round), as
 subprocesses (PYTHONPATH kept)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -73,3 +76,11 @@ def test_peak_memory_tiny(tmp_path):
         assert f"\n{variant} " in out, out
     assert "alive then:" in out, out
     assert list(tmp_path.glob("peak_memory_*.json"))
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
+def test_act_math_one_round(tmp_path):
+    out = _run("act_math.py", "--rounds", "1", "--out", str(tmp_path))
+    for f in ("exp_neg_f", "gelu_tanh", "dgelu_erf", "dsilu", "tree_ns_per_elem"):
+        assert f in out, out
+    assert list(tmp_path.glob("act_math_*.json"))

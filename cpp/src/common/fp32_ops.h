@@ -57,13 +57,15 @@ FUS_HD float f_rcp(float a) {
 #endif
 }
 
-// 1 / a for a in [1, 2] (the sigmoid's 1 + e^-|x|), correctly rounded, as f_rcp. On the device:
-// the hardware approximation and one Newton step, which is the sequence __frcp_rn runs for
-// operands that need no exponent rescaling, without its range test and branch. PTX promises
-// rcp.approx only to 1 ulp, so the bits rest on the GPU's approximation: the CUDA test
-// ActCudaMath.ReciprocalOnOneToTwoMatchesHost checks every float in [1, 2] (passed on the H200,
-// sm_90); run it on any other GPU the library targets, including PTX JIT to newer ones.
-FUS_HD float f_rcp_1to2(float a) {
+// 1 / a for a in [1, 8] (the sigmoid's 1 + e^-|x|, the normal cdf's 1 + c |x|), correctly
+// rounded, as f_rcp. On the device: the hardware approximation and one Newton step, which is the
+// sequence __frcp_rn runs for operands that need no exponent rescaling, without its range test and
+// branch. PTX promises rcp.approx only to 1 ulp, so the bits rest on the GPU's approximation (whose
+// error does not depend on the exponent of a normal operand, so [1, 2] decides every binade): the
+// CUDA test ActCudaMath.ReciprocalOnOneToEightMatchesHost checks every float in [1, 8] ([1, 2] passed
+// on the H200, sm_90, when this was f_rcp_1to2); run it on any other GPU the library targets,
+// including PTX JIT to newer ones.
+FUS_HD float f_rcp_1to8(float a) {
 #if defined(__CUDA_ARCH__)
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
@@ -73,8 +75,59 @@ FUS_HD float f_rcp_1to2(float a) {
 #endif
 }
 
-// |a| (exact: clears the sign bit).
-FUS_HD float f_abs(float a) { return bits_as_float(float_as_bits(a) & 0x7fffffffu); }
+// |a| (exact: clears the sign bit; the device's fabsf is an operand modifier of the next operation,
+// not an instruction).
+FUS_HD float f_abs(float a) {
+#if defined(__CUDA_ARCH__)
+  return fabsf(a);
+#else
+  return bits_as_float(float_as_bits(a) & 0x7fffffffu);
+#endif
+}
+
+// c ? a : b. On the host as a bit blend rather than a branch: with a branch the compiler moves an
+// operation that only one arm uses into that arm, and GCC does not vectorise a loop with a
+// floating-point operation under a condition (it could trap, -ftrapping-math), so the CPU
+// backend's loops would run scalar. The value is the ternary's on both sides.
+FUS_HD float f_select(bool c, float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return c ? a : b;
+#else
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return bits_as_float((float_as_bits(a) & m) | (float_as_bits(b) & ~m));
+#endif
+}
+
+// Clamps against a constant c, which must not be a zero (the two sides order -0 and +0
+// differently). One instruction on the device; a bit blend on the host (f_select).
+// f_max_nan(a, c) = max(a, c), NaN passes (device: max.NaN, sm_80 and later).
+FUS_HD float f_max_nan(float a, float c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(c));
+  return r;
+#else
+  return f_select(a < c, c, a);
+#endif
+}
+// f_min_nan(a, c) = min(a, c), NaN passes.
+FUS_HD float f_min_nan(float a, float c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(c));
+  return r;
+#else
+  return f_select(a > c, c, a);
+#endif
+}
+// f_min_num(a, c) = min(a, c), a NaN a gives c (IEEE minNum, as fminf).
+FUS_HD float f_min_num(float a, float c) {
+#if defined(__CUDA_ARCH__)
+  return fminf(a, c);
+#else
+  return f_select(a < c, a, c);
+#endif
+}
 
 // a * b + c with one rounding.
 FUS_HD float f_fma(float a, float b, float c) {

@@ -63,67 +63,189 @@ std::vector<float> sample_points(size_t n, uint32_t seed) {
   return v;
 }
 
-TEST(ActivationMath, ExpNegWithinOneUlpIncludingSubnormals) {
-  double worst = 0;
-  for (uint32_t u = 0x80000000u; u < 0xc2e00000u; u += 4099) {  // -0 .. -112
-    float x;
-    std::memcpy(&x, &u, 4);
-    worst = std::max(worst, ulps(fu::exp_neg_f(x), std::exp(static_cast<LD>(x))));
-  }
-  EXPECT_LE(worst, 1.1);
-  EXPECT_EQ(fu::exp_neg_f(0.0f), 1.0f);
-  EXPECT_EQ(fu::exp_neg_f(-200.0f), 0.0f);
-  EXPECT_EQ(fu::exp_neg_f(-std::numeric_limits<float>::infinity()), 0.0f);
-  EXPECT_TRUE(std::isnan(fu::exp_neg_f(qnan())));
+// Every float in [lo, hi] whose bit pattern is a multiple of stride above that of the end nearer
+// 0, and both ends: every binade sampled alike, so densest near 0.
+std::vector<float> floats_in(float lo, float hi, uint32_t stride) {
+  std::vector<float> v;
+  auto walk = [&](float near0, float far) {  // same sign, |near0| <= |far|
+    for (uint64_t u = f2u(near0); u <= f2u(far); u += stride)
+      v.push_back(u2f(static_cast<uint32_t>(u)));
+    v.push_back(far);
+  };
+  if (lo < 0) walk(hi < 0 ? hi : -0.0f, lo);
+  if (hi >= 0) walk(lo > 0 ? lo : 0.0f, hi);
+  return v;
 }
 
+// The largest error seen and where (a NaN error counts as the largest).
+struct Worst {
+  double err = 0;
+  float at = 0;
+  void add(double e, float x) {
+    if (!(e <= err)) err = std::isnan(e) ? std::numeric_limits<double>::infinity() : e, at = x;
+  }
+};
+
+// Derivative error relative to max(|d|, 0.1) (absolute near the zeros of d).
+double drel(float got, LD ref) {
+  return static_cast<double>(std::fabs(got - ref) / std::max(std::fabs(ref), 0.1L));
+}
+
+TEST(ActivationMath, ExpWithinDocumentedUlpsFlushingBelowHalfTheSmallestNormal) {
+  Worst w, w2;
+  for (float x : floats_in(-87.68f, 0.0f, 1021))  // subnormal results from -87.34 on
+    w.add(ulps(fu::exp_neg_f(x), std::exp(static_cast<LD>(x))), x);
+  for (float a : floats_in(-126.49f, 0.0f, 1021))
+    w2.add(ulps(fu::exp2_neg_f(a), std::exp2(static_cast<LD>(a))), a);
+  EXPECT_LE(w.err, 1.1) << "exp_neg_f at " << w.at;
+  EXPECT_LE(w2.err, 2.05) << "exp2_neg_f at " << w2.at;
+  // e^x < 2^-126.5 flushes to +0 (x < -87.68; 2^a for a < -126.5).
+  for (float x : floats_in(-1e30f, -87.69f, 4099)) ASSERT_EQ(f2u(fu::exp_neg_f(x)), 0u) << x;
+  for (float a : floats_in(-1e30f, -126.5f, 4099)) ASSERT_EQ(f2u(fu::exp2_neg_f(a)), 0u) << a;
+  for (auto f : {fu::exp_neg_f, fu::exp2_neg_f}) {
+    EXPECT_EQ(f(0.0f), 1.0f);
+    EXPECT_EQ(f(-0.0f), 1.0f);
+    EXPECT_EQ(f2u(f(-inf())), 0u);
+    EXPECT_TRUE(std::isnan(f(qnan())));
+    EXPECT_TRUE(std::isnan(f(qnan(true))));
+  }
+}
+
+// exp_neg_half(q, lo) is exp_neg_f(-q / 2) evaluated with its reduced argument scaled by -2
+// (activation_math.h): the same bits when lo = 0.
+TEST(ActivationMath, ExpNegHalfIsExpNegOfHalfTheArgument) {
+  for (float q : floats_in(0.0f, fu::kCdfAMax * fu::kCdfAMax, 577))
+    ASSERT_EQ(f2u(fu::exp_neg_half(q, 0.0f)), f2u(fu::exp_neg_f(-0.5f * q))) << q;
+}
+
+// v, the tanh argument's fp32 rounding dominates gelu_tanh's error below x = -3.
+LD gelu_tanh_v(LD x) {
+  return 2.0L * std::sqrt(2.0L / 3.14159265358979323846264338327950288L) *
+         (x + 0.044715L * x * x * x);
+}
+
+// The bounds activation_math.h states (the largest errors over every float of the ranges with
+// |x| >= 2^-10, rounded up), on a dense sample of each range (every binade, 0 to 1e4).
 TEST(ActivationMath, FunctionsMatchLongDoubleWithinDocumentedBounds) {
-  double w_gt = 0, w_ge = 0, w_si = 0, w_sg = 0, w_dgt = 0, w_dge = 0, w_dsi = 0;
-  for (float x : sample_points(400000, 3)) {
-    if (x >= -3) w_gt = std::max(w_gt, ulps(fu::gelu_tanh(x), gelu_tanh_ref(x)));
-    if (x >= -13) w_ge = std::max(w_ge, ulps(fu::gelu_erf(x), gelu_erf_ref(x)));
-    if (x >= -80) w_si = std::max(w_si, ulps(fu::silu(x), silu_ref(x)));
-    w_sg = std::max(w_sg, ulps(fu::sigmoid_f(x), sigmoid_ref(x)));
-    auto drel = [](float got, LD ref) {
-      return static_cast<double>(std::fabs(got - ref) / std::max(std::fabs(ref), 0.1L));
-    };
-    w_dgt = std::max(w_dgt, drel(fu::dgelu_tanh(x), dgelu_tanh_ref(x)));
-    w_dge = std::max(w_dge, drel(fu::dgelu_erf(x), dgelu_erf_ref(x)));
-    w_dsi = std::max(w_dsi, drel(fu::dsilu(x), dsilu_ref(x)));
+  struct Case {
+    const char* name;
+    float (*f)(float);
+    LD (*ref)(LD);
+    float lo, hi;
+    double bound;
+    bool deriv;  // bound relative to max(|d|, 0.1), else in ulps
+  };
+  const Case cases[] = {
+      {"sigmoid", fu::sigmoid_f, sigmoid_ref, -87.68f, 1e4f, 2.8, false},
+      {"silu", fu::silu, silu_ref, -87.68f, 1e4f, 3.7, false},
+      {"gelu_tanh", fu::gelu_tanh, gelu_tanh_ref, -3.0f, 1e4f, 14.1, false},
+      {"gelu_erf", fu::gelu_erf, gelu_erf_ref, -13.0f, 1e4f, 7.3, false},
+      {"dgelu_tanh", fu::dgelu_tanh, dgelu_tanh_ref, -1e4f, 1e4f, 7.5e-7, true},
+      {"dgelu_erf", fu::dgelu_erf, dgelu_erf_ref, -1e4f, 1e4f, 1.15e-6, true},
+      {"dsilu", fu::dsilu, dsilu_ref, -1e4f, 1e4f, 5e-7, true},
+  };
+  for (const Case& c : cases) {
+    Worst w;
+    for (float x : floats_in(c.lo, c.hi, 3001)) {
+      const float got = c.f(x);
+      const LD ref = c.ref(x);
+      w.add(c.deriv ? drel(got, ref) : ulps(got, ref), x);
+    }
+    EXPECT_LE(w.err, c.bound) << c.name << " at " << w.at;
+  }
+  // gelu_tanh below -3, while e^-|v| is normal: 2.6 |v| ulp.
+  Worst w;
+  for (float x : floats_in(-9.9f, -3.0f, 257)) {
+    const double v = std::fabs(static_cast<double>(gelu_tanh_v(x)));
+    w.add(ulps(fu::gelu_tanh(x), gelu_tanh_ref(x)) / (2.6 * v), x);
+  }
+  EXPECT_LE(w.err, 1.0) << "gelu_tanh below -3 at " << w.at;
+  for (float x : floats_in(-1e4f, 1e4f, 1021)) {
     EXPECT_EQ(f2u(fu::relu(x)), f2u(static_cast<float>(relu_ref(x))));
     EXPECT_EQ(fu::drelu(x), static_cast<float>(drelu_ref(x)));
   }
-  EXPECT_LE(w_gt, 13.0);
-  EXPECT_LE(w_ge, 6.0);
-  EXPECT_LE(w_si, 3.5);
-  EXPECT_LE(w_sg, 3.5);
-  EXPECT_LE(w_dgt, 8e-7);
-  EXPECT_LE(w_dge, 8e-7);
-  EXPECT_LE(w_dsi, 8e-7);
 }
 
 TEST(ActivationMath, SpecialValues) {
-  const float inf = std::numeric_limits<float>::infinity();
-  EXPECT_EQ(fu::gelu_tanh(inf), inf);
-  EXPECT_EQ(fu::silu(inf), inf);
-  EXPECT_EQ(fu::gelu_erf(inf), inf);
+  using Fn = float (*)(float);
+  const Fn fwd[] = {fu::gelu_tanh, fu::gelu_erf, fu::silu};
+  const Fn bwd[] = {fu::dgelu_tanh, fu::dgelu_erf, fu::dsilu};
+  for (Fn f : fwd) {
+    EXPECT_EQ(f2u(f(0.0f)), f2u(0.0f));
+    EXPECT_EQ(f2u(f(-0.0f)), f2u(-0.0f));
+    EXPECT_EQ(f(inf()), inf());
+    EXPECT_TRUE(std::isnan(f(-inf())));  // -inf * 0, as torch
+    EXPECT_TRUE(std::isnan(f(qnan())));
+    EXPECT_TRUE(std::isnan(f(qnan(true))));
+    // Near 0 the functions are x / 2 exactly (subnormal x included: the same multiply).
+    for (float x : floats_in(-1e-9f, 1e-9f, 65537)) ASSERT_EQ(f2u(f(x)), f2u(x * 0.5f)) << x;
+  }
+  for (Fn d : bwd) {
+    EXPECT_EQ(d(0.0f), 0.5f);
+    EXPECT_EQ(d(-0.0f), 0.5f);
+    EXPECT_TRUE(std::isnan(d(inf())));  // inf * 0, as torch's backward
+    EXPECT_TRUE(std::isnan(d(-inf())));
+    EXPECT_TRUE(std::isnan(d(qnan())));
+    EXPECT_TRUE(std::isnan(d(qnan(true))));
+  }
+  EXPECT_EQ(fu::sigmoid_f(0.0f), 0.5f);
+  EXPECT_EQ(fu::sigmoid_f(inf()), 1.0f);
+  EXPECT_EQ(f2u(fu::sigmoid_f(-inf())), 0u);
+  EXPECT_TRUE(std::isnan(fu::sigmoid_f(qnan())));
+  // Saturation: the function is x (and its derivative 1) from where the sigmoid or Phi rounds to
+  // 1; it flushes to -0 (derivative +0) where e^-|v| flushes: v < -87.68, i.e. x < -10.016 (tanh
+  // GELU), x < -87.68 (SiLU), x < -13.243 (erf GELU). The true values there are below 8.4e-38,
+  // 7.3e-37 and 3.3e-39.
+  for (float x : floats_in(6.0f, 3e38f, 4099)) {
+    ASSERT_EQ(fu::gelu_tanh(x), x) << x;
+    ASSERT_EQ(fu::dgelu_tanh(x), 1.0f) << x;
+  }
+  for (float x : floats_in(7.0f, 3e38f, 4099)) {
+    ASSERT_EQ(fu::gelu_erf(x), x) << x;
+    ASSERT_EQ(fu::dgelu_erf(x), 1.0f) << x;
+  }
+  for (float x : floats_in(22.0f, 3e38f, 4099)) {
+    ASSERT_EQ(fu::silu(x), x) << x;
+    ASSERT_EQ(fu::dsilu(x), 1.0f) << x;
+    ASSERT_EQ(fu::sigmoid_f(x), 1.0f) << x;
+  }
+  for (float x : floats_in(-3e38f, -10.02f, 4099)) {
+    ASSERT_EQ(f2u(fu::gelu_tanh(x)), f2u(-0.0f)) << x;
+    ASSERT_EQ(f2u(fu::dgelu_tanh(x)), 0u) << x;
+  }
+  for (float x : floats_in(-3e38f, -13.25f, 4099)) {
+    ASSERT_EQ(f2u(fu::gelu_erf(x)), f2u(-0.0f)) << x;
+    ASSERT_EQ(f2u(fu::dgelu_erf(x)), 0u) << x;
+  }
+  for (float x : floats_in(-3e38f, -87.69f, 4099)) {
+    ASSERT_EQ(f2u(fu::silu(x)), f2u(-0.0f)) << x;
+    ASSERT_EQ(f2u(fu::dsilu(x)), 0u) << x;
+    ASSERT_EQ(f2u(fu::sigmoid_f(x)), 0u) << x;
+  }
   EXPECT_EQ(f2u(fu::relu(-0.0f)), f2u(-0.0f));  // as torch.relu
   EXPECT_TRUE(std::isnan(fu::relu(qnan())));
-  for (float x : {qnan()}) {
-    EXPECT_TRUE(std::isnan(fu::gelu_tanh(x)));
-    EXPECT_TRUE(std::isnan(fu::gelu_erf(x)));
-    EXPECT_TRUE(std::isnan(fu::silu(x)));
-    EXPECT_TRUE(std::isnan(fu::dgelu_tanh(x)));
-    EXPECT_TRUE(std::isnan(fu::dgelu_erf(x)));
-    EXPECT_TRUE(std::isnan(fu::dsilu(x)));
-  }
-  EXPECT_EQ(fu::dgelu_tanh(30.0f), 1.0f);
-  EXPECT_EQ(fu::dgelu_tanh(-30.0f), 0.0f);
-  EXPECT_EQ(fu::gelu_tanh(0.0f), 0.0f);
-  EXPECT_EQ(fu::dgelu_tanh(0.0f), 0.5f);
-  EXPECT_EQ(fu::dsilu(0.0f), 0.5f);
   // ReLU's gradient selects: an inf gradient where x <= 0 gives 0 (torch threshold_backward).
-  EXPECT_EQ(fu::act_grad<fu::ActFn::kRelu>(inf, -1.0f), 0.0f);
+  EXPECT_EQ(fu::act_grad<fu::ActFn::kRelu>(inf(), -1.0f), 0.0f);
+}
+
+// The GEGLU backward evaluates gelu_tanh and its derivative together (gelu_tanh_and_d): the same
+// bits as the two functions.
+TEST(ActivationMath, GeluTanhAndDerivativeTogetherAreTheTwoFunctions) {
+  std::vector<float> xs = floats_in(-3e38f, 3e38f, 2049);
+  for (float x : {inf(), -inf(), qnan(), qnan(true), 20.0f, -20.0f}) xs.push_back(x);
+  for (float x : xs) {
+    float y, d;
+    fu::gelu_tanh_and_d(x, &y, &d);
+    if (std::isnan(x)) {
+      EXPECT_TRUE(std::isnan(y) && std::isnan(d));
+      continue;
+    }
+    ASSERT_TRUE(f2u(y) == f2u(fu::gelu_tanh(x)) || (std::isnan(y) && std::isnan(fu::gelu_tanh(x))))
+        << x;
+    ASSERT_TRUE(f2u(d) == f2u(fu::dgelu_tanh(x)) ||
+                (std::isnan(d) && std::isnan(fu::dgelu_tanh(x))))
+        << x;
+  }
 }
 
 // ---- C API plumbing
@@ -605,20 +727,36 @@ INSTANTIATE_TEST_SUITE_P(All, ActCuda16,
                                             ::testing::Values(FUS_FLOAT16, FUS_BFLOAT16),
                                             ::testing::Bool()));
 
+// The special values and the points where the functions change regime (clamps, flushes,
+// saturation), for the device-vs-host tests.
+std::vector<float> special_points() {
+  return {0.0f,   -0.0f,   inf(),   -inf(),   qnan(),    qnan(true), 1e-40f,   -1e-40f, 20.0f,
+          -20.0f, 13.25f,  -13.25f, 13.2426f, -13.2426f, -10.016f,   -10.017f, -87.68f, -87.69f,
+          -88.0f, -126.5f, -127.0f, 1.5f,     -1.5f,     3e38f,      -3e38f};
+}
+
 #if defined(FUSIBLE_WITH_CUDA)
+// A dense sample of every binade and the special points.
+std::vector<float> math_points() {
+  std::vector<float> v = floats_in(-3e38f, 3e38f, 8191);
+  for (float x : special_points()) v.push_back(x);
+  return v;
+}
+
 }  // namespace
 namespace fustest {
-bool device_rcp_1to2(uint32_t first, uint32_t count, std::vector<float>& out);  // *_cuda.cu
+bool device_rcp_1to8(uint32_t first, uint32_t count, std::vector<float>& out);  // *_cuda.cu
+bool device_act_math(int fn, const std::vector<float>& in, std::vector<float>& out);
 }  // namespace fustest
 namespace {
 
-// The sigmoid's reciprocal skips __frcp_rn's range test (fp32_ops.h f_rcp_1to2): on every float in
-// [1, 2] it must still be the correctly rounded 1 / a of the host.
-TEST(ActCudaMath, ReciprocalOnOneToTwoMatchesHost) {
+// The reciprocal of the sigmoid and of the normal cdf skips __frcp_rn's range test (fp32_ops.h
+// f_rcp_1to8): on every float in [1, 8] it must still be the correctly rounded 1 / a of the host.
+TEST(ActCudaMath, ReciprocalOnOneToEightMatchesHost) {
   FUSTEST_REQUIRE_CUDA();
-  const uint32_t first = 0x3f800000u, count = (1u << 23) + 1;  // 1.0f .. 2.0f
+  const uint32_t first = 0x3f800000u, count = 3 * (1u << 23) + 1;  // 1.0f .. 8.0f
   std::vector<float> got;
-  ASSERT_TRUE(device_rcp_1to2(first, count, got));
+  ASSERT_TRUE(device_rcp_1to8(first, count, got));
   size_t bad = 0;
   for (uint32_t i = 0; i < count; ++i) {
     const float a = u2f(first + i);
@@ -627,25 +765,77 @@ TEST(ActCudaMath, ReciprocalOnOneToTwoMatchesHost) {
   }
   EXPECT_EQ(bad, 0u);
 }
+
+// Each shared function (activation_math_cuda.cu's list, with the clamps and the select of
+// fp32_ops.h) evaluated on the device gives the host's bits (NaN: any NaN).
+TEST(ActCudaMath, FunctionsSameBitsAsHost) {
+  FUSTEST_REQUIRE_CUDA();
+  using Fn = float (*)(float);
+  const Fn host[] = {
+      fu::exp_neg_f,
+      fu::exp2_neg_f,
+      [](float x) { return fu::exp_neg_half(fu::f_abs(x), 0.0f); },
+      fu::sigmoid_f,
+      fu::gelu_tanh,
+      fu::dgelu_tanh,
+      fu::gelu_erf,
+      fu::dgelu_erf,
+      fu::silu,
+      fu::dsilu,
+      [](float x) {
+        float y, d;
+        fu::gelu_tanh_and_d(x, &y, &d);
+        return y;
+      },
+      [](float x) {
+        float y, d;
+        fu::gelu_tanh_and_d(x, &y, &d);
+        return d;
+      },
+      [](float x) { return fu::f_max_nan(x, -1.5f); },
+      [](float x) { return fu::f_min_nan(x, 1.5f); },
+      [](float x) { return fu::f_min_num(x, 1.5f); },
+      [](float x) { return fu::f_select(x < 0.0f, 1.0f, x); },
+  };
+  const std::vector<float> pts = math_points();
+  for (int fn = 0; fn < static_cast<int>(sizeof(host) / sizeof(host[0])); ++fn) {
+    std::vector<float> got;
+    ASSERT_TRUE(device_act_math(fn, pts, got));
+    size_t bad = 0;
+    for (size_t i = 0; i < pts.size(); ++i) {
+      const float want = host[fn](pts[i]);
+      if (f2u(got[i]) == f2u(want) || (std::isnan(got[i]) && std::isnan(want))) continue;
+      if (bad++ < 5)
+        ADD_FAILURE() << "function " << fn << " at " << pts[i] << ": device " << got[i] << ", host "
+                      << want;
+    }
+    EXPECT_EQ(bad, 0u) << "function " << fn;
+  }
+}
 #endif
 
 // The GPU evaluates the shared math to the same bits as the host on a dense sample of inputs
-// (through the forward / backward of the elementwise kinds in fp32).
+// (through the forward / backward of every kind in fp32; NaN: any NaN).
 TEST(ActCudaMath, SameBitsAsHostOnDenseSample) {
   FUSTEST_REQUIRE_CUDA();
-  const std::vector<float> pts = sample_points(1 << 18, 11);
-  for (fus_activation kind : {FUS_ACT_GELU, FUS_ACT_GELU_ERF, FUS_ACT_SILU, FUS_ACT_RELU}) {
+  std::vector<float> pts = sample_points(1 << 18, 11);
+  const std::vector<float> special = special_points();
+  for (size_t i = 0; i < special.size(); ++i) {  // in the a and the b half of every column group
+    pts[i * 1031] = special[i];
+    pts[i * 1031 + 128] = special[i];
+  }
+  for (fus_activation kind : kKinds) {
     for (bool bwd : {false, true}) {
       ActSetup s;
       s.kind = kind;
       s.bwd = bwd;
       s.rows = 1 << 10;
-      s.cols = 1 << 8;
+      s.cols = gated(kind) ? 1 << 7 : 1 << 8;  // the input is [rows, 256] either way
       Data d = make_data(s);
-      d.bufs.b[kX] = HostMatrix(FUS_FLOAT32, s.rows, s.cols, pts).bytes;
+      d.bufs.b[kX] = HostMatrix(FUS_FLOAT32, s.rows, s.in_cols(), pts).bytes;
       const DualResult r = run_both(d.bufs, call(s));
       ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
-      EXPECT_TRUE(same_bits<uint32_t>(r.cpu, r.cuda, kOut, kind_name(kind)));
+      EXPECT_TRUE(same_bits_or_both_nan(r.cpu, r.cuda, kOut, FUS_FLOAT32, kind_name(kind)));
     }
   }
 }
