@@ -24,10 +24,17 @@ def _free_port() -> int:
 
 
 def run_workers(
-    worker: Path, out: Path, timeout_s: float, what: str, world: int = WORLD, backend: str = "gloo"
+    worker: Path,
+    out: Path,
+    timeout_s: float,
+    what: str,
+    world: int = WORLD,
+    backend: str = "gloo",
+    only: list[str] | None = None,
 ) -> list[dict[str, str]]:
-    """Every rank's results of ``worker`` (run as ``python worker RANK WORLD PORT OUT``) over
-    ``backend`` (gloo: CPU tensors; nccl: CUDA tensors, one GPU per rank)."""
+    """Every rank's results of ``worker`` (run as ``python worker RANK WORLD PORT OUT [ONLY]``)
+    over ``backend`` (gloo: CPU tensors; nccl: CUDA tensors, one GPU per rank); ``only``: the
+    cases to run (default every case)."""
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
     port = _free_port()
@@ -35,7 +42,8 @@ def run_workers(
            "FUSIBLE_TEST_DIST_BACKEND": backend}  # fmt: skip
     procs = [
         subprocess.Popen(
-            [sys.executable, str(worker), str(r), str(world), str(port), str(out)],
+            [sys.executable, str(worker), str(r), str(world), str(port), str(out)]
+            + ([",".join(only)] if only else []),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

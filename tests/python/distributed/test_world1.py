@@ -7,6 +7,8 @@ the two-rank suites'."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import test_fsdp_fp8
 import test_tensor_parallel
@@ -36,18 +38,26 @@ _NCCL = (torch.cuda.is_available() and torch.distributed.is_available()
 _GLOO_SUITES = ("tp", "fsdp")
 
 
+Results = Callable[[str, str], list[dict[str, str]]]
+
+
 @pytest.fixture(scope="module")
-def results(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> dict[tuple[str, str], list[dict[str, str]]]:
-    got = {}
-    for backend, suites in (("gloo", _GLOO_SUITES), ("nccl", tuple(_SUITES) if _NCCL else ())):
-        for k in suites:
-            m = _SUITES[k]
-            got[backend, k] = run_workers(m._WORKER, tmp_path_factory.mktemp(f"{backend}-{k}"),
-                                          m.TIMEOUT_S, f"{backend} world-1 {k}", world=1,
-                                          backend=backend)  # fmt: skip
-    return got
+def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
+    """(backend, suite) -> every rank's results, run on first use with only the cases listed
+    here (a pytest-xdist worker runs only the suites of its tests)."""
+    got: dict[tuple[str, str], list[dict[str, str]]] = {}
+
+    def get(backend: str, suite: str) -> list[dict[str, str]]:
+        if (backend, suite) not in got:
+            m = _SUITES[suite]
+            got[backend, suite] = run_workers(
+                m._WORKER, tmp_path_factory.mktemp(f"{backend}-{suite}"), m.TIMEOUT_S,
+                f"{backend} world-1 {suite}", world=1, backend=backend,
+                only=[c for c in m.CASES if (suite, c) not in _TWO_RANKS],
+            )  # fmt: skip
+        return got[backend, suite]
+
+    return get
 
 
 @pytest.mark.parametrize(
@@ -55,9 +65,7 @@ def results(
     [(b, k, c) for b in ("gloo", "nccl") for k, m in _SUITES.items() for c in m.CASES
      if (k, c) not in _TWO_RANKS and (b == "nccl" or k in _GLOO_SUITES)],
 )  # fmt: skip
-def test_case_world1(
-    results: dict[tuple[str, str], list[dict[str, str]]], backend: str, suite: str, name: str
-) -> None:
+def test_case_world1(results: Results, backend: str, suite: str, name: str) -> None:
     if backend == "nccl" and not _NCCL:
         pytest.skip("needs a CUDA GPU and NCCL")
-    check_case(results[backend, suite], name)
+    check_case(results(backend, suite), name)
