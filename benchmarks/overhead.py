@@ -6,10 +6,10 @@ Two tables:
 
 1. Python calls per step (deterministic; CPU and GPU): every call cProfile sees (Python
    functions and C functions called from Python, each call counted: the sum of the profiler's
-   raw entries, ``Profile.getstats()``) over one forward + backward step (``y = model(x)``, under ``fusible.autocast`` when a
-   recipe is set, then ``y.float().sum().backward()``) after 3 warm-up steps, and the ratio to
-   torch eager. MXFP8 needs the token count divisible by 32: its row runs 32 tokens and is
-   compared with a torch eager row at 32 tokens.
+   raw entries, ``Profile.getstats()``) over one forward + backward step (``y = model(x)``,
+   under ``fusible.autocast`` when a recipe is set, then ``y.float().sum().backward()``) after 3
+   warm-up steps, and the ratio to torch eager. MXFP8 needs the token count divisible by 32: its
+   row runs 32 tokens and is compared with a torch eager row at 32 tokens.
 2. Host time per step: wall time of N steps (forward, backward, ``opt.step()``,
    ``zero_grad(set_to_none=True)``) issued back to back with one synchronize at the end, divided
    by N. At this tiny shape the GPU idles, so this is the host's time per step (on the CPU

@@ -12,9 +12,10 @@ Plans are owned by the ``Sequential`` that built them (``Sequential._plans``): a
 frees its plans, its ops and their parameters. One ``torch.autograd.Function`` runs a plan; its
 arguments are tensors and plain constants (the plan's integer id; eagerly, where nothing traces
 it, the plan object itself), never a module, so ``torch.compile`` traces it. Eagerly its passes
-go through the replay executor (ops/replay.py). The id resolves through :data:`_SLOTS`, attributes of a plain object
-(``torch.compile`` reads attributes live at trace time, while a dict would be read as it was when
-the trace first touched it, and miss plans built later in the same trace).
+go through the replay executor (ops/replay.py). The id resolves through :data:`_SLOTS`,
+attributes of a plain object (``torch.compile`` reads attributes live at trace time, while a dict
+would be read as it was when the trace first touched it, and miss plans built later in the same
+trace).
 """
 
 from __future__ import annotations
