@@ -4,11 +4,12 @@ recipe, DelayedScaling, Float8CurrentScaling and MXFP8BlockScaling.
 
 Two tables:
 
-1. Python calls per step (deterministic; CPU and GPU): ``pstats.Stats(profile).total_calls`` of
-   cProfile over one forward + backward step (``y = model(x)``, under ``fusible.autocast`` when a
-   recipe is set, then ``y.float().sum().backward()``) after 3 warm-up steps, and the ratio to
-   torch eager. MXFP8 needs the token count divisible by 32: its row runs 32 tokens and is
-   compared with a torch eager row at 32 tokens.
+1. Python calls per step (deterministic; CPU and GPU): every call cProfile sees (Python
+   functions and C functions called from Python, each call counted: the sum of the profiler's
+   raw entries, ``Profile.getstats()``) over one forward + backward step (``y = model(x)``,
+   under ``fusible.autocast`` when a recipe is set, then ``y.float().sum().backward()``) after 3
+   warm-up steps, and the ratio to torch eager. MXFP8 needs the token count divisible by 32: its
+   row runs 32 tokens and is compared with a torch eager row at 32 tokens.
 2. Host time per step: wall time of N steps (forward, backward, ``opt.step()``,
    ``zero_grad(set_to_none=True)``) issued back to back with one synchronize at the end, divided
    by N. At this tiny shape the GPU idles, so this is the host's time per step (on the CPU
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import statistics
 import sys
@@ -125,15 +127,19 @@ def loss_of(y: torch.Tensor) -> torch.Tensor:
 
 
 def calls_per_step(model: torch.nn.Module, x: torch.Tensor, recipe: Any, warmup: int = 3) -> int:
-    """Python calls (cProfile ``total_calls``) of one forward + backward step of ``model`` on
+    """Python calls (see :func:`profile_step`) of one forward + backward step of ``model`` on
     ``x`` under ``recipe`` (None: no autocast), after ``warmup`` steps."""
-    return int(profile_step(model, x, recipe, warmup).total_calls)  # type: ignore[attr-defined]
+    return int(profile_step(model, x, recipe, warmup).raw_calls)  # type: ignore[attr-defined]
 
 
 def profile_step(
     model: torch.nn.Module, x: torch.Tensor, recipe: Any, warmup: int = 3
 ) -> pstats.Stats:
-    """cProfile statistics of one forward + backward step (see :func:`calls_per_step`)."""
+    """cProfile statistics of one forward + backward step (see :func:`calls_per_step`), with
+    ``raw_calls``: every call the profiler saw. (Not ``total_calls``: ``pstats`` keys C functions
+    by module and name, and keeps one entry per key, so calls of distinct C functions of one
+    name -- the C++ operator overloads ``torch.ops.<ns>.<op>.<overload>._op`` all are
+    ``torch._ops.<ns>.`` -- would count as one function's.)"""
 
     def step() -> None:
         loss_of(forward(model, x, recipe)).backward()
@@ -148,13 +154,18 @@ def profile_step(
                 "device thread (the backward); the counts are forward-heavy",
                 stacklevel=2,
             )
+    # Garbage of earlier steps and models collected now, not inside the profiled step (its weak
+    # references' callbacks would count there, by the collector's timing).
+    gc.collect()
     prof = cProfile.Profile()
     prof.enable()
     try:
         step()
     finally:
         prof.disable()
-    return pstats.Stats(prof)
+    stats = pstats.Stats(prof)
+    stats.raw_calls = sum(e.callcount for e in prof.getstats())  # type: ignore[attr-defined]
+    return stats
 
 
 def new_input(n: int, device: str) -> torch.Tensor:
@@ -168,7 +179,7 @@ def calls_table(device: str, top: int = 0) -> list[dict[str, Any]]:
     for name, kind, rec, n in variants():
         torch.manual_seed(0)
         stats = profile_step(build(kind, device), new_input(n, device), rec)
-        calls = int(stats.total_calls)  # type: ignore[attr-defined]
+        calls = int(stats.raw_calls)  # type: ignore[attr-defined]
         if top > 0 and kind == "fusible":
             print(f"== {name}: {calls} Python calls per step; the {top} most called functions")
             stats.strip_dirs().sort_stats("ncalls").print_stats(top)
@@ -329,8 +340,8 @@ def main() -> None:
     payload: dict[str, Any] = {"env": environment(), "args": vars(args), "device": device,
                                "hidden": HIDDEN, "ffn": FFN}  # fmt: skip
     calls = calls_table(device, args.calls_top)
-    print(f"Python calls per forward+backward step ({device}, {dtype_for(device)}, cProfile "
-          f"total_calls, Python {sys.version.split()[0]}); block LayerNorm({HIDDEN}) -> "
+    print(f"Python calls per forward+backward step ({device}, {dtype_for(device)}, cProfile, "
+          f"every call counted, Python {sys.version.split()[0]}); block LayerNorm({HIDDEN}) -> "
           f"Linear({HIDDEN}, {FFN}) -> GELU -> Linear({FFN}, {HIDDEN}); mxfp8 at {MX_TOKENS} "
           f"tokens vs torch eager at {MX_TOKENS}")  # fmt: skip
     print_table(calls, ["variant", "tokens", "calls", "vs_torch_eager"])
