@@ -12,10 +12,13 @@ the saved tensors and the output gradients), an output of an earlier recorded ca
 *constant* (a recipe-state buffer or a view of one -- delayed-scaling ``amax_history`` /
 ``scale`` --, kept by reference, its holder's buffers guarded by identity at every replay). The
 outputs, the tensors saved for backward, the saved layout and the ops' ``ctx.attrs`` are
-recorded as slots / constants too. The recording is compiled into one straight-line Python
-function (one statement per kernel call, each operator overload prebound -- ``OpOverload._op``,
-no dispatch mode, no ``OpOverload.__call__`` frame --, every slot deleted right after its last
-use) that later calls of the signature run instead of the executor.
+recorded as slots / constants too. The recording becomes a program of the operator library's
+C++ loop (``cpp/bindings/replay.cpp``, :func:`_program`: one boxed dispatcher call per recorded
+operator, every slot dropped right after its last use; one Python call per forward, two per
+backward) and is compiled into one straight-line Python function too (:func:`_compile`: one
+statement per kernel call on the prebound operator overload, ``OpOverload._op``), which runs
+where the library has no C++ loop or with ``FUSIBLE_REPLAY_CPP=0``. Later calls of the
+signature run one of them instead of the executor.
 
 Decisions (docs/architecture.md, "The replay executor", repeats them):
 
@@ -109,25 +112,35 @@ class _Config:
     def __init__(self) -> None:
         self.enabled = os.environ.get("FUSIBLE_REPLAY", "1").strip() not in ("0", "false", "")
         self.check = os.environ.get("FUSIBLE_REPLAY_CHECK", "0").strip() not in ("0", "false", "")
+        # The recorded calls run by the C++ loop (cpp/bindings/replay.cpp) when the operator
+        # library has it, else by the compiled Python function (FUSIBLE_REPLAY_CPP=0: always).
+        self.cpp = os.environ.get("FUSIBLE_REPLAY_CPP", "1").strip() not in ("0", "false", "")
 
 
 CONFIG = _Config()
 
 
-def configure(*, enabled: bool | None = None, check: bool | None = None) -> dict[str, bool]:
-    """Set replay options (None: unchanged); returns the previous ones."""
-    prev = {"enabled": CONFIG.enabled, "check": CONFIG.check}
+def configure(
+    *, enabled: bool | None = None, check: bool | None = None, cpp: bool | None = None
+) -> dict[str, bool]:
+    """Set replay options (None: unchanged); returns the previous ones. ``cpp``: run recordings
+    made from now on with the C++ loop where the operator library has it."""
+    prev = {"enabled": CONFIG.enabled, "check": CONFIG.check, "cpp": CONFIG.cpp}
     if enabled is not None:
         CONFIG.enabled = bool(enabled)
     if check is not None:
         CONFIG.check = bool(check)
+    if cpp is not None:
+        CONFIG.cpp = bool(cpp)
     return prev
 
 
 @contextlib.contextmanager
-def options(*, enabled: bool | None = None, check: bool | None = None) -> Iterator[None]:
+def options(
+    *, enabled: bool | None = None, check: bool | None = None, cpp: bool | None = None
+) -> Iterator[None]:
     """:func:`configure` for a region (restored on exit)."""
-    prev = configure(enabled=enabled, check=check)
+    prev = configure(enabled=enabled, check=check, cpp=cpp)
     try:
         yield
     finally:
@@ -488,11 +501,13 @@ class Recording:
     ``calls_raw``: the recorded calls (the check mode); ``source``: ``fn``'s code."""
 
     __slots__ = (
-        "attrs", "backward", "calls", "calls_raw", "fn", "guards", "layout", "n_out",
-        "n_ws", "names", "plan_id", "saved_slots", "source",
+        "attrs", "backward", "calls", "calls_raw", "fn", "guards", "layout", "n_all", "n_out",
+        "n_ws", "names", "plan_id", "run", "saved_slots", "source",
     )  # fmt: skip
 
     attrs: list[dict[str, Any]]
+    n_all: int  # the outputs' count (the C++ loop returns outputs and saved tensors in one list)
+    run: Any  # the C++ loop's run([x, *args]), or None
     calls: Any
     calls_raw: Any
     fn: Any
@@ -513,8 +528,10 @@ class BackwardRecording:
     """A backward signature's compiled calls: ``fn(saved_list, grads) -> grads`` (it empties
     ``saved_list``); the other fields as :class:`Recording`'s."""
 
-    __slots__ = ("calls_raw", "fn", "guards", "names", "source")
+    __slots__ = ("calls_raw", "finish", "fn", "guards", "names", "source", "start")
 
+    start: Any  # the C++ loop's start([*saved, *grads]) and finish(state), or None
+    finish: Any
     calls_raw: Any
     fn: Any
     guards: tuple[tuple[Any, torch.Tensor, torch.Tensor], ...]
@@ -532,11 +549,12 @@ def _compile(
     outputs: list[Any],
     saved: list[Any],
     backward_saved: int = -1,
-) -> tuple[Any, str]:
-    """Straight-line Python of ``calls``. Forward (``backward_saved`` < 0): ``def f(x, a)``,
-    slot 0 is ``x`` and slot i+1 is ``a[i]``; returns ``(outputs, saved)``. Backward: ``def
-    f(s, g)``, slots ``0..backward_saved-1`` are the list ``s`` (emptied), the next ones ``g``'s
-    items; returns ``outputs`` as a tuple."""
+) -> tuple[Any, str, Any]:
+    """``(function, source, program)``: straight-line Python of ``calls``, and the C++ loop of
+    them (None without it, see :func:`_program`). Forward (``backward_saved`` < 0): ``def f(x,
+    a)``, slot 0 is ``x`` and slot i+1 is ``a[i]``; returns ``(outputs, saved)``. Backward:
+    ``def f(s, g)``, slots ``0..backward_saved-1`` are the list ``s`` (emptied), the next ones
+    ``g``'s items; returns ``outputs`` as a tuple."""
     keep_end: set[int] = set()
     for v in (*outputs, *saved):
         if type(v) is _S:
@@ -630,7 +648,129 @@ def _compile(
         lines.append(f"return {out}")
     src = head + "\n" + "\n".join("    " + line for line in lines) + "\n"
     exec(compile(src, f"<fusible replay {name}>", "exec"), ns)
-    return ns[name], src
+    prog = None
+    if CONFIG.cpp and _PROGRAM is not None:
+        results = [*outputs, *saved] if fwd else outputs
+        prog = _program(kept, last, keep_end, n_inputs, results)
+    return ns[name], src, prog
+
+
+def _program_class() -> Any:
+    try:
+        return torch.classes.fusible.ReplayProgram
+    except (AttributeError, RuntimeError):  # an operator library built without the C++ loop
+        return None
+
+
+_PROGRAM = _program_class()
+
+
+def _program(
+    kept: list[_Call], last: dict[int, int], keep_end: set[int], n_inputs: int,
+    results: list[Any],
+) -> Any:  # fmt: skip
+    """The C++ loop of ``kept`` (cpp/bindings/replay.cpp describes the encoding): the same
+    calls, slots, constants and frees as :func:`_compile`'s Python."""
+    n_slots = 1 + max(
+        [n_inputs - 1, *(s.i for c in kept for s in _walk((c.args, c.kwargs, c.outs), _S)),
+         *(v.i for v in results if type(v) is _S)]
+    )  # fmt: skip
+    prog = _PROGRAM()
+    unused = [i for i in range(n_inputs) if i not in last and i not in keep_end]
+    prog.init(n_slots, n_inputs, unused)
+
+    def konst(v: Any) -> None:
+        t = type(v)
+        if t is _K:
+            v, t = v.v, type(v.v)
+        if isinstance(v, torch.Tensor):
+            prog.k_tensor(v)
+        elif t is bool:
+            prog.k_bool(v)
+        elif t is int:
+            prog.k_int(v)
+        elif t is float:
+            prog.k_float(v)
+        elif t is str:
+            prog.k_str(v)
+        elif t is torch.dtype:
+            prog.k_dtype(v)
+        elif t is torch.device:
+            prog.k_device(v)
+        elif t is torch.layout:
+            prog.k_layout(v)
+        elif t is torch.memory_format:
+            prog.k_memory_format(v)
+        else:
+            raise _Unreplayable(f"the C++ loop takes no constant of type {t.__name__}")
+
+    def encode(v: Any, kinds: list[int], slots: list[int]) -> None:
+        """A schema argument: :func:`item`'s, or a list -- a constant one, or one of the
+        schema's element type (3, its length, its items)."""
+        if type(v) is not list and type(v) is not tuple:
+            item(v, kinds, slots)
+            return
+        types = {type(e) for e in v}
+        if v and types <= {int}:
+            prog.k_ints(list(v))
+        elif v and types <= {float, int}:
+            prog.k_floats([float(e) for e in v])
+        elif v and types <= {bool}:
+            prog.k_bools(list(v))
+        else:  # tensors, None, or empty
+            kinds += (3, len(v))
+            for e in v:
+                item(e, kinds, slots)
+            return
+        kinds.append(1)
+        slots.append(-1)
+
+    def item(v: Any, kinds: list[int], slots: list[int]) -> None:
+        """A list element or a result: a slot (0), None (2) or a constant (1)."""
+        if type(v) is _S:
+            kinds.append(0)
+            slots.append(v.i)
+        elif v is None:
+            kinds.append(2)
+            slots.append(-1)
+        else:
+            kinds.append(1)
+            slots.append(-1)
+            konst(v)
+
+    for j, c in enumerate(kept):
+        schema = c.func._schema
+        kinds: list[int] = []
+        slots: list[int] = []
+        for i, a in enumerate(schema.arguments):
+            if i < len(c.args):
+                v = c.args[i]
+            elif a.name in c.kwargs:
+                v = c.kwargs[a.name]
+            elif a.has_default_value():
+                v = a.default_value
+            else:
+                raise _Unreplayable(f"{c.name}: no value for argument {a.name}")
+            encode(v, kinds, slots)
+        rets = c.outs if len(schema.returns) != 1 else (c.outs,)
+        shapes: list[int] = []
+        outs: list[int] = []
+        for r in rets if schema.returns else ():
+            if type(r) is _S or r is None:
+                shapes.append(-1)
+                outs.append(r.i if type(r) is _S and (r.i in last or r.i in keep_end) else -1)
+            else:
+                shapes.append(len(r))
+                for e in r:
+                    live = type(e) is _S and (e.i in last or e.i in keep_end)
+                    outs.append(e.i if live else -1)
+        frees = [i for i, j2 in last.items() if j2 == j and i not in keep_end]
+        prog.add(schema.name, schema.overload_name, kinds, slots, shapes, outs, frees)
+    kinds, slots = [], []
+    for v in results:
+        item(v, kinds, slots)
+    prog.results(kinds, slots)
+    return prog
 
 
 def _guards(rec: _Recorder) -> tuple[tuple[Any, torch.Tensor, torch.Tensor], ...]:
@@ -680,9 +820,11 @@ def _finish_forward(plan: Any, rec: _Recorder, outs: tuple[Any, ...], consts: An
     saved = [rec.slot_of(v) for v in tensors]
     r = Recording()
     r.plan_id = plan.id
-    r.fn, r.source = _compile(
+    r.fn, r.source, prog = _compile(
         f"replay_forward_p{plan.id}_{next(_GEN)}", rec.calls, rec.n_inputs, outputs, saved
     )
+    r.run = None if prog is None else prog.run
+    r.n_all = len(outs)
     r.n_out = len(outs) - n_ws
     r.n_ws = n_ws
     r.layout = layout
@@ -744,10 +886,12 @@ def record_backward(
             raise _Unreplayable(rec.failed)
         outputs = [rec.slot_of(v) for v in out]
         b = BackwardRecording()
-        b.fn, b.source = _compile(
+        b.fn, b.source, prog = _compile(
             f"replay_backward_p{frec.plan_id}_{next(_GEN)}", rec.calls, rec.n_inputs, outputs,
             [], backward_saved=n_saved,
         )  # fmt: skip
+        b.start = None if prog is None else prog.start
+        b.finish = None if prog is None else prog.finish
         b.guards = _guards(rec)
         b.names = [c.name for c in rec.calls]
         b.calls_raw = (rec.calls, rec.n_inputs, outputs, n_saved)
@@ -770,6 +914,24 @@ _grad_enabled = torch.is_grad_enabled
 _inference = torch.is_inference_mode_enabled
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 _no_autocast = torch._C._DisableAutocast
+
+
+def _run_forward(rec: Recording, x: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
+    """``(outputs, saved)`` of a replayed forward (the C++ loop where there is one)."""
+    if rec.run is not None:
+        r = rec.run([x, *args])
+        return tuple(r[: rec.n_all]), r[rec.n_all :]
+    return rec.fn(x, args)  # type: ignore[no-any-return]
+
+
+def _run_backward(rec: BackwardRecording, saved: list[Any], grads: tuple[Any, ...]) -> Any:
+    """The gradients of a replayed backward; ``saved`` is emptied (the caller holds its saved
+    tensors in it alone, so each is freed after its last use)."""
+    if rec.start is not None:
+        state = rec.start([*saved, *grads])
+        saved.clear()
+        return tuple(rec.finish(state))
+    return rec.fn(saved, grads)
 
 
 def _modes_block() -> bool:
@@ -860,7 +1022,10 @@ def forward(ctx: Any, plan: Any, consts: Any, x: torch.Tensor, args: tuple[Any, 
             _STATS["forward.replay"] += 1
             if auto:
                 with _no_autocast():
-                    outs, saved = entry.fn(x, args)
+                    outs, saved = _run_forward(entry, x, args)
+            elif entry.run is not None:
+                r = entry.run([x, *args])  # the C++ loop: outputs, then the saved tensors
+                outs, saved = tuple(r[: entry.n_all]), r[entry.n_all :]
             else:
                 outs, saved = entry.fn(x, args)
             ctx.save_for_backward(*saved)
@@ -915,13 +1080,20 @@ def backward(ctx: Any, dy: Any, out_grads: tuple[Any, ...]) -> Any:
                 grads = _check_backward(ctx, plan, entry, frec, dy, out_grads)
             else:
                 _STATS["backward.replay"] += 1
-                saved = list(ctx.saved_tensors)
+                saved = ctx.saved_tensors
                 ctx.maybe_clear_saved_tensors()
                 if auto:
+                    saved = [*saved]  # the tuple goes: the list is emptied by the replay
                     with _no_autocast():
-                        grads = entry.fn(saved, (dy, *out_grads))
+                        grads = _run_backward(entry, saved, (dy, *out_grads))
+                elif entry.start is not None:
+                    # The C++ loop in two steps: the saved tensors go to its state, and this
+                    # frame drops them before it runs (each is freed after its last use).
+                    state = entry.start([*saved, dy, *out_grads])
+                    del saved
+                    grads = tuple(entry.finish(state))
                 else:
-                    grads = entry.fn(saved, (dy, *out_grads))
+                    grads = entry.fn([*saved], (dy, *out_grads))
         elif entry is _SEEN or type(entry) is BackwardRecording:
             grads = record_backward(
                 frec, plan.replay, bsig, ctx, (dy, *out_grads),
@@ -1059,7 +1231,7 @@ def _check_forward(
     before = _State(holders)
     auto = _any_autocast()
     with _no_autocast() if auto else contextlib.nullcontext():
-        r_outs, r_saved = rec.fn(x, args)
+        r_outs, r_saved = _run_forward(rec, x, args)
     after_r = _State(holders)
     before.restore()
     tr = _Recorder([x, *args], rc.known_tensors(), trace=True)
@@ -1107,7 +1279,7 @@ def _check_backward(
     grads = tuple(None if g is None else g.clone() for g in (dy, *out_grads))
     auto = _any_autocast()
     with _no_autocast() if auto else contextlib.nullcontext():
-        r_grads = brec.fn(list(copies), grads)
+        r_grads = _run_backward(brec, list(copies), grads)
     after_r = _State(holders)
     before.restore()
     tr = _Recorder([], rc.known_tensors(), trace=True)

@@ -41,8 +41,9 @@ H, F, T = 64, 128, 32  # MXFP8 and blockwise FP8 want multiples of 32 / 16
 
 @pytest.fixture(autouse=True)
 def _default_options():
-    """Replay on, the check mode off (whatever FUSIBLE_REPLAY / FUSIBLE_REPLAY_CHECK say)."""
-    with replay.options(enabled=True, check=False):
+    """Replay on, the check mode off, the C++ loop where there is one (whatever FUSIBLE_REPLAY,
+    FUSIBLE_REPLAY_CHECK and FUSIBLE_REPLAY_CPP say)."""
+    with replay.options(enabled=True, check=False, cpp=True):
         yield
 
 
@@ -206,6 +207,25 @@ def test_replay_equals_python(model_name, recipe_name):
         pytest.skip(f"{model_name} under {recipe_name}: {e}")
     assert stats["forward.replay"] > 0 and stats["backward.replay"] > 0, stats
     assert stats["fallback.plan"] == stats["fallback.signature"] == 0, stats
+
+
+@pytest.mark.parametrize("loop", ["cpp", "python"])
+@pytest.mark.parametrize("recipe_name", ["none", "delayed", "current", "mxfp8"])
+def test_both_replay_loops(recipe_name, loop):
+    # The recorded calls run by the C++ loop (cpp/bindings/replay.cpp) or by the compiled Python
+    # function: the same bits either way.
+    if loop == "cpp" and replay._PROGRAM is None:
+        pytest.skip("the operator library has no C++ replay loop")
+    with replay.options(cpp=loop == "cpp"):
+        stats = _compare("residual", RECIPES[recipe_name])
+        torch.manual_seed(0)
+        model = _block()
+        _warm(model, RECIPES[recipe_name], n=3)
+    assert stats["forward.replay"] > 0 and stats["backward.replay"] > 0, stats
+    (plan,) = model._plans.values()
+    rec = plan.replay.last
+    (brec,) = rec.backward.values()
+    assert (rec.run is not None) == (loop == "cpp") == (brec.start is not None)
 
 
 @pytest.mark.parametrize("recipe_name", ["none", "delayed", "current", "mxfp8", "blockwise"])
