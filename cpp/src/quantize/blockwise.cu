@@ -1,34 +1,36 @@
 // CUDA backend of the blockwise FP8 casts (fusible/quantize.h). Bit-identical to blockwise_cpu.cpp:
 // amaxes are maxima of abs_bits, scales come from block_scale and casts from scaled_fp8x4 (the
 // paired form of scale_element + float_to_fp8, common/numerics.h); only the order of the (exact)
-// max reductions differs.
+// max reductions differs. (The previous, scalar kernels: git history before issue 17.)
 //
 // block_cast_kernel<T, F, kTwoD>: one 256-thread block per 128 x 128 tile of the input, read once
-// for both copies and held in registers as the raw 16-byte chunks (kR * 16 bytes a thread), so a
-// block needs no shared-memory input stage and several blocks fit on an SM (the loads of one
-// block are in flight while the others cast and store; 3-4 blocks of 16-bit input, 2 of fp32).
+// for both copies and held in registers as its raw 16-byte chunks (kR * 16 bytes a thread, widened
+// to fp32 only when cast), so no shared-memory input stage is needed and several blocks share an
+// SM: 3 of 16-bit input (<= 80 registers), 2 of fp32 (<= 128), each with its 32 or 64 KB of loads
+// in flight while the others cast and store. (The old kernel held 64 floats a thread, 236-248
+// registers: one block an SM, one tile at a time.)
 //  - Thread layout (Geo): thread t owns one 16-byte chunk (kC = 8 columns of a 16-bit input, 4 of
 //    fp32) in each of kR consecutive rows (8 or 16): columns cc * kC ..., rows g * kR ..., with
 //    cc = t % kCpr, g = t / kCpr. The kCpr = 128 / kC lanes of one row group (a half warp or a
 //    warp) read whole 256- or 512-byte row segments with 16-byte loads.
 //  - 1D rowwise amaxes: a row block is spread over the kCpr lanes of a group, each holding kR rows.
-//    transpose_max reduces the kR rows over those lanes in kR - 1 + 1 shuffles (not kR * log2
-//    kCpr): afterwards each lane holds the maximum of one row, computes that row's scale (one
-//    division a lane instead of kR) and stores its scale_inv (the 128 rows of a tile are 512
-//    contiguous bytes of the [nbc, rows] matrix); the multipliers reach the other lanes by
-//    shuffles. 16-bit inputs reduce their packed magnitudes (__vmaxu2), widened once at the end.
-//  - 1D columnwise amaxes: per-thread column maxima over its kR rows, across the two half warps
-//    by a shuffle (16-bit), across the warps through shared memory; 128 threads then compute the
-//    column scales (coalesced scale_inv stores). 2D: the tile amax through the same exchange; amax
-//    output: one atomicMax a block.
-//  - Rowwise codes: kC codes of a row as kC / 4 words, stored as one 8-byte (16-bit input) or
-//    4-byte (fp32) store; a warp store covers whole 128-byte rows of the copy.
-//  - Columnwise (transposed) codes: scaled_fp8x4 takes four elements of one *column* (four rows),
-//    so its word is already a piece of a transposed row, and a thread's kR codes of a column are
-//    one 8- or 16-byte shared store into the byte tile tq[c][r] (no byte permutes). The kR-byte
-//    units of a tq row are XOR-swizzled by cc (unit g ^ (cc % units)), so a store instruction's
-//    lanes hit distinct banks; read back as 16-byte pieces (8 lanes = one 128-byte tq row, any
-//    order is conflict free) and stored as 16-byte words (a warp covers four 128-byte rows).
+//    transpose_max reduces all kR rows over those lanes in kR shuffles (not kR * log2 kCpr):
+//    afterwards each lane holds the maximum of one row, computes that row's scale (one division a
+//    lane instead of kR) and stores its scale_inv (the 128 rows of a tile are 512 contiguous bytes
+//    of the [nbc, rows] matrix); the multipliers reach the other lanes by shuffles. 16-bit inputs
+//    reduce their packed magnitudes (__vmaxu2, two columns a word), widened once at the end.
+//  - 1D columnwise amaxes: per-thread column maxima over its kR rows, across the two half warps by
+//    a shuffle (16-bit), across the warps through shared memory; 128 threads then compute the
+//    column scales (coalesced scale_inv stores). 2D: the tile amax through the same exchange. The
+//    amax output: one atomicMax a block.
+//  - Rowwise codes: the kC codes of a row as kC / 4 words, one 8-byte (16-bit input) or 4-byte
+//    (fp32) store; a warp store covers whole 128-byte rows of the copy.
+//  - Columnwise (transposed) codes: scaled_fp8x4 is given four elements of one *column* (four
+//    rows), so its word is already a piece of a transposed row, and a thread's kR codes of a column
+//    are one 8- or 16-byte shared store into the byte tile tq[c][r] (no byte permutes). The kR-byte
+//    units of a tq row are XOR-swizzled (unit g lies at g ^ (cc % units)), so the lanes of a store
+//    hit distinct banks; read back as 16-byte pieces (8 lanes = one 128-byte tq row: conflict free
+//    in any order) and stored as 16-byte words (a warp covers four 128-byte rows of the copy).
 //  - Edges: elements outside the matrix load as +0 (no effect on an amax) and are never stored;
 //    unaligned inputs (pointer, or cols % kC) load element by element into the same chunks,
 //    unaligned outputs (pointer, cols % kC, rows % 16) store byte by byte; the math is shared.
