@@ -175,27 +175,50 @@ __device__ __forceinline__ constexpr int bitrev(int i) {
   return r;
 }
 
+// One halving exchange of transpose_max (lane distance N / M): v[0 .. M) become M / 2 partial
+// maxima, then the next step (M / 2). As template recursion every index is a compile-time
+// constant.
+template <int N, int M>
+__device__ __forceinline__ void halving_max(uint32_t (&v)[N], int lane) {
+  if constexpr (M > 1) {
+    constexpr int o = N / M;
+    const bool upper = (lane & o) != 0;
+#pragma unroll
+    for (int k = 0; k < M / 2; ++k) {
+      const uint32_t send = upper ? v[k] : v[k + M / 2];
+      const uint32_t keep = upper ? v[k + M / 2] : v[k];
+      v[k] = max(keep, __shfl_xor_sync(kFull, send, o));
+    }
+    halving_max<N, M / 2>(v, lane);
+  }
+}
+
 // Max of v[i] over the L lanes of an aligned lane group (L = 2N, L <= 32), for all N values at
 // once: log2(N) halving exchanges (N - 1 shuffles) leave each lane with the partial max of one
 // value over N lanes, one butterfly step completes it over L. Returns, on every lane, the max of
 // v[bitrev<N>(lane % N)].
+//
+// The same exchanges written two ways, for ptxas: N = 16 (fp32 chunks, the fused kernels) by
+// template recursion, because nvcc leaves the step loop rolled inside norm_block_kernel (v then
+// lives in local memory, 64 bytes a thread); N = 8 (16-bit chunks, the standalone cast only) as
+// the loop, because the recursion costs that cast a 4-byte spill at its 80-register budget.
 template <int N, int L>
 __device__ __forceinline__ uint32_t transpose_max(uint32_t (&v)[N]) {
   static_assert(L == 2 * N, "one butterfly step after the exchanges");
-  constexpr int kSteps = N == 16 ? 4 : N == 8 ? 3 : N == 4 ? 2 : N == 2 ? 1 : 0;
-  static_assert((1 << kSteps) == N, "N a power of two <= 16");
   const int lane = threadIdx.x % 32;
-  // A constant trip count (not "(1 << s) < N"), so the steps unroll in every caller and v stays in
-  // registers.
+  if constexpr (N == 16) {
+    halving_max<N, N>(v, lane);
+  } else {
 #pragma unroll
-  for (int s = 0; s < kSteps; ++s) {
-    const int o = 1 << s, m = N >> s;
-    const bool upper = (lane & o) != 0;
+    for (int s = 0; (1 << s) < N; ++s) {
+      const int o = 1 << s, m = N >> s;
+      const bool upper = (lane & o) != 0;
 #pragma unroll
-    for (int k = 0; k < m / 2; ++k) {
-      const uint32_t send = upper ? v[k] : v[k + m / 2];
-      const uint32_t keep = upper ? v[k + m / 2] : v[k];
-      v[k] = max(keep, __shfl_xor_sync(kFull, send, o));
+      for (int k = 0; k < m / 2; ++k) {
+        const uint32_t send = upper ? v[k] : v[k + m / 2];
+        const uint32_t keep = upper ? v[k + m / 2] : v[k];
+        v[k] = max(keep, __shfl_xor_sync(kFull, send, o));
+      }
     }
   }
   return max(v[0], __shfl_xor_sync(kFull, v[0], N));
