@@ -204,31 +204,35 @@ __global__ void __launch_bounds__(block_cast::kThreads) act_block_kernel(const A
   int64_t group = t0 * kT / (p.rows_per_group > 0 ? p.rows_per_group : 1);
   for (int64_t tr = t0; tr < t1; ++tr) {
     const int64_t r0 = tr * kT;
-    block_cast::Values v;
+    if (tr > t0) __syncthreads();  // the previous tile's cast_tile exchange
+    block_cast::Chunks<float> raw;
+    block_cast::compute_chunks(
+        [&](int64_t r, int64_t c, int n, float (&v)[4]) {
 #pragma unroll
-    for (int i = 0; i < block_cast::kRowsPerWarp; ++i) {
-      const int64_t r = block_cast::tile_row(r0, i);
-#pragma unroll
-      for (int j = 0; j < block_cast::kColsPerLane; ++j) {
-        const int64_t c = block_cast::tile_col(c0, j);
-        float val = 0.0f;
-        if (r < o.rows && c < o.cols) {
-          val = act_value<A, kGated, kBwd>(p, r, c);
-          if (p.hp) store_hp(p.hp, p.hp_dtype, r * o.cols + c, val);
-        }
-        v[i][j] = val;
-      }
-    }
-    amax = max(amax, block_cast::cast_tile<F>(o, sm, v, tr, tc));
+          for (int e = 0; e < 4; ++e)
+            if (e < n) {
+              v[e] = act_value<A, kGated, kBwd>(p, r, c + e);
+              if (p.hp) store_hp(p.hp, p.hp_dtype, r * o.cols + c + e, v[e]);
+            }
+        },
+        o.rows, o.cols, r0, c0, raw);
+    amax =
+        max(amax, block_cast::cast_tile<float, F>(o, sm, raw, tr, tc, o.two_d, p.amax != nullptr));
     if (p.partial) {
-      // Rows 32 q .. 32 q + 31 of the tile are v[i] for i in [4 q, 4 q + 4) (row warp + 8 i).
+      // Rows 32 q .. 32 q + 31 of the tile are held by warps 2 q and 2 q + 1 (warp w: rows
+      // 16 w .. 16 w + 15, lane l: columns 4 l .. 4 l + 3).
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
+        if (warp / 2 == q) {
 #pragma unroll
-        for (int i = 4 * q; i < 4 * q + 4; ++i)
-#pragma unroll
-          for (int j = 0; j < block_cast::kColsPerLane; ++j)
-            stage[warp + block_cast::kWarps * (i - 4 * q)][tid % 32 + 32 * j] = v[i][j];
+          for (int i = 0; i < block_cast::Geo<float>::kR; ++i) {
+            float* row = &stage[16 * (warp % 2) + i][4 * (tid % 32)];
+            row[0] = bits_as_float(raw[i].x);
+            row[1] = bits_as_float(raw[i].y);
+            row[2] = bits_as_float(raw[i].z);
+            row[3] = bits_as_float(raw[i].w);
+          }
+        }
         __syncthreads();
         if (tid < kT) {
           for (int rr = 0; rr < 32; ++rr) {
@@ -265,7 +269,7 @@ void act_block_launch(const ActArgs& a, bool bwd, int64_t out_cols, cudaStream_t
   p.round_dtype = a.round_dtype;
   p.hp = a.out ? a.out->data : nullptr;
   p.hp_dtype = a.out ? a.out->dtype : a.round_dtype;
-  p.out = block_cast::make_out(q);
+  p.out = block_cast::make_out<float>(q);
   p.amax = q.amax;
   const bool colsum = bwd && a.dbias != nullptr;
   constexpr int64_t kT = block_cast::kTile;

@@ -423,38 +423,35 @@ struct NormBlockParams : NormSource {
 };
 
 // One 128 x 128 tile of y a block: y recomputed as norm_fwd_kernel computes it (same formula,
-// same rounding, same bits), then the shared blockwise tile cast.
-template <Fp8Format F>
+// same rounding, same bits), then the shared blockwise tile cast (fp32 chunks of the rounded y).
+template <Fp8Format F, bool kTwoD>
 __global__ void __launch_bounds__(block_cast::kThreads) norm_block_kernel(const NormBlockParams p) {
   __shared__ block_cast::Smem sm;
   const block_cast::Out& o = p.out;
   const int64_t tr = blockIdx.x / o.nbc, tc = blockIdx.x % o.nbc, H = o.cols;
   const int64_t r0 = tr * block_cast::kTile, c0 = tc * block_cast::kTile;
-  float w[block_cast::kColsPerLane], b[block_cast::kColsPerLane];
+  const int64_t ct = c0 + block_cast::col0<float>();  // the thread's 4 columns
+  float w[4], b[4];
 #pragma unroll
-  for (int j = 0; j < block_cast::kColsPerLane; ++j) {
-    const int64_t c = block_cast::tile_col(c0, j);
-    w[j] = c < H ? norm_weight(load_hp(p.gamma, p.g_dt, c), p.zc) : 0.0f;
-    b[j] = c < H && p.beta ? load_hp(p.beta, p.b_dt, c) : 0.0f;
+  for (int e = 0; e < 4; ++e) {
+    const int64_t c = ct + e;
+    w[e] = c < H ? norm_weight(load_hp(p.gamma, p.g_dt, c), p.zc) : 0.0f;
+    b[e] = c < H && p.beta ? load_hp(p.beta, p.b_dt, c) : 0.0f;
   }
-  block_cast::Values v;
+  block_cast::Chunks<float> raw;
+  block_cast::compute_chunks(
+      [&](int64_t r, int64_t c, int n, float (&v)[4]) {
+        const float mean = p.ln ? p.mean[r] : 0.0f, rstd = p.rstd[r];
 #pragma unroll
-  for (int i = 0; i < block_cast::kRowsPerWarp; ++i) {
-    const int64_t r = block_cast::tile_row(r0, i);
-    const bool in = r < o.rows;
-    const float mean = in && p.ln ? p.mean[r] : 0.0f, rstd = in ? p.rstd[r] : 0.0f;
-#pragma unroll
-    for (int j = 0; j < block_cast::kColsPerLane; ++j) {
-      const int64_t c = block_cast::tile_col(c0, j);
-      v[i][j] =
-          in && c < H
-              ? round_hp(p.round_dt,
-                         norm_y(p.ln, norm_xhat(p.ln, load_hp(p.x, p.x_dt, r * H + c), mean, rstd),
-                                w[j], b[j]))
-              : 0.0f;
-    }
-  }
-  block_cast::cast_tile<F>(o, sm, v, tr, tc);
+        for (int e = 0; e < 4; ++e)
+          if (e < n)
+            v[e] = round_hp(
+                p.round_dt,
+                norm_y(p.ln, norm_xhat(p.ln, load_hp(p.x, p.x_dt, r * H + c + e), mean, rstd), w[e],
+                       b[e]));
+      },
+      o.rows, H, r0, c0, raw);
+  block_cast::cast_tile<float, F>(o, sm, raw, tr, tc, kTwoD, false);
 }
 
 // ---- backward
@@ -802,10 +799,12 @@ void finish_norm_forward(const NormFwdArgs& a, const NormFwdParams& p, const fus
     fus_quantized rest = *q;
     if (q->mode == FUS_SCALING_BLOCK_1D) rest.rowwise_data = rest.rowwise_scale_inv = nullptr;
     if (!rest.rowwise_data && !rest.columnwise_data) return;
-    const NormBlockParams c{source_of(a), a.round_dtype, block_cast::make_out(rest)};
+    const NormBlockParams c{source_of(a), a.round_dtype, block_cast::make_out<float>(rest)};
     const auto tiles = static_cast<unsigned>(c.out.nbr * c.out.nbc);
     dispatch_fp8(q->dtype, [&](auto f) {
-      norm_block_kernel<decltype(f)::value><<<tiles, block_cast::kThreads, 0, stream>>>(c);
+      constexpr Fp8Format F = decltype(f)::value;
+      const auto kernel = c.out.two_d ? norm_block_kernel<F, true> : norm_block_kernel<F, false>;
+      kernel<<<tiles, block_cast::kThreads, 0, stream>>>(c);
       FUS_CUDA_CHECK_LAUNCH("norm_block_kernel");
     });
   } else if (q && q->columnwise_data && per_tensor && q->rowwise_data) {

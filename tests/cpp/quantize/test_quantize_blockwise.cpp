@@ -1,8 +1,12 @@
 // Blockwise FP8 casts (fus_quantize_blockwise, fusible/quantize.h): the CPU backend against an
 // independent reference of the rule (double arithmetic and the reference encoder of
 // test_utils.h), both copies, both block shapes, partial edge blocks, scale edge cases, the
-// dequantize round trip, argument validation, and CUDA == CPU bit for bit (skipped without a GPU).
+// dequantize round trip, argument validation, and CUDA == CPU bit for bit (skipped without a GPU):
+// every input dtype, both formats, each usage, edge shapes and misaligned pointers, the amax, and
+// the dequantize of every code.
 #include <cmath>
+#include <random>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -160,6 +164,180 @@ INSTANTIATE_TEST_SUITE_P(
                                          std::pair<int64_t, int64_t>{257, 131}),
                        ::testing::Bool(), ::testing::Values(FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2),
                        ::testing::Bool()));
+
+// ---- CUDA == CPU: every input dtype, both formats, each usage, misaligned pointers ----------
+
+// Random values over many binades with specials mixed in: zeros of both signs, NaNs of either sign
+// with payloads, infinities, fp32 subnormals, values in the fp16 subnormal range and values that
+// saturate either FP8 format (after the block scale of a block's other elements).
+std::vector<float> special_values(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_int_distribution<int> ed(-20, 20), pick(0, 999);
+  std::vector<float> v(n);
+  for (auto& x : v) {
+    const int p = pick(rng);
+    x = std::ldexp(nd(rng), ed(rng));
+    if (p < 10)
+      x = 0.0f;
+    else if (p < 15)
+      x = -0.0f;
+    else if (p < 17)
+      x = u2f(0x7fc00000u | (rng() & 0x3fffffu) | ((rng() & 1u) << 31));
+    else if (p < 19)
+      x = (rng() & 1u) ? inf() : -inf();
+    else if (p < 25)
+      x = std::ldexp(nd(rng), -140);
+    else if (p < 31)
+      x = std::ldexp(nd(rng), -20);
+    else if (p < 35)
+      x = std::ldexp(nd(rng), 100);
+  }
+  return v;
+}
+
+// One blockwise cast as the CUDA kernels see it: which copies, and pointer offsets (input by
+// in_off elements, both code buffers by out_off bytes) that turn the 16-byte paths off.
+struct CastCase {
+  int64_t rows, cols;
+  fus_dtype in_dt, fp8;
+  bool two_d, row, col;
+  int in_off, out_off;
+};
+
+// Buffers: 0 input, 1 rowwise data, 2 columnwise data, 3 rowwise scales, 4 columnwise scales,
+// 5 amax (every output filled, so an element one backend skips differs).
+Buffers cast_case_buffers(const HostMatrix& in, const CastCase& c) {
+  Buffers b;
+  const size_t es = fus_dtype_size(c.in_dt);
+  std::vector<uint8_t> x(static_cast<size_t>(c.in_off) * es, 0);
+  x.insert(x.end(), in.bytes.begin(), in.bytes.end());
+  b.add_bytes(x);
+  const size_t n = static_cast<size_t>(c.rows * c.cols) + static_cast<size_t>(c.out_off);
+  b.add_filled(c.row ? n : 0);
+  b.add_filled(c.col ? n : 0);
+  const int64_t nr = (c.rows + B - 1) / B, nc = (c.cols + B - 1) / B;
+  b.add_filled(c.row ? 4 * static_cast<size_t>(c.two_d ? nr * nc : nc * c.rows) : 0);
+  b.add_filled(c.col ? 4 * static_cast<size_t>(c.two_d ? nc * nr : nr * c.cols) : 0);
+  b.add_filled(4);
+  return b;
+}
+
+ApiCall cast_case_call(const CastCase& c) {
+  return [=](const std::vector<void*>& p, const fus_context& ctx) {
+    auto at = [](void* base, size_t off) {
+      return base ? static_cast<void*>(static_cast<uint8_t*>(base) + off) : nullptr;
+    };
+    fus_tensor in{at(p[0], c.in_off * fus_dtype_size(c.in_dt)), c.in_dt, c.rows, c.cols};
+    fus_quantized q{c.two_d ? FUS_SCALING_BLOCK_2D : FUS_SCALING_BLOCK_1D,
+                    c.fp8,
+                    c.rows,
+                    c.cols,
+                    at(p[1], c.out_off),
+                    at(p[2], c.out_off),
+                    p[3],
+                    p[4],
+                    nullptr,
+                    static_cast<float*>(p[5])};
+    return fus_quantize_blockwise(&in, &q, 1, 0.0f, &ctx);
+  };
+}
+
+using CudaCase = std::tuple<std::pair<int64_t, int64_t>, fus_dtype, fus_dtype, bool>;
+
+class BlockwiseCudaTest : public ::testing::TestWithParam<CudaCase> {};
+
+TEST_P(BlockwiseCudaTest, EqualsCpuEveryUsageAndAlignment) {
+  FUSTEST_REQUIRE_CUDA();
+  const auto [shape, in_dt, fp8, two_d] = GetParam();
+  const auto [rows, cols] = shape;
+  const size_t n = static_cast<size_t>(rows * cols);
+  for (bool specials : {false, true}) {
+    const uint32_t seed = static_cast<uint32_t>(rows * 7 + cols * 3 + (specials ? 1 : 0));
+    const HostMatrix in(in_dt, rows, cols,
+                        specials ? special_values(n, seed) : random_values(n, seed));
+    for (int usage = 0; usage < 3; ++usage)
+      for (int misaligned = 0; misaligned < 2; ++misaligned) {
+        const CastCase c{rows,       cols,       in_dt,      fp8,       two_d,
+                         usage != 2, usage != 1, misaligned, misaligned};
+        SCOPED_TRACE(std::string(specials ? "special" : "random") + " values, " +
+                     (usage == 0   ? "both copies"
+                      : usage == 1 ? "rowwise only"
+                                   : "columnwise only") +
+                     (misaligned ? ", misaligned pointers" : ""));
+        const DualResult r = run_both(cast_case_buffers(in, c), cast_case_call(c));
+        ASSERT_EQ(r.cpu_status, FUS_SUCCESS) << fus_last_error();
+        ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
+        for (int i = 1; i <= 5; ++i)
+          EXPECT_TRUE(same_bits<uint8_t>(r.cpu, r.cuda, i, "buffer")) << i;
+      }
+  }
+}
+
+// 1 row, primes, 2^n - 1, widths below one 16-byte chunk (< 4 fp32 / < 8 16-bit elements) and
+// not a multiple of it, widths a multiple of 8 but not 16, rows % 16 != 0 (no 16-byte stores of
+// the transposed copy), full tiles.
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, BlockwiseCudaTest,
+    ::testing::Combine(
+        ::testing::Values(
+            std::pair<int64_t, int64_t>{1, 1}, std::pair<int64_t, int64_t>{1, 4096},
+            std::pair<int64_t, int64_t>{5, 3}, std::pair<int64_t, int64_t>{17, 7},
+            std::pair<int64_t, int64_t>{31, 127}, std::pair<int64_t, int64_t>{300, 2},
+            std::pair<int64_t, int64_t>{1000, 12}, std::pair<int64_t, int64_t>{136, 200},
+            std::pair<int64_t, int64_t>{144, 264}, std::pair<int64_t, int64_t>{128, 128},
+            std::pair<int64_t, int64_t>{256, 384}, std::pair<int64_t, int64_t>{255, 513},
+            std::pair<int64_t, int64_t>{513, 1031}),
+        ::testing::Values(FUS_FLOAT32, FUS_BFLOAT16, FUS_FLOAT16),
+        ::testing::Values(FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2), ::testing::Bool()));
+
+// Dequantize of random codes (every code, NaN codes included) with scales that include 0, inf,
+// NaN and negative values, into every output dtype; 16-byte paths (C % 16 == 0, aligned) and the
+// element path (odd C, or the codes misaligned by a few bytes).
+TEST(BlockwiseCuda, DequantizeEqualsCpu) {
+  FUSTEST_REQUIRE_CUDA();
+  const float specials[] = {1.0f, 0.0f, inf(), qnan(), -2.0f, 1e-30f, 3e38f, 0.75f};
+  const std::pair<int64_t, int64_t> shapes[] = {{130, 256}, {3, 200}, {257, 16},
+                                                {64, 4096}, {1, 5},   {129, 129}};
+  for (const auto& [R, C] : shapes)
+    for (fus_dtype fp8 : {FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2})
+      for (bool two_d : {false, true})
+        for (int off : {0, 3})
+          for (fus_dtype out_dt : {FUS_FLOAT32, FUS_BFLOAT16, FUS_FLOAT16}) {
+            SCOPED_TRACE(std::to_string(R) + "x" + std::to_string(C) + " " + fmt_name(fp8) +
+                         (two_d ? " 2D" : " 1D") + " offset " + std::to_string(off) + " -> " +
+                         fmt_name(out_dt));
+            std::mt19937 rng(static_cast<uint32_t>(R * 131 + C + off));
+            std::vector<uint8_t> codes(static_cast<size_t>(R * C + off));
+            for (auto& b : codes) b = static_cast<uint8_t>(rng());
+            const int64_t nb = (C + B - 1) / B, nr = (R + B - 1) / B;
+            std::vector<float> s(static_cast<size_t>(two_d ? nr * nb : nb * R));
+            for (auto& x : s)
+              x = specials[rng() % 8] * std::ldexp(1.0f, static_cast<int>(rng() % 41) - 20);
+            Buffers b;
+            b.add_bytes(codes);
+            b.add(s);
+            b.add_filled(static_cast<size_t>(R * C) * fus_dtype_size(out_dt));
+            const DualResult r =
+                run_both(b, [=](const std::vector<void*>& p, const fus_context& ctx) {
+                  fus_quantized q{two_d ? FUS_SCALING_BLOCK_2D : FUS_SCALING_BLOCK_1D,
+                                  fp8,
+                                  R,
+                                  C,
+                                  static_cast<uint8_t*>(p[0]) + off,
+                                  nullptr,
+                                  p[1],
+                                  nullptr,
+                                  nullptr,
+                                  nullptr};
+                  fus_tensor o{p[2], out_dt, R, C};
+                  return fus_dequantize(&q, 0, &o, &ctx);
+                });
+            ASSERT_EQ(r.cpu_status, FUS_SUCCESS) << fus_last_error();
+            ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
+            EXPECT_TRUE(same_bits<uint8_t>(r.cpu, r.cuda, 2, "output"));
+          }
+}
 
 TEST(Blockwise, ScaleEdgeCasesAndEpsilon) {
   // Row 0: zeros and row 2: tiny values (both floored to eps); row 1: an inf (scale 1, saturates).

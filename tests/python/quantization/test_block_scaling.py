@@ -549,6 +549,94 @@ def test_cuda_quantize_equals_cpu(shape, dtype, block_dim, pow2):
         assert torch.equal(_bits(col_a.dequantize(out)), _bits(col_b.dequantize(out).cpu()))
 
 
+# Shapes for the CUDA kernels' edge paths: widths below one 16-byte input chunk (< 4 fp32 or < 8
+# 16-bit elements) or not a multiple of it, widths a multiple of 8 but not of 16, row counts that
+# are not a multiple of 16 (no 16-byte stores of the transposed copy), one row, full tiles.
+CUDA_EDGE_SHAPES = [(5, 3), (300, 2), (17, 7), (1, 4096), (2, 1024), (136, 200), (144, 264),
+                    (256, 384), (255, 513), (1000, 12)]  # fmt: skip
+USAGES = {"both": (True, True), "rowwise": (True, False), "columnwise": (False, True)}
+
+
+def _x_specials(shape, dtype, seed):
+    """_x with zeros of both signs, NaNs, infinities, subnormals (of fp32 / bf16 and of fp16) and
+    values that saturate either FP8 format mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    x = _x(shape, torch.float32, seed)
+    pick = torch.randint(0, 1000, shape, generator=g)
+    for lo, hi, v in [(0, 10, torch.zeros(())), (10, 15, torch.tensor(-0.0)),
+                      (15, 17, torch.tensor(float("nan"))), (17, 18, torch.tensor(float("inf"))),
+                      (18, 19, torch.tensor(float("-inf"))), (19, 25, x * 2.0**-130),
+                      (25, 31, x * 2.0**-14), (31, 35, x * 2.0**100)]:  # fmt: skip
+        x = torch.where((pick >= lo) & (pick < hi), v, x)
+    return x.to(dtype)
+
+
+def _same_outputs(want, got):
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert a.shape == b.shape and a.dtype == b.dtype, i
+        assert torch.equal(_bits(a), _bits(b.cpu())), i
+
+
+@cuda
+@pytest.mark.parametrize("shape", [*SHAPES, *CUDA_EDGE_SHAPES])
+@pytest.mark.parametrize("dtype", HP)
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("block_dim", [1, 2])
+@pytest.mark.parametrize("usage", USAGES)
+def test_cuda_quantize_formats_usages_specials(shape, dtype, fp8, block_dim, usage):
+    """CUDA == CPU bits for each FP8 format and each usage (both copies, one of them), on values
+    with specials; then the same input at an address one element past a 16-byte boundary (the
+    kernels' element-wise load path)."""
+    x = _x_specials(shape, dtype, seed=sum(shape) + 7)
+    args = (fp8, block_dim, True, 0.0, *USAGES[usage])
+    want = K.quantize_fp8_block(x, *args)
+    _same_outputs(want, K.quantize_fp8_block(x.cuda(), *args))
+    xm = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")[1:].view(x.shape)
+    xm.copy_(x)
+    assert xm.data_ptr() % 16 != 0
+    _same_outputs(want, K.quantize_fp8_block(xm, *args))
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(130, 257), (256, 384), (17, 7)])
+@pytest.mark.parametrize("dtype", HP)
+@pytest.mark.parametrize("block_dim", [1, 2])
+def test_cuda_quantize_epsilon_and_exact_scales(shape, dtype, block_dim):
+    """amax_epsilon > 0 with power_2_scale off (the scale's division is not rounded away)."""
+    x = _x(shape, dtype, seed=11)
+    x[..., :3] *= 1e-6  # tiny blocks: eps caps their scale
+    for fp8 in (E4M3, E5M2):
+        args = (fp8, block_dim, False, 1e-3, True, True)
+        _same_outputs(K.quantize_fp8_block(x, *args), K.quantize_fp8_block(x.cuda(), *args))
+
+
+@cuda
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("block_dim", [1, 2])
+@pytest.mark.parametrize("shape", [(130, 256), (3, 200), (257, 16), (64, 4096), (1, 5), (129, 129)])
+def test_cuda_dequantize_every_code_equals_cpu(fp8, block_dim, shape):
+    """Random codes (every code, NaN codes too) with scales 0, inf, NaN, negative and spread over
+    2^+-20, into every output dtype: the 16-byte path (C % 16 == 0, aligned) and the element path
+    (C % 16 != 0, or the codes at an address 3 bytes past a 16-byte boundary)."""
+    R, C = shape
+    g = torch.Generator().manual_seed(R * 131 + C)
+    codes = torch.randint(0, 256, (R, C), generator=g, dtype=torch.uint8)
+    nr, nc = math.ceil(R / 128), math.ceil(C / 128)
+    sshape = (nc, R) if block_dim == 1 else (nr, nc)
+    specials = torch.tensor([1.0, 0.0, float("inf"), float("nan"), -2.0, 1e-30, 3e38, 0.75])
+    s = specials[torch.randint(0, 8, sshape, generator=g)] * torch.exp2(
+        torch.randint(-20, 21, sshape, generator=g).float()
+    )
+    qm = torch.empty(R * C + 3, dtype=torch.uint8, device="cuda")[3:].view(R, C)
+    qm.copy_(codes)
+    for out in HP:
+        want = K.dequantize_fp8_block(codes.view(fp8), s, block_dim, out)
+        got = K.dequantize_fp8_block(codes.view(fp8).cuda(), s.cuda(), block_dim, out)
+        assert torch.equal(_bits(want), _bits(got.cpu())), out
+        got = K.dequantize_fp8_block(qm.view(fp8), s.cuda(), block_dim, out)
+        assert torch.equal(_bits(want), _bits(got.cpu())), out
+
+
 @cuda
 @pytest.mark.parametrize("dims", [(1, 1), (1, 2), (2, 1)])
 @pytest.mark.parametrize(
