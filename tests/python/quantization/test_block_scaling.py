@@ -412,16 +412,22 @@ def _fused_models(h: int, f: int, dtype: torch.dtype):
     return out
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 @pytest.mark.parametrize("tokens", [16, 144])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rec_name", sorted(FUSED_RECIPES))
-def test_fused_kernels_write_blockwise_output_bit_for_bit(rec_name, dtype, tokens, monkeypatch):
+def test_fused_kernels_write_blockwise_output_bit_for_bit(
+    rec_name, dtype, tokens, device, monkeypatch
+):
     """Every fusion under Float8BlockScaling against the unfused ops (fusion_disabled: no
     hand-off, the next op casts with the blockwise quantize): outputs and gradients bit for bit
     (the bias gradient of a dact + dbias unit is summed in the kernel's fixed order, so within
-    fp32 rounding), and the fused plan runs no separate cast of the activations it hands off.
+    fp32 rounding). On CPU the fused plan runs no separate cast of the activations it hands off
+    (the norm / activation kernels write them blockwise); on CUDA it does (_compute.
+    fused_quant_args: the fused blockwise kernels are slower there than kernel + cast).
     Widths 80 and 224 are not multiples of 128 (partial blocks), nor is the token count 144."""
     rec = FUSED_RECIPES[rec_name]
+    kernel_casts = device == "cpu"
     h, f = 80, 224
     calls: list[tuple[str, tuple[int, ...]]] = []
     real = K.quantize_fp8_block
@@ -433,8 +439,9 @@ def test_fused_kernels_write_blockwise_output_bit_for_bit(rec_name, dtype, token
     phase = ["fwd"]
     monkeypatch.setattr(K, "quantize_fp8_block", counting)
     for name, model, handed in _fused_models(h, f, dtype):
+        model = model.to(device)
         twin = copy.deepcopy(model)
-        x = _x((tokens, h), dtype, seed=1).float().clamp(-8, 8).to(dtype)
+        x = _x((tokens, h), dtype, seed=1).float().clamp(-8, 8).to(dtype).to(device)
         results = []
         for m, fused in ((model, True), (twin, False)):
             calls.clear()
@@ -448,10 +455,12 @@ def test_fused_kernels_write_blockwise_output_bit_for_bit(rec_name, dtype, token
                     with ops.fusion_disabled():
                         y = m(xr)
             phase[0] = "bwd"
-            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(dtype))
+            dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+            y.backward(dy.to(device))
             seen = {(p, s[-1]) for p, s in calls if s[0] == tokens}
             for pas, width in handed:  # a separate cast of a handed-off activation?
-                assert ((pas, width) in seen) != fused, (name, fused, pas, width, seen)
+                separate = not (fused and kernel_casts)
+                assert ((pas, width) in seen) == separate, (name, fused, pas, width, seen)
             results.append((y, xr.grad, {n: p.grad for n, p in m.named_parameters()}))
         (y, dx, grads), (y2, dx2, grads2) = results
         assert "separate blockwise cast" not in text
@@ -662,6 +671,18 @@ def test_cuda_gemm_block_vs_dequantized_reference(dims, mnk, out):
     ref = qa.dequantize().double() @ qb.dequantize().double().t()
     err = ((d.double() - ref).norm() / ref.norm()).item()
     assert err < {torch.float32: 1e-3, torch.bfloat16: 8e-3, torch.float16: 3e-3}[out], err
+
+
+def test_blockwise_fuses_into_norm_and_activation_kernels_on_cpu_only():
+    """_compute.fused_quant_args: the norm / activation kernels write blockwise output on CPU; on
+    CUDA their output is cast by the standalone blockwise quantize (faster there)."""
+    from fusible.ops import _compute as C
+
+    for block_dim in (1, 2):
+        q = Float8BlockQuantizer(torch.float8_e4m3fn, block_dim=block_dim)
+        got = C.fused_quant_args(q, torch.device("cpu"))
+        assert got is not None and got[0] == f"block{block_dim}d"
+        assert C.fused_quant_args(q, torch.device("cuda", 0)) is None
 
 
 @cuda

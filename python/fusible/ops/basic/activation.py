@@ -31,7 +31,7 @@ __all__ = [
 
 def _act(x: torch.Tensor, kind: str, glu: bool, q: Quantizer | None) -> torch.Tensor | C.HandOff:
     """act(x), written quantized by ``q`` when that fuses into the kernel."""
-    fused = C.fused_quant_args(q)
+    fused = C.fused_quant_args(q, x.device)
     if fused is None:
         y, *_ = K.act_fwd(x, kind, x.dtype, "none", torch.float8_e4m3fn, None, True, False)
         return y if q is None else C.handoff_after(q, y)
@@ -70,7 +70,7 @@ def activation_backward(
         data_t = K.transpose_fp8(C.as_2d(d)) if q.columnwise else None
         qd = Float8Data(d if q.rowwise else None, data_t, scale_inv, q.dtype, shape)
         return C.HandOff(qd, dtype), (dbias if with_dbias else None)
-    fused = C.fused_quant_args(q)
+    fused = C.fused_quant_args(q, x.device)
     if fused is None:
         dx, *_, dbias = K.act_bwd(dy, x, kind, dtype, "none", torch.float8_e4m3fn, None, True,
                                   False, with_dbias)  # fmt: skip

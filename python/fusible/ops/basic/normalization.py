@@ -66,7 +66,7 @@ class _Norm(BasicOperation):
             )
         gamma = params[0].to(x.dtype)
         beta = params[1].to(x.dtype) if len(params) > 1 else None
-        fused = C.fused_quant_args(next_input_quantizer)
+        fused = C.fused_quant_args(next_input_quantizer, x.device)
         x = x.contiguous()
         if fused is None:
             y, *_, mean, rstd = K.norm_fwd(x, gamma, beta, self.eps, self.kind,

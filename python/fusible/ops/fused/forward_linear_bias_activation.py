@@ -66,7 +66,7 @@ class ForwardLinearBiasActivation(FusedOperation):
             act
             and type(xq) is Float8BlockData  # no calls on the other recipes' hot path
             and C.blockwise_gemm(xq, wq)
-            and C.fused_quant_args(q) is not None
+            and C.fused_quant_args(q, b.device) is not None
         )
         epi = "bias" if late_act else self.epilogue
         y, aux = C.gemm_fprop(xq, wq, out_dtype, bias=b.to(out_dtype), epilogue=epi)
