@@ -2,9 +2,9 @@
 // operator calls run as one boxed dispatcher loop, one Python call per forward and per backward
 // instead of one per operator. No logic of its own: the Python recorder decides what is called
 // with what (slots, constants, lists of them), which slot each output goes to and when a slot is
-// dropped; this runs it. Every call goes through the dispatcher from the top (autograd,
-// ADInplaceOrView, autocast, Python modes), as a call from Python does, with the caller's
-// thread-local state, so the same kernels run with the same arguments in the same order.
+// dropped; this runs it. Every call goes through the dispatcher (ADInplaceOrView, autocast,
+// Python modes; autograd too when grad mode is on: see exec), as a call from Python does, with the
+// caller's thread-local state, so the same kernels run with the same arguments in the same order.
 //
 // torch.classes.fusible.ReplayProgram:
 //   init(n_slots, n_inputs, unused_inputs)  the slot count; inputs are slots 0..n_inputs-1, and the
@@ -24,6 +24,7 @@
 //       input (a backward's saved tensors) is freed after its last use.
 #include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/core/stack.h>
 #include <c10/util/Exception.h>
@@ -163,6 +164,13 @@ struct ReplayProgram : torch::CustomClassHolder {
 
   TensorList exec(std::vector<IValue>& slots) const {
     for (int64_t s : unused) slots[s] = IValue();
+    // With grad mode off (the autograd Function's forward, a backward without create_graph) the
+    // autograd kernels record nothing (a custom Function's forward also runs with forward AD
+    // off), but their dispatch still costs: fusible's operators have no autograd kernel, so each
+    // call went through autograd's not-implemented fallback (about a fifth of a replayed step's
+    // host time). Below autograd, ADInplaceOrView and every later key still run as from Python.
+    std::optional<c10::impl::ExcludeDispatchKeyGuard> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace(c10::autograd_dispatch_keyset);
     torch::jit::Stack stack;
     for (const Call& c : calls) {
       stack.clear();
