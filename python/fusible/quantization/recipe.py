@@ -194,7 +194,11 @@ class Float8CurrentScaling(Recipe):
 @dataclass(frozen=True)
 class MXFP8BlockScaling(Recipe):
     """MXFP8 (OCP MX v1.0): one E8M0 power-of-two scale per 32-element block, rowwise and
-    columnwise copies. The block rule is documented in ``docs/quantization.md``. No state."""
+    columnwise copies. The block rule is documented in ``docs/quantization.md``. No state.
+
+    GPUs below compute capability 10.0 (Hopper and older) have no MXFP8 tensor cores: the GEMMs
+    run in high precision on exactly dequantized operands (same numerics, no speed-up; a
+    ``UserWarning`` says so once). ``Float8BlockScaling`` is Hopper's fine-grained recipe."""
 
     fp8_format: Format = Format.E4M3
 

@@ -392,3 +392,22 @@ def test_repeated_updates_follow_moved_and_loaded_states():
     gc.collect()
     assert ref() is None  # the prepared entries hold states weakly
     assert len(state_mod._PREPARED) <= state_mod._MAX_PREPARED
+
+
+@pytest.mark.parametrize("capability, warns", [((9, 0), True), ((8, 9), True), ((10, 0), False)])
+def test_mxfp8_warns_once_where_gemms_are_dequantized(capability, warns, monkeypatch):
+    """MXFP8 on a CUDA GPU below compute capability 10.0 (no MXFP8 tensor cores) says that its
+    GEMMs run on dequantized operands; on CPU and on Blackwell it is silent. The state holds no
+    tensors, so a CUDA device needs no GPU here (the capability is the test's)."""
+    import warnings
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        RecipeState.create(MXFP8BlockScaling(), num_quantizers=2, device="cuda")
+        RecipeState.create(MXFP8BlockScaling(), num_quantizers=2, device="cpu")
+    msgs = [str(w.message) for w in got if "MXFP8BlockScaling" in str(w.message)]
+    assert len(msgs) == int(warns), msgs
+    if warns:
+        assert f"{capability[0]}.{capability[1]} < 10.0" in msgs[0]
+        assert "Float8BlockScaling" in msgs[0]
