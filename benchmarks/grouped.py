@@ -4,24 +4,48 @@ same token split) measured in the same run. Under delayed and current scaling fu
 operators (one cast and one cuBLASLt-loop GEMM call for all experts, see docs/executor.md); without
 a recipe the forward GEMMs are grouped; MXFP8 runs one quantize + GEMM per expert.
 
-    python benchmarks/grouped.py [--experts 8] [--tokens 16384] [--hidden 4096] [--ffn 4096]
+    python benchmarks/grouped.py [--experts 8] [--tokens 16384] [--hidden 4096] [--ffn 14336]
                                  [--imbalance 0.5] [--out DIR]      # CUDA (bf16)
     python benchmarks/grouped.py --tiny [--out DIR]                 # CPU smoke run (fp32)
 
-``--imbalance`` in [0, 1): 0 gives every expert the same number of tokens; larger values draw
-skewed splits (a fixed seed, rounded to multiples of 32 for MXFP8; some experts may be empty).
-Without ``--out`` a ``--tiny`` run writes no JSON (its numbers are not results).
+Three tables, in one run:
+
+* **forward + backward** (JSON ``results``): the torch bf16 per-expert loop, fusible per recipe,
+  and the same MLP on ``torch._grouped_mm`` (bf16, no bias: it takes none; backward through its
+  autograd formula), where the installed torch has it. ``time_vs_bf16_loop`` is ms over the
+  loop's ms (issue 15's target for the FP8 MLP: <= 0.65).
+* **forward only** (JSON ``forward``, under ``torch.no_grad``): the loop, fusible per recipe,
+  ``torch._grouped_mm`` bf16, and ``torch._scaled_grouped_mm`` FP8 rowwise (e4m3, dynamic
+  per-row scales: the quantization of x and of the GELU output is timed, the weights' is not;
+  torch gives it no autograd, hence forward only). ``time_vs_bf16_loop`` against the loop's
+  forward.
+* **GEMM only** (JSON ``gemm``), at the two forward shapes (fc1: M = tokens, N = ffn, K = hidden;
+  fc2: N = hidden, K = ffn) with operands quantized beforehand: fusible's ``grouped_gemm`` (the
+  call the grouped forward makes; FP8 per-tensor with fast accumulation, and bf16),
+  ``torch._grouped_mm`` and ``torch._scaled_grouped_mm`` over the same split, next to one single
+  GEMM of the same total size (M = all tokens): ``torch._scaled_mm`` (cuBLASLt) FP8 per-tensor
+  and rowwise, fusible's ``gemm`` FP8 per-tensor, and a bf16 ``torch.mm``.
+  ``frac_of_single_fp8`` is TFLOP/s over the single per-tensor ``torch._scaled_mm``'s.
+
+A row torch cannot run (an older torch without the operator, a layout or GPU it refuses) reports
+the error in its ``ms`` cell instead of stopping the run; ``--tiny`` (CPU) marks the rows with
+CUDA-only kernels (``torch._scaled_grouped_mm``) as skipped. ``--imbalance`` in [0, 1): 0 gives
+every expert the same number of tokens; larger values draw skewed splits (a fixed seed, rounded
+to multiples of 32 for MXFP8; some experts may be empty). Without ``--out`` a ``--tiny`` run
+writes no JSON (its numbers are not results).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import fusible
-from _common import environment, print_table, time_ms, write_json
+from _common import environment, error_cell, print_table, time_ms, write_json
+from fusible import _kernels as K
 from fusible import ops, recipe
 
 RECIPES: dict[str, Any] = {
@@ -30,6 +54,10 @@ RECIPES: dict[str, Any] = {
     "current": recipe.Float8CurrentScaling(),
     "mxfp8": recipe.MXFP8BlockScaling(),
 }
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max
+COLUMNS = ["variant", "ms", "TFLOP/s", "time_vs_bf16_loop", "speedup_vs_torch_eager"]
+GEMM_COLUMNS = ["gemm", "MxNxK", "variant", "ms", "TFLOP/s", "frac_of_single_fp8"]
 
 
 def make_splits(tokens: int, experts: int, imbalance: float, seed: int = 0) -> list[int]:
@@ -58,12 +86,225 @@ class TorchExperts(torch.nn.Module):
         return torch.cat([fc2(gelu(fc1(xi), approximate="tanh")) for xi, fc1, fc2 in pairs])
 
 
+def offsets(splits: list[int], device: str) -> torch.Tensor:
+    """``torch._grouped_mm``'s ``offs``: int32 [G], the cumulative row ends of the groups (an
+    empty group repeats the previous end)."""
+    return torch.tensor(splits, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+
+
+class TorchGroupedExperts(torch.nn.Module):
+    """The MLP on ``torch._grouped_mm`` (2D x 3D, ``offs`` along M): weights ``[E, N, K]`` as
+    nn.Linear stores them, passed transposed (``[E, K, N]``, K-major); no bias (the operator
+    takes none)."""
+
+    def __init__(self, experts: int, h: int, f: int, device: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.w1 = torch.nn.Parameter(torch.randn(experts, f, h, **kw) / h**0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, h, f, **kw) / f**0.5)
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        gmm = torch._grouped_mm  # type: ignore[attr-defined]
+        y = gmm(x, self.w1.transpose(-2, -1), offs=offs)
+        y = torch.nn.functional.gelu(y, approximate="tanh")
+        return gmm(y, self.w2.transpose(-2, -1), offs=offs)
+
+
+def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` ([..., rows, K]) as e4m3 with one scale per row: the data (row-major) and the
+    dequantizing scales ([..., rows], float32), the form ``torch._scaled_mm`` /
+    ``torch._scaled_grouped_mm`` take for rowwise scaling."""
+    amax = t.abs().amax(-1, keepdim=True).float().clamp(min=1e-12)
+    scale = E4M3_MAX / amax
+    return (t.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale.reciprocal().squeeze(-1)
+
+
+def timed_row(
+    variant: str, fn: Callable[[], Any] | str, flops: int, iters: int, base_ms: float | None
+) -> dict[str, Any]:
+    """One table row: ``fn`` timed (a string: the reason it was not run), TFLOP/s, and the time
+    relative to ``base_ms``; an exception becomes the ``ms`` cell."""
+    row: dict[str, Any] = {"variant": variant}
+    if isinstance(fn, str):
+        row["ms"] = fn
+        return row
+    try:
+        ms = time_ms(fn, warmup=2, iters=iters)
+    except Exception as e:  # an operator this torch / GPU refuses is reported, not fatal
+        row["ms"] = error_cell(e)
+        return row
+    row.update({"ms": ms, "TFLOP/s": flops / ms / 1e9})
+    if isinstance(base_ms, float):  # the loop's row itself may be an error cell
+        row.update(time_vs_bf16_loop=ms / base_ms, speedup_vs_torch_eager=base_ms / ms)
+    return row
+
+
+def unavailable(name: str) -> str | None:
+    """Why ``torch.<name>`` cannot run here, or None."""
+    if not hasattr(torch, name):
+        return f"unavailable: torch {torch.__version__} has no torch.{name}"
+    return None
+
+
+def cuda_only(name: str, dev: str) -> str | None:
+    """``unavailable``, or the note for a CUDA-only kernel on the CPU."""
+    if dev != "cuda":
+        return f"skipped: needs CUDA (torch.{name} has no CPU kernel)"
+    return unavailable(name)
+
+
+def mlp_rows(
+    args: argparse.Namespace, splits: list[int], dev: str, dt: torch.dtype, iters: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The forward + backward table and the forward-only table."""
+    e, h, f, n = args.experts, args.hidden, args.ffn, args.tokens
+    x = torch.randn(n, h, device=dev, dtype=dt, requires_grad=True)
+    dy = torch.randn(n, h, device=dev, dtype=dt)
+    flops = 3 * 2 * 2 * n * h * f  # two GEMMs per token, forward + two backward GEMMs each
+    fwd_flops = 2 * 2 * n * h * f
+    offs = offsets(splits, dev)
+    dtn = str(dt).removeprefix("torch.")
+
+    ref = TorchExperts(e, h, f).to(dev, dt)
+    model = ops.Sequential(
+        ops.GroupedLinear(e, h, f, device=dev, dtype=dt),
+        ops.GELU(),
+        ops.GroupedLinear(e, f, h, device=dev, dtype=dt),
+    )
+    gmm_model = TorchGroupedExperts(e, h, f, dev, dt)  # its weights only: any torch makes them
+    gmm_why = unavailable("_grouped_mm")
+
+    def fusible_step(rec: Any, backward: bool) -> Callable[[], None]:
+        def step() -> None:
+            with fusible.autocast(enabled=rec is not None, recipe=rec):
+                y = model(x, m_splits=splits)
+            if backward:
+                y.backward(dy)
+
+        return step
+
+    # forward + backward
+    loop = "torch eager (per-expert loop)"
+    rows = [timed_row(loop, lambda: ref(x, splits).backward(dy), flops, iters, None)]
+    eager_ms = rows[0]["ms"]
+    rows[0].update(time_vs_bf16_loop=1.0, speedup_vs_torch_eager=1.0)
+    for name, rec in RECIPES.items():
+        rows.append(timed_row(f"fusible {name}", fusible_step(rec, True), flops, iters, eager_ms))
+    gmm: Callable[[], Any] | str = gmm_why or (lambda: gmm_model(x, offs).backward(dy))
+    rows.append(timed_row(f"torch _grouped_mm {dtn} (no bias)", gmm, flops, iters, eager_ms))
+
+    # forward only
+    xs = x.detach()
+    with torch.no_grad():
+        fwd = [timed_row(f"{loop}, forward", lambda: ref(xs, splits), fwd_flops, iters, None)]
+        loop_ms = fwd[0]["ms"]
+        fwd[0].update(time_vs_bf16_loop=1.0, speedup_vs_torch_eager=1.0)
+        for name, rec in RECIPES.items():
+            step = fusible_step(rec, False)
+            fwd.append(timed_row(f"fusible {name}, forward", step, fwd_flops, iters, loop_ms))
+        gmm = gmm_why or (lambda: gmm_model(xs, offs))
+        fwd.append(timed_row(f"torch _grouped_mm {dtn} (no bias), forward", gmm, fwd_flops, iters,
+                             loop_ms))  # fmt: skip
+        fwd.append(timed_row("torch _scaled_grouped_mm FP8 rowwise (no bias), forward",
+                             scaled_grouped_mlp(xs, offs, e, h, f, dev), fwd_flops, iters,
+                             loop_ms))  # fmt: skip
+    return rows, fwd
+
+
+def scaled_grouped_mlp(
+    x: torch.Tensor, offs: torch.Tensor, e: int, h: int, f: int, dev: str
+) -> Callable[[], Any] | str:
+    """The MLP forward on ``torch._scaled_grouped_mm``: x and the GELU output quantized rowwise
+    per call (``rowwise_fp8``), the weights once. ``scale_a`` [M] per row of the 2D operand,
+    ``scale_b`` [E, N] per output column of each expert; ``mat2`` column-major ([E, K, N] view of
+    the [E, N, K] weights), bf16 output."""
+    why = cuda_only("_scaled_grouped_mm", dev)
+    if why:
+        return why
+    sgmm = torch._scaled_grouped_mm  # type: ignore[attr-defined]
+    try:
+        w1, s1 = rowwise_fp8(torch.randn(e, f, h, device=dev, dtype=torch.bfloat16))
+        w2, s2 = rowwise_fp8(torch.randn(e, h, f, device=dev, dtype=torch.bfloat16))
+    except Exception as err:  # e.g. out of memory: reported, not fatal
+        return error_cell(err)
+    bf16 = torch.bfloat16
+
+    def fwd() -> torch.Tensor:
+        xq, sx = rowwise_fp8(x)
+        y = sgmm(xq, w1.transpose(-2, -1), sx, s1, offs=offs, out_dtype=bf16, use_fast_accum=True)
+        yq, sy = rowwise_fp8(torch.nn.functional.gelu(y, approximate="tanh"))
+        return sgmm(yq, w2.transpose(-2, -1), sy, s2, offs=offs, out_dtype=bf16,
+                    use_fast_accum=True)  # fmt: skip
+
+    return fwd
+
+
+def gemm_rows(
+    splits: list[int], n: int, shapes: list[tuple[str, int, int]], dev: str, dt: torch.dtype,
+    iters: int,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """GEMM-only rows per (name, N, K) shape, M = ``n`` tokens split by ``splits``."""
+    e = len(splits)
+    offs = offsets(splits, dev)
+    dtn = str(dt).removeprefix("torch.")
+    one = torch.ones(1, device=dev)
+    rows: list[dict[str, Any]] = []
+    for gname, nn_, kk in shapes:
+        flops = 2 * n * nn_ * kk
+        a = torch.randn(n, kk, device=dev, dtype=dt)
+        ws = torch.randn(e, nn_, kk, device=dev, dtype=dt) / kk**0.5  # [E, N, K]
+        w_single = torch.randn(nn_, kk, device=dev, dtype=dt) / kk**0.5
+        aq, wq, wsq = a.to(E4M3), ws.to(E4M3), w_single.to(E4M3)  # per-tensor, scale 1
+        ar, sa = rowwise_fp8(a)
+        wr, sw = rowwise_fp8(ws)
+        wsr, sws = rowwise_fp8(w_single)
+        wl, wql = list(ws.unbind(0)), list(wq.unbind(0))
+        out = torch.bfloat16 if dev == "cuda" else dt
+        cands: list[tuple[str, Callable[[], Any] | str]] = [
+            ("fusible grouped_gemm FP8 per-tensor",
+             lambda: K.grouped_gemm([aq], wql, splits, [one] * e, [one] * e, out, None, True,
+                                    True)),
+            (f"fusible grouped_gemm {dtn}",
+             lambda: K.grouped_gemm([a], wl, splits, None, None, dt, None, False, True)),
+            (f"torch _grouped_mm {dtn}",
+             unavailable("_grouped_mm")
+             or (lambda: torch._grouped_mm(a, ws.transpose(-2, -1), offs=offs))),
+            ("torch _scaled_grouped_mm FP8 rowwise",
+             cuda_only("_scaled_grouped_mm", dev)
+             or (lambda: torch._scaled_grouped_mm(ar, wr.transpose(-2, -1), sa, sw, offs=offs,
+                                                  out_dtype=torch.bfloat16,
+                                                  use_fast_accum=True))),
+            ("single: torch _scaled_mm FP8 per-tensor",
+             unavailable("_scaled_mm")
+             or (lambda: torch._scaled_mm(aq, wsq.t(), one, one, out_dtype=out,
+                                          use_fast_accum=True))),
+            ("single: torch _scaled_mm FP8 rowwise",
+             unavailable("_scaled_mm")
+             or (lambda: torch._scaled_mm(ar, wsr.t(), sa[:, None], sws[None, :],
+                                          out_dtype=out, use_fast_accum=True))),
+            ("single: fusible gemm FP8 per-tensor",
+             lambda: K.gemm(aq, wsq, False, True, one, one, out, None, "none", None, None, 1.0,
+                            0.0, None, False, True)),
+            (f"single: torch mm {dtn}", lambda: torch.mm(a, w_single.t())),
+        ]  # fmt: skip
+        got = []
+        for variant, fn in cands:
+            row = timed_row(variant, fn, flops, iters, None)
+            got.append({"gemm": gname, "MxNxK": f"{n}x{nn_}x{kk}", **row})
+        ref = next(r for r in got if r["variant"] == "single: torch _scaled_mm FP8 per-tensor")
+        for r in got:
+            if isinstance(r.get("TFLOP/s"), float) and isinstance(ref.get("TFLOP/s"), float):
+                r["frac_of_single_fp8"] = r["TFLOP/s"] / ref["TFLOP/s"]
+        rows += got
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--ffn", type=int, default=4096)
+    ap.add_argument("--ffn", type=int, default=14336)
     ap.add_argument("--imbalance", type=float, default=0.5)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny sizes, few iterations")
     ap.add_argument("--out", default=None)
@@ -79,36 +320,23 @@ def main() -> None:
         raise SystemExit("--tokens must be a multiple of 32")
     e, h, f, n = args.experts, args.hidden, args.ffn, args.tokens
     splits = make_splits(n, e, args.imbalance)
-    x = torch.randn(n, h, device=dev, dtype=dt, requires_grad=True)
-    dy = torch.randn(n, h, device=dev, dtype=dt)
-    flops = 3 * 2 * 2 * n * h * f  # two GEMMs per token, forward + two backward GEMMs each
-
-    ref = TorchExperts(e, h, f).to(dev, dt)
-    model = ops.Sequential(
-        ops.GroupedLinear(e, h, f, device=dev, dtype=dt),
-        ops.GELU(),
-        ops.GroupedLinear(e, f, h, device=dev, dtype=dt),
-    )
-    rows: list[dict[str, Any]] = []
-    eager_ms = time_ms(lambda: ref(x, splits).backward(dy), warmup=2, iters=iters)
-    rows.append({"variant": "torch eager (per-expert loop)", "ms": eager_ms,
-                 "TFLOP/s": flops / eager_ms / 1e9, "speedup_vs_torch_eager": 1.0})  # fmt: skip
-    for name, rec in RECIPES.items():
-
-        def step(rec: Any = rec) -> None:
-            with fusible.autocast(enabled=rec is not None, recipe=rec):
-                y = model(x, m_splits=splits)
-            y.backward(dy)
-
-        ms = time_ms(step, warmup=2, iters=iters)
-        rows.append({"variant": f"fusible {name}", "ms": ms, "TFLOP/s": flops / ms / 1e9,
-                     "speedup_vs_torch_eager": eager_ms / ms})  # fmt: skip
     print(f"experts {e}, tokens {n}, hidden {h}, ffn {f}, m_splits {splits}, {dt}, {dev}")
-    print_table(rows, ["variant", "ms", "TFLOP/s", "speedup_vs_torch_eager"])
+    rows, fwd = mlp_rows(args, splits, dev, dt, iters)
+    print("forward + backward")
+    print_table(rows, COLUMNS)
+    print("forward only (torch.no_grad)")
+    print_table(fwd, COLUMNS)
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    gemm = gemm_rows(splits, n, [("fc1 fprop", f, h), ("fc2 fprop", h, f)], dev, dt, iters)
+    print("GEMM only (operands quantized beforehand; FP8 with fast accumulation)")
+    print_table(gemm, GEMM_COLUMNS)
     if args.tiny and args.out is None:
         return
     shape = {**vars(args), "m_splits": splits}
-    path = write_json("grouped", {"env": environment(), "shape": shape, "results": rows}, args.out)
+    payload = {"env": environment(), "shape": shape, "results": rows, "forward": fwd,
+               "gemm": gemm}  # fmt: skip
+    path = write_json("grouped", payload, args.out)
     print(f"wrote {path}")
 
 
