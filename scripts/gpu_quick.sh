@@ -11,6 +11,11 @@ export FUSIBLE_OFFLINE=1 FUSIBLE_CUDA=ON
 case ${1:?build or use} in
   build)
     out=${2:?OUT_DIR}
+    # On a Hopper machine build its machine code only (sm_90a, no compute_90 PTX for later GPUs):
+    # 157 s instead of 276 s on the H200's 16 cores. CMAKE_ARGS set by the caller wins.
+    if [ -z "${CMAKE_ARGS:-}" ] && [ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)" = "9.0" ]; then
+      export CMAKE_ARGS="-DFUSIBLE_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a"
+    fi
     CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" bash scripts/setup.sh > "$out/build.log" 2>&1 \
       || { tail -40 "$out/build.log"; exit 1; }
     pkg=$(python3 -c "import fusible, os; print(os.path.dirname(fusible.__file__))")
