@@ -87,6 +87,11 @@ class _Tensors:
     the executor packs saved containers by them too)."""
 
     TENSORS: tuple[str, ...] = ()
+    data: torch.Tensor | None  # the rowwise copy, in every container
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self.data is not None
 
     @property
     def nbytes(self) -> int:
@@ -159,10 +164,6 @@ class Float8Data(_Tensors):
         return self.scale_inv.device
 
     @property
-    def has_rowwise(self) -> bool:
-        return self.data is not None
-
-    @property
     def has_columnwise(self) -> bool:
         return self.data_t is not None
 
@@ -204,10 +205,6 @@ class MXFP8Data(_Tensors):
         t = self.data if self.data is not None else self.col_data
         assert t is not None
         return t.device
-
-    @property
-    def has_rowwise(self) -> bool:
-        return self.data is not None
 
     @property
     def has_columnwise(self) -> bool:
@@ -257,10 +254,6 @@ class Float8BlockData(_Tensors):
         t = self.data if self.data is not None else self.data_t
         assert t is not None
         return t.device
-
-    @property
-    def has_rowwise(self) -> bool:
-        return self.data is not None
 
     @property
     def has_columnwise(self) -> bool:
