@@ -903,7 +903,7 @@ def record_backward(
     return out
 
 
-# ---- the hot path: written for few calls (each check is one C call; no helper functions) -----
+# ---- the hot path: written for few calls (each check is one C call; one helper, _blocked) -----
 
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _dispatch_depth = torch._C._len_torch_dispatch_stack
@@ -945,6 +945,24 @@ def _modes_block() -> bool:
     )
 
 
+def _blocked(t: torch.Tensor | None) -> str | None:
+    """Why the state around a forward (``t`` its input) or a backward (``t`` its output
+    gradient, maybe None) forbids replay, the ``fallback.*`` counter's name; None: replay may
+    run. The checks the two share, after their own (saved-tensor hooks; replay disabled, grad
+    mode), each one C call."""
+    if _dispatch_depth() and _modes_block():
+        return "dispatch_mode"
+    if _function_mode():
+        return "torch_function_mode"
+    if _log_stack:
+        return "scale_log"
+    if _anomaly():
+        return "anomaly_mode"
+    if t is not None and t.is_cuda and _capturing():
+        return "cuda_graph_capture"
+    return None
+
+
 def _autocast_key() -> tuple[Any, ...]:
     return tuple(
         (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
@@ -980,20 +998,10 @@ def forward(ctx: Any, plan: Any, consts: Any, x: torch.Tensor, args: tuple[Any, 
         _STATS["fallback.plan" if CONFIG.enabled else "fallback.disabled"] += 1
         _STATS["forward.python"] += 1
         return _PY_FORWARD(ctx, plan, consts, x, args, None)
-    # _blocked(x), inline (the hot path).
-    why = None
     if _top_hooks is None or _top_hooks(True) is not None:
-        why = "saved_tensor_hooks"
-    elif _dispatch_depth() and _modes_block():
-        why = "dispatch_mode"
-    elif _function_mode():
-        why = "torch_function_mode"
-    elif _log_stack:
-        why = "scale_log"
-    elif _anomaly():
-        why = "anomaly_mode"
-    elif x.is_cuda and _capturing():
-        why = "cuda_graph_capture"
+        why: str | None = "saved_tensor_hooks"
+    else:
+        why = _blocked(x)
     if why is not None:
         _STATS["fallback." + why] += 1
         _STATS["forward.python"] += 1
@@ -1047,21 +1055,12 @@ def backward(ctx: Any, dy: Any, out_grads: tuple[Any, ...]) -> Any:
     recording it on the signature's second call. Then the delayed-scaling registration of the
     plan's backward states (outside the recorded region: a Python side effect)."""
     plan, _, _, _, frec = ctx.fusible
-    why = None
     if not CONFIG.enabled:
-        why = "disabled"
+        why: str | None = "disabled"
     elif _grad_enabled():
         why = "grad_mode"
-    elif _dispatch_depth() and _modes_block():
-        why = "dispatch_mode"
-    elif _function_mode():
-        why = "torch_function_mode"
-    elif _log_stack:
-        why = "scale_log"
-    elif _anomaly():
-        why = "anomaly_mode"
-    elif dy is not None and dy.is_cuda and _capturing():
-        why = "cuda_graph_capture"
+    else:
+        why = _blocked(dy)
     if why is None:
         auto = _any_autocast()
         bsig = (

@@ -53,6 +53,29 @@ def _check_out_dtype(owner: str, dtype: object) -> None:
         )
 
 
+def _check_copies(owner: str, d: Any, row: str, col: str, scales: tuple[str, str] | None) -> None:
+    """A container's copies ``row`` and ``col`` (field names): with ``scales`` (the fields of
+    their scales) each copy present with its scale or neither; at least one copy present."""
+    if scales is not None:
+        rs, cs = scales
+        if (getattr(d, row) is None) != (getattr(d, rs) is None) or (getattr(d, col) is None) != (
+            getattr(d, cs) is None
+        ):
+            raise ValueError(f"{owner}: each copy needs both its data and its {rs}")
+    if getattr(d, row) is None and getattr(d, col) is None:
+        raise ValueError(f"{owner}: at least one of '{row}' and '{col}' must be given")
+
+
+def _check_copy_dtypes(owner: str, d: Any, row: str, col: str) -> None:
+    """Each present copy (``row``, ``col``: field names) of the container's ``fp8_dtype``."""
+    for name in (row, col):
+        t = getattr(d, name)
+        if t is not None and t.dtype != d.fp8_dtype:
+            raise ValueError(
+                f"{owner}: '{name}' has dtype {t.dtype}, expected fp8_dtype {d.fp8_dtype}"
+            )
+
+
 # ---- quantized data containers ------------------------------------------------------------------
 
 
@@ -64,6 +87,11 @@ class _Tensors:
     the executor packs saved containers by them too)."""
 
     TENSORS: tuple[str, ...] = ()
+    data: torch.Tensor | None  # the rowwise copy, in every container
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self.data is not None
 
     @property
     def nbytes(self) -> int:
@@ -105,14 +133,8 @@ class Float8Data(_Tensors):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", torch.Size(self.shape))
-        if self.data is None and self.data_t is None:
-            raise ValueError("Float8Data: at least one of 'data' and 'data_t' must be given")
-        for name in ("data", "data_t"):
-            t = getattr(self, name)
-            if t is not None and t.dtype != self.fp8_dtype:
-                raise ValueError(
-                    f"Float8Data: '{name}' has dtype {t.dtype}, expected fp8_dtype {self.fp8_dtype}"
-                )
+        _check_copies("Float8Data", self, "data", "data_t", None)
+        _check_copy_dtypes("Float8Data", self, "data", "data_t")
 
     @classmethod
     def _trusted(
@@ -140,10 +162,6 @@ class Float8Data(_Tensors):
     @property
     def device(self) -> torch.device:
         return self.scale_inv.device
-
-    @property
-    def has_rowwise(self) -> bool:
-        return self.data is not None
 
     @property
     def has_columnwise(self) -> bool:
@@ -179,28 +197,14 @@ class MXFP8Data(_Tensors):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", torch.Size(self.shape))
-        if (self.data is None) != (self.scale is None) or (self.col_data is None) != (
-            self.col_scale is None
-        ):
-            raise ValueError("MXFP8Data: each copy needs both its data and its scale")
-        if self.data is None and self.col_data is None:
-            raise ValueError("MXFP8Data: at least one of 'data' and 'col_data' must be given")
-        for name in ("data", "col_data"):
-            t = getattr(self, name)
-            if t is not None and t.dtype != self.fp8_dtype:
-                raise ValueError(
-                    f"MXFP8Data: '{name}' has dtype {t.dtype}, expected fp8_dtype {self.fp8_dtype}"
-                )
+        _check_copies("MXFP8Data", self, "data", "col_data", ("scale", "col_scale"))
+        _check_copy_dtypes("MXFP8Data", self, "data", "col_data")
 
     @property
     def device(self) -> torch.device:
         t = self.data if self.data is not None else self.col_data
         assert t is not None
         return t.device
-
-    @property
-    def has_rowwise(self) -> bool:
-        return self.data is not None
 
     @property
     def has_columnwise(self) -> bool:
@@ -240,31 +244,16 @@ class Float8BlockData(_Tensors):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", torch.Size(self.shape))
-        if (self.data is None) != (self.scale_inv is None) or (self.data_t is None) != (
-            self.col_scale_inv is None
-        ):
-            raise ValueError("Float8BlockData: each copy needs both its data and its scale_inv")
-        if self.data is None and self.data_t is None:
-            raise ValueError("Float8BlockData: at least one of 'data' and 'data_t' must be given")
+        _check_copies("Float8BlockData", self, "data", "data_t", ("scale_inv", "col_scale_inv"))
         if self.block_dim not in (1, 2):
             raise ValueError(f"Float8BlockData: 'block_dim' must be 1 or 2, got {self.block_dim!r}")
-        for name in ("data", "data_t"):
-            t = getattr(self, name)
-            if t is not None and t.dtype != self.fp8_dtype:
-                raise ValueError(
-                    f"Float8BlockData: '{name}' has dtype {t.dtype}, expected fp8_dtype "
-                    f"{self.fp8_dtype}"
-                )
+        _check_copy_dtypes("Float8BlockData", self, "data", "data_t")
 
     @property
     def device(self) -> torch.device:
         t = self.data if self.data is not None else self.data_t
         assert t is not None
         return t.device
-
-    @property
-    def has_rowwise(self) -> bool:
-        return self.data is not None
 
     @property
     def has_columnwise(self) -> bool:

@@ -9,7 +9,9 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -75,3 +77,21 @@ def check_case(results: list[dict[str, str]], name: str) -> None:
     for r, res in enumerate(results):
         assert name in res, f"rank {r} did not run {name}"
         assert res[name] == "ok", f"rank {r}: {res[name]}"
+
+
+def two_rank_suite(
+    worker: Path, cases: list[str], timeout_s: float, what: str, tag: str
+) -> tuple[Any, Callable[..., None]]:
+    """A test module's ``results`` fixture (``worker`` run once for the module on ``WORLD``
+    ranks, in a temporary folder named after ``tag``) and its ``test_case`` test, one per name
+    of ``cases``: bind both at module level, ``results, test_case = two_rank_suite(...)``."""
+
+    @pytest.fixture(scope="module")
+    def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+        return run_workers(worker, tmp_path_factory.mktemp(tag), timeout_s, what)
+
+    @pytest.mark.parametrize("name", cases)
+    def test_case(results: list[dict[str, str]], name: str) -> None:
+        check_case(results, name)
+
+    return results, test_case

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _launch import check_case, run_workers
+from _launch import two_rank_suite
 
 import fusible
 
@@ -23,14 +23,7 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
-    return run_workers(_WORKER, tmp_path_factory.mktemp("tp"), TIMEOUT_S, "tensor-parallel")
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_case(results: list[dict[str, str]], name: str) -> None:
-    check_case(results, name)
+results, test_case = two_rank_suite(_WORKER, CASES, TIMEOUT_S, "tensor-parallel", "tp")
 
 
 def test_bad_arguments_without_a_group() -> None:

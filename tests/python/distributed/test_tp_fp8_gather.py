@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-from _launch import check_case, run_workers
+from _launch import two_rank_suite
 
 TIMEOUT_S = 120
 _WORKER = Path(__file__).with_name("_tp2_worker.py")
@@ -21,11 +20,4 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
-    return run_workers(_WORKER, tmp_path_factory.mktemp("tp2"), TIMEOUT_S, "tensor-parallel")
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_case(results: list[dict[str, str]], name: str) -> None:
-    check_case(results, name)
+results, test_case = two_rank_suite(_WORKER, CASES, TIMEOUT_S, "tensor-parallel", "tp2")

@@ -1,38 +1,16 @@
-"""Shared pieces of the module tests (the ops tests' helpers live in another folder, which pytest
-does not put on the import path of this one): recipes and error measures."""
+"""Shared pieces of the module tests: the ops tests' recipes and error measures, from
+tests/python/ops/ops_helpers.py (pytest does not put that folder on the import path of this one:
+it is appended here)."""
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from pathlib import Path
 
-import torch
+_OPS_TESTS = str(Path(__file__).resolve().parents[1] / "ops")
+if _OPS_TESTS not in sys.path:
+    sys.path.append(_OPS_TESTS)
 
-from fusible import recipe
-from fusible.quantization import Float8CurrentScalingQuantizer, QuantizerRole
+from ops_helpers import E4M3, E5M2, RECIPES, rel_err, tol  # noqa: E402
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-
-
-def _mirror_current(role: QuantizerRole) -> Float8CurrentScalingQuantizer:
-    return Float8CurrentScalingQuantizer(E5M2 if role.is_gradient else E4M3)
-
-
-# Same recipes as tests/python/ops/ops_helpers.py.
-RECIPES: dict[str, Any] = {
-    "none": None,
-    "delayed": recipe.DelayedScaling(amax_history_len=4),
-    "current": recipe.Float8CurrentScaling(),
-    "mxfp8": recipe.MXFP8BlockScaling(),
-    "blockwise": recipe.Float8BlockScaling(),
-    "custom": recipe.CustomRecipe(qfactory=_mirror_current),
-}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def tol(dtype: torch.dtype) -> float:
-    """Relative tolerance of one rounding to ``dtype`` plus fp32 accumulation."""
-    return {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+__all__ = ["E4M3", "E5M2", "RECIPES", "rel_err", "tol"]

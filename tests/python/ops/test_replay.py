@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from ops_helpers import RECIPES as SHARED_RECIPES
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -57,12 +58,10 @@ def _custom(role: QuantizerRole) -> Any:
     )
 
 
+# The ops tests' recipes (ops_helpers.RECIPES, in their order), with this file's custom recipe
+# in place of theirs and one more.
 RECIPES: dict[str, Any] = {
-    "none": None,
-    "delayed": recipe.DelayedScaling(amax_history_len=4),
-    "current": recipe.Float8CurrentScaling(),
-    "mxfp8": recipe.MXFP8BlockScaling(),
-    "blockwise": recipe.Float8BlockScaling(),
+    **SHARED_RECIPES,
     "custom": recipe.CustomRecipe(qfactory=_custom),
     # Routed by role: weights and inputs delayed scaling (one child state), the rest current
     # scaling, fc2's gradients high precision.

@@ -343,12 +343,8 @@ class GroupedLinear(BasicOperation):
         else:
             y = x2.new_empty(0, self.out_features)
         y = y.view(*x.shape[:-1], self.out_features)
-        ctx.saved = saved_x + saved_w
-        ctx.attrs.update(
-            splits=splits, need_dgrad=need_dgrad, need_wgrad=need_wgrad, dtype=dtype,
-            w_dtypes=tuple(w.dtype for w in ws), b_dtypes=tuple(b.dtype for b in bs),
-            need_bgrad=tuple(grad and bool(r) for r in prg[n:]),
-        )  # fmt: skip
+        _save(ctx, saved_x, saved_w, splits, need_dgrad, need_wgrad, dtype, ws, bs, grad, prg[n:],
+              False)  # fmt: skip
         return y, []
 
     def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
@@ -550,12 +546,8 @@ class GroupedLinear(BasicOperation):
                    for i in range(n)]  # fmt: skip
         saved_w = [C.keep_columnwise(wqs[i]) if need_dgrad and splits[i] else None
                    for i in range(n)]  # fmt: skip
-        ctx.saved = saved_x + saved_w
-        ctx.attrs.update(
-            splits=splits, need_dgrad=need_dgrad, need_wgrad=need_wgrad, dtype=dtype,
-            w_dtypes=tuple(w.dtype for w in ws), b_dtypes=tuple(b.dtype for b in bs),
-            need_bgrad=tuple(grad and bool(r) for r in prg[n:]), grouped="fp8",
-        )  # fmt: skip
+        _save(ctx, saved_x, saved_w, splits, need_dgrad, need_wgrad, dtype, ws, bs, grad, prg[n:],
+              "fp8")  # fmt: skip
         return y, []
 
     def _forward_hp(self, ctx, x, ws, bs, splits):
@@ -575,12 +567,8 @@ class GroupedLinear(BasicOperation):
         xs = torch.split(x2, list(splits)) if n > 1 else (x2,)
         saved_x = [xs[i] if need_wgrad[i] and splits[i] else None for i in range(n)]
         saved_w = [ws[i] if need_dgrad and splits[i] else None for i in range(n)]
-        ctx.saved = saved_x + saved_w
-        ctx.attrs.update(
-            splits=splits, need_dgrad=need_dgrad, need_wgrad=need_wgrad, dtype=dtype,
-            w_dtypes=tuple(w.dtype for w in ws), b_dtypes=tuple(b.dtype for b in bs),
-            need_bgrad=tuple(grad and bool(r) for r in params_rg[n:]), grouped="hp",
-        )  # fmt: skip
+        _save(ctx, saved_x, saved_w, splits, need_dgrad, need_wgrad, dtype, ws, bs, grad,
+              params_rg[n:], "hp")  # fmt: skip
         return y, []
 
     def _backward_grouped(self, ctx, dy):
@@ -710,3 +698,28 @@ def _record_amaxes(qs: list[Any], amax: torch.Tensor) -> None:
         return
     for i, q in enumerate(qs):
         q.record_amax(amax[i : i + 1])
+
+
+def _save(
+    ctx: Any,
+    saved_x: list[Any],
+    saved_w: list[Any],
+    splits: tuple[int, ...],
+    need_dgrad: bool,
+    need_wgrad: tuple[bool, ...],
+    dtype: torch.dtype,
+    ws: Any,
+    bs: Any,
+    grad: bool,
+    bias_requires_grad: Any,
+    grouped: str | bool,
+) -> None:
+    """What each forward path (the loop, ``grouped`` False; the grouped FP8 one, "fp8"; the
+    high-precision one, "hp") leaves its backward: per expert the saved input copy, then the
+    saved weight copy (None where nothing is saved), and the attributes the backward reads."""
+    ctx.saved = saved_x + saved_w
+    ctx.attrs.update(
+        splits=splits, need_dgrad=need_dgrad, need_wgrad=need_wgrad, dtype=dtype,
+        w_dtypes=tuple(w.dtype for w in ws), b_dtypes=tuple(b.dtype for b in bs),
+        need_bgrad=tuple(grad and bool(r) for r in bias_requires_grad), grouped=grouped,
+    )  # fmt: skip
