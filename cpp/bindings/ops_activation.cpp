@@ -9,9 +9,13 @@
 namespace fusible_torch {
 namespace {
 
-// In fus_activation order.
-const std::vector<std::string_view> kActivations{"gelu", "gelu_erf", "relu",
-                                                 "silu", "swiglu",   "geglu"};
+// The kinds' names in fus_activation order, from the C table (activation.h), so adding a kind
+// there is the whole change here.
+const std::vector<std::string_view> kActivations{
+#define FUS_ACT_NAME_(id, value, name, gated, fn) name,
+    FUS_ACTIVATION_TABLE(FUS_ACT_NAME_)
+#undef FUS_ACT_NAME_
+};
 
 // Forward output shape: x's, with the last dimension halved for the gated kinds ([a | b] = 2H).
 std::vector<int64_t> out_shape(const char* op, const Tensor& x, int kind,
