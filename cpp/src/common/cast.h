@@ -25,6 +25,14 @@ void cast_cpu(const fus_tensor& input, const fus_quantized& out);
 // output [cols, rows] = the byte transpose of the FP8 matrix input [rows, cols].
 void transpose_fp8_cpu(const fus_tensor& input, const fus_tensor& output);
 
+// output [R, C] (any high-precision dtype, rounded as every CPU store is) = the exact dequantize
+// fp32(float(q) * scale_inv) of a blockwise FP8 copy q [R, C] of dtype fp8: 1x128 blocks along the
+// rows with scale_inv[(j / 128) * R + i], or 128x128 tiles (two_d) with
+// scale_inv[(i / 128) * tile_stride + j / 128] (the quantize layout's stride is ceil(C / 128), the
+// GEMM operand's a padded one). Rows are split over the CPU threads.
+void dequantize_blocks_cpu(fus_dtype fp8, const void* q, const float* scale_inv, bool two_d,
+                           int64_t tile_stride, const fus_tensor& output);
+
 // The per-tensor scale rule (quantize.h) on one amax: scale[0] = compute_scale(amax[0], fp8_max,
 // margin, keep_previous ? scale[0] : 1), scale_inv[0] = 1 / scale[0] (scale_inv may be NULL).
 void scale_from_amax_cpu(const float* amax, float* scale, float* scale_inv, float fp8_max,

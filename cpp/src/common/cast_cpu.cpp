@@ -268,6 +268,27 @@ void cast_cpu(const fus_tensor& input, const fus_quantized& out) {
   });
 }
 
+void dequantize_blocks_cpu(fus_dtype fp8, const void* q, const float* scale_inv, bool two_d,
+                           int64_t tile_stride, const fus_tensor& output) {
+  const int64_t R = output.rows, C = output.cols, B = FUS_FP8_BLOCK;
+  if (R * C == 0) return;
+  const uint8_t* bytes = static_cast<const uint8_t*>(q);
+  dispatch_fp8(fp8, [&](auto f) {
+    constexpr Fp8Format F = decltype(f)::value;
+    parallel_ranges(R, std::max<int64_t>(1, (int64_t{1} << 16) / C), [&](int64_t i0, int64_t i1) {
+      std::vector<float> v(static_cast<size_t>(C));
+      for (int64_t i = i0; i < i1; ++i) {
+        for (int64_t j = 0; j < C; ++j) {
+          const float s =
+              two_d ? scale_inv[(i / B) * tile_stride + j / B] : scale_inv[(j / B) * R + i];
+          v[static_cast<size_t>(j)] = scale_element_sel(fp8_to_float<F>(bytes[i * C + j]), s);
+        }
+        store_run(output.dtype, output.data, i * C, C, v.data());
+      }
+    });
+  });
+}
+
 void transpose_fp8_cpu(const fus_tensor& input, const fus_tensor& output) {
   // A byte move: the dtype (E4M3 or E5M2) does not matter.
   const uint8_t* x = static_cast<const uint8_t*>(input.data);
