@@ -414,7 +414,7 @@ std::vector<Tensor> grouped_bias_grad(const Tensor& dy, at::IntArrayRef m_splits
   return out;
 }
 
-// Operator schemas (docs in python/fusible/_kernels.py; the C contract in fusible/gemm.h).
+// Operator schemas (docs in python/fusible/_kernels/; the C contract in fusible/gemm.h).
 const char* const kSchemas[] = {
     "gemm(Tensor a, Tensor b, bool transa, bool transb, Tensor? a_scale_inv,"
     " Tensor? b_scale_inv, ScalarType out_dtype, Tensor? bias, str epilogue, Tensor? aux,"
