@@ -1,7 +1,8 @@
 // torch.ops.fusible: every family's operators (their schemas and CPU / CUDA kernels live in the
-// family's own ops_<family>.cpp) defined and registered for the CPU and CUDA dispatch keys. Shapes under fake tensors (torch.compile) come from the fake kernels
-// in python/fusible/_kernels.py, which handle symbolic shapes. The Autograd key gets torch's "not
-// implemented" kernel: the operators are called by fusible's autograd functions with grad mode
+// family's own ops_<family>.cpp) defined and registered for the CPU and CUDA dispatch keys.
+// Shapes under fake tensors (torch.compile) come from the fake kernels in
+// python/fusible/_kernels/<family>.py, which handle symbolic shapes. The Autograd key gets torch's
+// "not implemented" kernel: the operators are called by fusible's autograd functions with grad mode
 // off; called with grad on, they run, and a backward through their outputs raises, naming the
 // operator (as torch.library.custom_op does).
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>

@@ -111,7 +111,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_bwd(
   return {dx, q[0], q[1], q[2], q[3], q[4], dbias};
 }
 
-// Operator schemas (docs in python/fusible/_kernels.py; the C contract in fusible/activation.h).
+// Operator schemas (docs in python/fusible/_kernels/; the C contract in fusible/activation.h).
 const char* const kSchemas[] = {
     "act_fwd(Tensor x, str kind, ScalarType? out_dtype, str quant, ScalarType fp8_dtype,"
     " Tensor? scale, bool rowwise, bool columnwise, bool power_2_scale=True,"

@@ -15,17 +15,20 @@
 namespace fusible_torch {
 namespace {
 
-// In fus_gemm_epilogue order.
+// The epilogue names in fus_gemm_epilogue order (FUS_GEMM_EPILOGUE_TABLE, fusible/gemm.h).
 const std::vector<std::string_view> kEpilogues{
-    "none", "bias", "gelu", "gelu_aux", "bias_gelu", "bias_gelu_aux", "dgelu", "dgelu_bgrad"};
-bool uses_bias(int e) {
-  return e == FUS_GEMM_EPILOGUE_BIAS || e == FUS_GEMM_EPILOGUE_BIAS_GELU ||
-         e == FUS_GEMM_EPILOGUE_BIAS_GELU_AUX;
+#define FUS_GEMM_EPILOGUE_NAME_(id, value, name, ...) name,
+    FUS_GEMM_EPILOGUE_TABLE(FUS_GEMM_EPILOGUE_NAME_)
+#undef FUS_GEMM_EPILOGUE_NAME_
+};
+// The table's row of a valid epilogue (check_choice made it one).
+const fus_gemm_epilogue_info& row(int e) {
+  return *fus_gemm_epilogue_row(static_cast<fus_gemm_epilogue>(e));
 }
-bool writes_aux(int e) {
-  return e == FUS_GEMM_EPILOGUE_GELU_AUX || e == FUS_GEMM_EPILOGUE_BIAS_GELU_AUX;
-}
-bool reads_aux(int e) { return e == FUS_GEMM_EPILOGUE_DGELU || e == FUS_GEMM_EPILOGUE_DGELU_BGRAD; }
+bool uses_bias(int e) { return row(e).bias != 0; }
+bool writes_aux(int e) { return row(e).writes_aux != 0; }
+bool reads_aux(int e) { return row(e).reads_aux != 0; }
+bool bgrad(int e) { return row(e).bgrad != 0; }
 
 const char* py_bool(bool b) { return b ? "True" : "False"; }
 
@@ -136,7 +139,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gemm(
   if (reads_aux(epilogue) && aux.has_value() && out_fp8) vec = aux->scalar_type();
   Tensor d = empty(d_shape, out_dtype, a);
   Tensor aux_out = writes_aux(epilogue) ? empty(d_shape, vec, a) : nothing(vec, a);
-  Tensor dbias = epilogue == FUS_GEMM_EPILOGUE_DGELU_BGRAD ? empty({n}, vec, a) : nothing(vec, a);
+  Tensor dbias = bgrad(epilogue) ? empty({n}, vec, a) : nothing(vec, a);
   Tensor amax = want_amax ? empty({1}, at::kFloat, a) : nothing(at::kFloat, a);
   if (shapes_only(a)) return {d, aux_out, dbias, amax};
 
@@ -157,7 +160,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gemm(
   args.bias = bias.has_value() ? mat(*bias, 1, n) : kAbsent;
   args.aux =
       writes_aux(epilogue) ? mat(aux_out, m, n) : (aux.has_value() ? mat(*aux, m, n) : kAbsent);
-  args.dbias = epilogue == FUS_GEMM_EPILOGUE_DGELU_BGRAD ? mat(dbias, 1, n) : kAbsent;
+  args.dbias = bgrad(epilogue) ? mat(dbias, 1, n) : kAbsent;
   args.use_fast_accum = fast_accum ? 1 : 0;
   const fus_context ctx = context_of(a);
   check_status(op, fus_gemm(&args, &ctx));
@@ -411,7 +414,7 @@ std::vector<Tensor> grouped_bias_grad(const Tensor& dy, at::IntArrayRef m_splits
   return out;
 }
 
-// Operator schemas (docs in python/fusible/_kernels.py; the C contract in fusible/gemm.h).
+// Operator schemas (docs in python/fusible/_kernels/; the C contract in fusible/gemm.h).
 const char* const kSchemas[] = {
     "gemm(Tensor a, Tensor b, bool transa, bool transb, Tensor? a_scale_inv,"
     " Tensor? b_scale_inv, ScalarType out_dtype, Tensor? bias, str epilogue, Tensor? aux,"

@@ -114,7 +114,7 @@ std::tuple<Tensor, Tensor, Tensor> norm_bwd(const Tensor& dy, const Tensor& x, c
   return {dx, dgamma, dbeta};
 }
 
-// Operator schemas (docs in python/fusible/_kernels.py; the C contract in fusible/normalization.h).
+// Operator schemas (docs in python/fusible/_kernels/; the C contract in fusible/normalization.h).
 const char* const kSchemas[] = {
     "norm_fwd(Tensor x, Tensor gamma, Tensor? beta, float eps, str kind,"
     " bool zero_centered_gamma, ScalarType? out_dtype, str quant, ScalarType fp8_dtype,"

@@ -315,7 +315,7 @@ grouped_quantize_fp8(at::TensorList x, at::IntArrayRef m_splits, const OptTensor
   return {data, data_t, scale_inv, amax, scale};
 }
 
-// Operator schemas (docs in python/fusible/_kernels.py; the C contract in fusible/quantize.h).
+// Operator schemas (docs in python/fusible/_kernels/; the C contract in fusible/quantize.h).
 const char* const kSchemas[] = {
     "quantize_fp8(Tensor x, Tensor scale, ScalarType fp8_dtype, bool rowwise, bool columnwise)"
     " -> (Tensor, Tensor, Tensor, Tensor)",

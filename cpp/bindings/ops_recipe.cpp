@@ -28,7 +28,7 @@ std::tuple<Tensor, Tensor> compute_scale(const Tensor& amax, at::ScalarType fp8_
   return {scale, scale_inv};
 }
 
-// Operator schemas (docs in python/fusible/_kernels.py; the C contract in fusible/recipe.h).
+// Operator schemas (docs in python/fusible/_kernels/; the C contract in fusible/recipe.h).
 const char* const kSchemas[] = {
     "compute_scale(Tensor amax, ScalarType fp8_dtype, SymInt margin) -> (Tensor, Tensor)",
     "delayed_scaling_update(Tensor(a0!)[] amax_histories, Tensor(a1!)[] scales,"

@@ -2,7 +2,7 @@
 // CPU and CUDA dispatch keys. Each validates its arguments (raising ValueError / TypeError that
 // name the operator, the argument and what was expected), allocates its outputs with ATen and
 // calls the C API on the input's device and the current CUDA stream. Fake tensors (torch.compile)
-// get their shapes from the fake kernels in python/fusible/_kernels.py (symbolic shapes need
+// get their shapes from the fake kernels in python/fusible/_kernels/ (symbolic shapes need
 // them); torch.library.opcheck checks that the two agree.
 //
 // Conventions shared with the C API (cpp/include/fusible/common.h): tensors are viewed as
@@ -98,8 +98,9 @@ inline Tensor nothing(at::ScalarType dtype, const Tensor& like) { return empty({
 std::vector<int64_t> block_scale_shape(int64_t block_dim, int64_t R, int64_t C);
 
 // The quantized output of norm_fwd / act_fwd / act_bwd as four tensors plus amax (see
-// python/fusible/_kernels.py): quant 0 = none, 1 = fp8, 2 = mxfp8, 3 = block1d (1x128 blocks),
-// 4 = block2d (128x128 blocks); power_2_scale / amax_epsilon: the blockwise cast's parameters.
+// python/fusible/_kernels/__init__.py and _common.py): quant 0 = none, 1 = fp8, 2 = mxfp8,
+// 3 = block1d (1x128 blocks), 4 = block2d (128x128 blocks); power_2_scale / amax_epsilon: the
+// blockwise cast's parameters.
 enum QuantMode {
   kQuantNone = 0,
   kQuantFp8 = 1,

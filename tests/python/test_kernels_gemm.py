@@ -1,4 +1,4 @@
-"""Tests of the gemm custom op (torch.ops.fusible.gemm, python/fusible/_kernels.py).
+"""Tests of the gemm custom op (torch.ops.fusible.gemm, python/fusible/_kernels/gemm.py).
 
 The contract is cpp/include/fusible/gemm.h. Every expected value comes from a float64 torch
 reference on the exact values of the inputs (FP8 operands decoded exactly, then scaled), with an

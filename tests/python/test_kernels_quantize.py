@@ -1,4 +1,4 @@
-"""Tests of the quantize and recipe custom ops (torch.ops.fusible.*, python/fusible/_kernels.py).
+"""Tests of the quantize and recipe custom ops (torch.ops.fusible.*, python/fusible/_kernels/).
 
 The numerics contract is cpp/include/fusible/{common,quantize,recipe}.h. Every expected value here
 comes from a plain-torch reference written in this file, and casts are compared bit for bit on the

@@ -45,7 +45,9 @@
  *    aux, dbias           D's dtype; for an FP8 D: bf16 or fp16 (aux: the same as bias when both)
  *
  * FP8 combinations without a cuBLASLt kernel (measured on Hopper with cuBLAS 13.0) return
- * FUS_ERROR_UNSUPPORTED on every backend, so CPU runs fail where GPU runs would:
+ * FUS_ERROR_UNSUPPORTED on every backend, so CPU runs fail where GPU runs would (the epilogue ones
+ * are the fp8_f32_out / fp8_out columns of FUS_GEMM_EPILOGUE_TABLE; fus_gemm_supported answers
+ * for any combination):
  *    D float8_e5m2 from E4M3 x E4M3 operands (an E5M2 output needs an E5M2 operand);
  *    D fp32 with BIAS_GELU_AUX or DGELU_BGRAD (use a bf16 / fp16 D);
  *    D FP8 with DGELU or DGELU_BGRAD.
@@ -105,16 +107,51 @@
 extern "C" {
 #endif
 
+/*
+ * The epilogue table: one row an epilogue, X(ID, value, name, bias, gelu, writes_aux, reads_aux,
+ * bgrad, c, fp8_f32_out, fp8_out), each flag 0 or 1:
+ *    bias         reads bias [1, N]            gelu        applies the tanh GELU
+ *    writes_aux   writes aux [M, N]            reads_aux   reads aux [M, N] (D = t * gelu'(aux))
+ *    bgrad        writes dbias [1, N]          c           allows C (beta != 0)
+ *    fp8_f32_out  FP8 operands may write a float32 D with it (cuBLASLt has the kernel)
+ *    fp8_out      FP8 operands may write an FP8 D with it
+ * Every rule of the family that depends on the epilogue is read from it: the enum below, the C
+ * API's checks (gemm_api.cpp), fus_gemm_epilogue_row, and through it the torch operator's
+ * epilogue names (ops_gemm.cpp) and Python (fusible._kernels.gemm, which also reads the dtype
+ * rules through fus_gemm_supported and the limits through fus_gemm_get_limits).
+ */
+#define FUS_GEMM_EPILOGUE_TABLE(X)                             \
+  X(NONE, 0, "none", 0, 0, 0, 0, 0, 1, 1, 1)                   \
+  X(BIAS, 1, "bias", 1, 0, 0, 0, 0, 1, 1, 1)                   \
+  X(GELU, 2, "gelu", 0, 1, 0, 0, 0, 0, 1, 1)                   \
+  X(GELU_AUX, 3, "gelu_aux", 0, 1, 1, 0, 0, 0, 1, 1)           \
+  X(BIAS_GELU, 4, "bias_gelu", 1, 1, 0, 0, 0, 0, 1, 1)         \
+  X(BIAS_GELU_AUX, 5, "bias_gelu_aux", 1, 1, 1, 0, 0, 0, 0, 1) \
+  X(DGELU, 6, "dgelu", 0, 0, 0, 1, 0, 0, 1, 0)                 \
+  X(DGELU_BGRAD, 7, "dgelu_bgrad", 0, 0, 0, 1, 1, 0, 0, 0)
+
 typedef enum fus_gemm_epilogue {
-  FUS_GEMM_EPILOGUE_NONE = 0,
-  FUS_GEMM_EPILOGUE_BIAS = 1,
-  FUS_GEMM_EPILOGUE_GELU = 2,
-  FUS_GEMM_EPILOGUE_GELU_AUX = 3,
-  FUS_GEMM_EPILOGUE_BIAS_GELU = 4,
-  FUS_GEMM_EPILOGUE_BIAS_GELU_AUX = 5,
-  FUS_GEMM_EPILOGUE_DGELU = 6,
-  FUS_GEMM_EPILOGUE_DGELU_BGRAD = 7,
+#define FUS_GEMM_EPILOGUE_ENUMERATOR_(id, value, ...) FUS_GEMM_EPILOGUE_##id = value,
+  FUS_GEMM_EPILOGUE_TABLE(FUS_GEMM_EPILOGUE_ENUMERATOR_)
+#undef FUS_GEMM_EPILOGUE_ENUMERATOR_
 } fus_gemm_epilogue;
+
+/* One row of FUS_GEMM_EPILOGUE_TABLE (the flags are 0 or 1). */
+typedef struct fus_gemm_epilogue_info {
+  const char* name; /* "none", "bias_gelu_aux", ...: the torch operator's and Python's spelling */
+  int bias;
+  int gelu;
+  int writes_aux;
+  int reads_aux;
+  int bgrad;
+  int c;
+  int fp8_f32_out;
+  int fp8_out;
+} fus_gemm_epilogue_info;
+
+/* The row of epilogue e; NULL for a value that is not an epilogue (so the epilogues are 0, 1, ...
+ * up to the first NULL). */
+const fus_gemm_epilogue_info* fus_gemm_epilogue_row(fus_gemm_epilogue e);
 
 /* How an FP8 operand's scale_inv scales it (see above). */
 typedef enum fus_gemm_scaling {
@@ -169,6 +206,26 @@ fus_status fus_gemm(const fus_gemm_args* args, const fus_context* ctx);
  * cuBLAS 13.3 (BF16), 13.4 (Hopper) and 13.5 (per-tensor FP8 on Hopper).
  */
 fus_status fus_gemm_grouped(const fus_gemm_args* args, int64_t count, const fus_context* ctx);
+
+/*
+ * 1 if fus_gemm serves operands of dtypes a and b scaled as a_scaling / b_scaling, an output d and
+ * epilogue e (the dtype, scaling and epilogue rules above, on every backend; shapes, layouts and
+ * the CUDA alignment aside), else 0. fus_gemm checks the same rules, one function each.
+ */
+int fus_gemm_supported(fus_dtype a, fus_dtype b, fus_dtype d, fus_gemm_epilogue e,
+                       fus_gemm_scaling a_scaling, fus_gemm_scaling b_scaling);
+
+/* The size rules above, as fus_gemm checks them (the CUDA ones for CUDA contexts only). */
+typedef struct fus_gemm_limits {
+  int fp8_k_multiple;    /* CUDA, FP8 operands: K % fp8_k_multiple == 0 */
+  int fp8_d_row_bytes;   /* CUDA, FP8 operands: N * size(D) % fp8_d_row_bytes == 0 */
+  int aux_n_multiple;    /* CUDA, aux epilogues: N % aux_n_multiple == 0 */
+  int block_mn_multiple; /* blockwise operands: M, N % block_mn_multiple == 0 */
+  int block_k_multiple;  /* blockwise operands: K % block_k_multiple == 0 */
+} fus_gemm_limits;
+
+/* The limits fus_gemm checks (a static table). */
+const fus_gemm_limits* fus_gemm_get_limits(void);
 
 /* 1 if CUDA GEMMs are available in this build (CUDA backend built with cuBLASLt), else 0. */
 int fus_gemm_has_cublaslt(void);

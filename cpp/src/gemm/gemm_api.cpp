@@ -33,19 +33,83 @@ bool is_fp8(fus_dtype d) { return d == FUS_FLOAT8_E4M3 || d == FUS_FLOAT8_E5M2; 
 // An absent optional tensor is all zero.
 bool present(const fus_tensor& t) { return t.data != nullptr || t.rows != 0 || t.cols != 0; }
 
-const char* epilogue_name(fus_gemm_epilogue e) {
-  switch (e) {
-    case FUS_GEMM_EPILOGUE_NONE: return "NONE";
-    case FUS_GEMM_EPILOGUE_BIAS: return "BIAS";
-    case FUS_GEMM_EPILOGUE_GELU: return "GELU";
-    case FUS_GEMM_EPILOGUE_GELU_AUX: return "GELU_AUX";
-    case FUS_GEMM_EPILOGUE_BIAS_GELU: return "BIAS_GELU";
-    case FUS_GEMM_EPILOGUE_BIAS_GELU_AUX: return "BIAS_GELU_AUX";
-    case FUS_GEMM_EPILOGUE_DGELU: return "DGELU";
-    case FUS_GEMM_EPILOGUE_DGELU_BGRAD: return "DGELU_BGRAD";
-  }
-  return nullptr;
+// FUS_GEMM_EPILOGUE_TABLE (fusible/gemm.h), indexed by the epilogue's value.
+struct EpilogueRow {
+  fus_gemm_epilogue_info info;
+  const char* c_name;  // "BIAS_GELU_AUX": the messages' spelling
+};
+constexpr EpilogueRow kEpilogues[] = {
+#define FUS_GEMM_EPILOGUE_ROW_(id, value, name, bias, gelu, writes_aux, reads_aux, bgrad, c, \
+                               fp8_f32_out, fp8_out)                                         \
+  {{name, bias, gelu, writes_aux, reads_aux, bgrad, c, fp8_f32_out, fp8_out}, #id},
+    FUS_GEMM_EPILOGUE_TABLE(FUS_GEMM_EPILOGUE_ROW_)
+#undef FUS_GEMM_EPILOGUE_ROW_
+};
+constexpr int kNumEpilogues = static_cast<int>(sizeof(kEpilogues) / sizeof(kEpilogues[0]));
+
+// The table's values are 0, 1, ... in row order (kEpilogues is indexed by them).
+constexpr bool epilogue_values_are_row_indices() {
+  int row = 0;
+#define FUS_GEMM_EPILOGUE_VALUE_(id, value, ...) \
+  if (value != row++) return false;
+  FUS_GEMM_EPILOGUE_TABLE(FUS_GEMM_EPILOGUE_VALUE_)
+#undef FUS_GEMM_EPILOGUE_VALUE_
+  return true;
 }
+static_assert(epilogue_values_are_row_indices(),
+              "FUS_GEMM_EPILOGUE_TABLE: values must be 0, 1, ... in order");
+
+// The row of e, or nullptr.
+const EpilogueRow* epilogue_row(fus_gemm_epilogue e) {
+  const int i = static_cast<int>(e);
+  return i >= 0 && i < kNumEpilogues ? &kEpilogues[i] : nullptr;
+}
+
+// The size rules (fus_gemm_limits).
+constexpr fus_gemm_limits kLimits = {16, 16, 8, 4, 16};
+
+// ---- the dtype and scaling rules of gemm.h, one predicate a rule ------------------------------
+// validate() raises each where it checks it, with its message; fus_gemm_supported is their
+// conjunction.
+
+// Both operands FP8, or both of one high-precision dtype.
+bool operands_pair(fus_dtype a, fus_dtype b) {
+  return is_fp8(a) == is_fp8(b) && (is_fp8(a) || a == b);
+}
+// cuBLASLt has no E5M2 x E5M2 kernel.
+bool fp8_pair_has_kernel(fus_dtype a, fus_dtype b) {
+  return !(a == FUS_FLOAT8_E5M2 && b == FUS_FLOAT8_E5M2);
+}
+// D of an FP8 GEMM: any of kOperand; of a high-precision one: a's dtype or fp32 (the lists
+// validate's check of d allows).
+bool output_allowed(fus_dtype a, fus_dtype d) {
+  if (is_fp8(a)) {
+    for (fus_dtype t : kOperand)
+      if (t == d) return true;
+    return false;
+  }
+  return d == a || d == FUS_FLOAT32;
+}
+// An E5M2 D needs an E5M2 operand.
+bool fp8_output_pair_has_kernel(fus_dtype a, fus_dtype b, fus_dtype d) {
+  return !(d == FUS_FLOAT8_E5M2 && a == FUS_FLOAT8_E4M3 && b == FUS_FLOAT8_E4M3);
+}
+// The epilogue with FP8 operands writes D of this dtype (fp8_f32_out / fp8_out).
+bool fp8_epilogue_has_kernel(const fus_gemm_epilogue_info& e, fus_dtype d) {
+  if (d == FUS_FLOAT32) return e.fp8_f32_out != 0;
+  return !is_fp8(d) || e.fp8_out != 0;
+}
+bool valid_scaling(fus_gemm_scaling s) {
+  return s >= FUS_GEMM_SCALING_TENSOR && s <= FUS_GEMM_SCALING_BLOCK_2D;
+}
+// Blockwise: both operands blockwise, not both 128x128.
+bool scaling_pair_has_kernel(fus_gemm_scaling a, fus_gemm_scaling b) {
+  return (a != FUS_GEMM_SCALING_TENSOR && b != FUS_GEMM_SCALING_TENSOR) &&
+         !(a == FUS_GEMM_SCALING_BLOCK_2D && b == FUS_GEMM_SCALING_BLOCK_2D);
+}
+// Blockwise: a high-precision D, epilogue NONE.
+bool block_output_has_kernel(fus_dtype d) { return !is_fp8(d); }
+bool block_epilogue_has_kernel(fus_gemm_epilogue e) { return e == FUS_GEMM_EPILOGUE_NONE; }
 
 // An epilogue tensor: present with the given shape and one of the allowed dtypes when the
 // epilogue uses it, absent otherwise.
@@ -78,17 +142,18 @@ void check_cuda_alignment(const fus_gemm_args& a, const GemmShape& s) {
     // cuBLAS docs (cublasLtMatmul, FP8 requirements): matrix dimensions and pointers must meet
     // the Tensor Core 16-byte alignment rules. In the TN form the leading dimension of both
     // operands is K (bytes), so K % 16 == 0.
-    require(s.k % 16 == 0, "K = " + std::to_string(s.k) +
-                               " (a.cols and b.cols) must be a multiple of 16 for FP8 operands on "
-                               "CUDA (cuBLASLt needs 16-byte leading dimensions)");
+    require(s.k % kLimits.fp8_k_multiple == 0,
+            "K = " + std::to_string(s.k) + " (a.cols and b.cols) must be a multiple of " +
+                std::to_string(kLimits.fp8_k_multiple) +
+                " for FP8 operands on CUDA (cuBLASLt needs 16-byte leading dimensions)");
     require(aligned16(a.a.data), "a.data must be 16-byte aligned for FP8 operands on CUDA");
     require(aligned16(a.b.data), "b.data must be 16-byte aligned for FP8 operands on CUDA");
     const int64_t ld_bytes = s.n * static_cast<int64_t>(fus_dtype_size(a.d.dtype));
-    require(ld_bytes % 16 == 0, "N = " + std::to_string(s.n) + " (d.cols) times " +
-                                    std::to_string(fus_dtype_size(a.d.dtype)) + "-byte " +
-                                    dtype_name(a.d.dtype) +
-                                    " must be a multiple of 16 bytes for FP8 GEMMs on CUDA "
-                                    "(cuBLASLt 16-byte leading dimension of d)");
+    require(ld_bytes % kLimits.fp8_d_row_bytes == 0,
+            "N = " + std::to_string(s.n) + " (d.cols) times " +
+                std::to_string(fus_dtype_size(a.d.dtype)) + "-byte " + dtype_name(a.d.dtype) +
+                " must be a multiple of " + std::to_string(kLimits.fp8_d_row_bytes) +
+                " bytes for FP8 GEMMs on CUDA (cuBLASLt 16-byte leading dimension of d)");
     require(aligned16(a.d.data), "d.data must be 16-byte aligned for FP8 GEMMs on CUDA");
   }
   if (s.blockwise) {
@@ -100,9 +165,10 @@ void check_cuda_alignment(const fus_gemm_args& a, const GemmShape& s) {
   if (s.writes_aux || s.dgelu) {
     // cublasLt.h, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: the GELU input matrix leading dimension
     // "must be divisible by 8"; aux is [M, N] row-major, so its leading dimension is N.
-    require(s.n % 8 == 0, "aux: N = " + std::to_string(s.n) +
-                              " must be a multiple of 8 for GELU aux epilogues on CUDA "
-                              "(cuBLASLt aux leading dimension rule)");
+    require(s.n % kLimits.aux_n_multiple == 0,
+            "aux: N = " + std::to_string(s.n) + " must be a multiple of " +
+                std::to_string(kLimits.aux_n_multiple) +
+                " for GELU aux epilogues on CUDA (cuBLASLt aux leading dimension rule)");
   }
 }
 
@@ -120,9 +186,8 @@ GemmShape validate(const fus_gemm_args* args, const fus_context* ctx) {
   require(s.fp8 == is_fp8(a.b.dtype), std::string("a (") + dtype_name(a.a.dtype) + ") and b (" +
                                           dtype_name(a.b.dtype) +
                                           ") must both be FP8 or both high precision");
-  if (!s.fp8)
-    require(a.a.dtype == a.b.dtype, std::string("b has dtype ") + dtype_name(a.b.dtype) +
-                                        ", expected a's dtype " + dtype_name(a.a.dtype));
+  require(operands_pair(a.a.dtype, a.b.dtype), std::string("b has dtype ") + dtype_name(a.b.dtype) +
+                                                   ", expected a's dtype " + dtype_name(a.a.dtype));
   s.m = a.transa ? a.a.cols : a.a.rows;
   s.k = a.transa ? a.a.rows : a.a.cols;
   const int64_t kb = a.transb ? a.b.cols : a.b.rows;
@@ -133,7 +198,7 @@ GemmShape validate(const fus_gemm_args* args, const fus_context* ctx) {
                          ", transb " + std::to_string(a.transb) + ")");
 
   if (s.fp8) {
-    require(!(a.a.dtype == FUS_FLOAT8_E5M2 && a.b.dtype == FUS_FLOAT8_E5M2), FUS_ERROR_UNSUPPORTED,
+    require(fp8_pair_has_kernel(a.a.dtype, a.b.dtype), FUS_ERROR_UNSUPPORTED,
             "a and b are both float8_e5m2; FP8 GEMMs support E4M3 x E4M3, E4M3 x E5M2 and "
             "E5M2 x E4M3 (cuBLASLt has no E5M2 x E5M2 kernels)");
     require(a.transa == 0, FUS_ERROR_UNSUPPORTED,
@@ -154,14 +219,10 @@ GemmShape validate(const fus_gemm_args* args, const fus_context* ctx) {
   }
 
   // Blockwise scaling (gemm.h).
-  const bool valid_a =
-      a.a_scaling >= FUS_GEMM_SCALING_TENSOR && a.a_scaling <= FUS_GEMM_SCALING_BLOCK_2D;
-  const bool valid_b =
-      a.b_scaling >= FUS_GEMM_SCALING_TENSOR && a.b_scaling <= FUS_GEMM_SCALING_BLOCK_2D;
-  require(valid_a, "a_scaling must be a fus_gemm_scaling value, got " +
-                       std::to_string(static_cast<int>(a.a_scaling)));
-  require(valid_b, "b_scaling must be a fus_gemm_scaling value, got " +
-                       std::to_string(static_cast<int>(a.b_scaling)));
+  require(valid_scaling(a.a_scaling), "a_scaling must be a fus_gemm_scaling value, got " +
+                                          std::to_string(static_cast<int>(a.a_scaling)));
+  require(valid_scaling(a.b_scaling), "b_scaling must be a fus_gemm_scaling value, got " +
+                                          std::to_string(static_cast<int>(a.b_scaling)));
   s.blockwise = a.a_scaling != FUS_GEMM_SCALING_TENSOR || a.b_scaling != FUS_GEMM_SCALING_TENSOR;
   if (s.blockwise) {
     require(s.fp8, "a_scaling / b_scaling are blockwise but the operands are not FP8");
@@ -169,27 +230,26 @@ GemmShape validate(const fus_gemm_args* args, const fus_context* ctx) {
             FUS_ERROR_UNSUPPORTED,
             "blockwise scaling needs both operands blockwise (a_scaling and b_scaling 1D or 2D); "
             "cuBLASLt does not mix block and per-tensor scales");
-    require(!(a.a_scaling == FUS_GEMM_SCALING_BLOCK_2D && a.b_scaling == FUS_GEMM_SCALING_BLOCK_2D),
-            FUS_ERROR_UNSUPPORTED,
+    require(scaling_pair_has_kernel(a.a_scaling, a.b_scaling), FUS_ERROR_UNSUPPORTED,
             "a and b are both 128x128-block scaled; cuBLASLt supports 1D x 1D, 1D x 2D and 2D x 1D "
             "only");
-    require(!is_fp8(a.d.dtype), FUS_ERROR_UNSUPPORTED,
+    require(block_output_has_kernel(a.d.dtype), FUS_ERROR_UNSUPPORTED,
             "blockwise FP8 GEMMs write float32, float16 or bfloat16 outputs only (cuBLASLt has no "
             "FP8 output with block scaling)");
-    require(a.epilogue == FUS_GEMM_EPILOGUE_NONE, FUS_ERROR_UNSUPPORTED,
+    require(block_epilogue_has_kernel(a.epilogue), FUS_ERROR_UNSUPPORTED,
             "blockwise FP8 GEMMs support epilogue NONE only (apply bias / GELU separately)");
     if (s.m * s.n * s.k > 0)
       require(a.a_scale_inv != nullptr && a.b_scale_inv != nullptr,
               "a_scale_inv and b_scale_inv must hold the operands' block scales (NULL given)");
     if (s.m * s.n > 0) {
-      require(s.m % 4 == 0 && s.n % 4 == 0,
-              "blockwise FP8 GEMMs need M and N multiples of 4 (cuBLASLt block scale layout), got "
-              "M = " +
-                  std::to_string(s.m) + ", N = " + std::to_string(s.n));
-      require(s.k % 16 == 0,
-              "blockwise FP8 GEMMs need K (a.cols and b.cols) a multiple of 16 "
-              "(cuBLASLt 16-byte leading dimensions), got K = " +
-                  std::to_string(s.k));
+      const int64_t mn = kLimits.block_mn_multiple, kk = kLimits.block_k_multiple;
+      require(s.m % mn == 0 && s.n % mn == 0,
+              "blockwise FP8 GEMMs need M and N multiples of " + std::to_string(mn) +
+                  " (cuBLASLt block scale layout), got M = " + std::to_string(s.m) +
+                  ", N = " + std::to_string(s.n));
+      require(s.k % kk == 0,
+              "blockwise FP8 GEMMs need K (a.cols and b.cols) a multiple of " + std::to_string(kk) +
+                  " (cuBLASLt 16-byte leading dimensions), got K = " + std::to_string(s.k));
     }
   }
 
@@ -211,34 +271,30 @@ GemmShape validate(const fus_gemm_args* args, const fus_context* ctx) {
   }
 
   // Epilogue.
-  const char* ep = epilogue_name(a.epilogue);
-  require(ep != nullptr, "epilogue must be a fus_gemm_epilogue value, got " +
+  const EpilogueRow* er = epilogue_row(a.epilogue);
+  require(er != nullptr, "epilogue must be a fus_gemm_epilogue value, got " +
                              std::to_string(static_cast<int>(a.epilogue)));
-  const fus_gemm_epilogue e = a.epilogue;
-  s.uses_bias = e == FUS_GEMM_EPILOGUE_BIAS || e == FUS_GEMM_EPILOGUE_BIAS_GELU ||
-                e == FUS_GEMM_EPILOGUE_BIAS_GELU_AUX;
-  s.gelu = e == FUS_GEMM_EPILOGUE_GELU || e == FUS_GEMM_EPILOGUE_GELU_AUX ||
-           e == FUS_GEMM_EPILOGUE_BIAS_GELU || e == FUS_GEMM_EPILOGUE_BIAS_GELU_AUX;
-  s.writes_aux = e == FUS_GEMM_EPILOGUE_GELU_AUX || e == FUS_GEMM_EPILOGUE_BIAS_GELU_AUX;
-  s.dgelu = e == FUS_GEMM_EPILOGUE_DGELU || e == FUS_GEMM_EPILOGUE_DGELU_BGRAD;
-  s.bgrad = e == FUS_GEMM_EPILOGUE_DGELU_BGRAD;
+  const fus_gemm_epilogue_info* row = &er->info;
+  const char* ep = er->c_name;
+  s.uses_bias = row->bias != 0;
+  s.gelu = row->gelu != 0;
+  s.writes_aux = row->writes_aux != 0;
+  s.dgelu = row->reads_aux != 0;
+  s.bgrad = row->bgrad != 0;
 
   // FP8 combinations cuBLASLt has no kernel for (measured on an H200 with cuBLAS 13.0; every
   // other combination of fusible/gemm.h was run there). Refused on every backend, so CPU runs
   // fail where GPU runs would.
   if (s.fp8) {
-    require(!(a.d.dtype == FUS_FLOAT8_E5M2 && a.a.dtype == FUS_FLOAT8_E4M3 &&
-              a.b.dtype == FUS_FLOAT8_E4M3),
-            FUS_ERROR_UNSUPPORTED,
+    require(fp8_output_pair_has_kernel(a.a.dtype, a.b.dtype, a.d.dtype), FUS_ERROR_UNSUPPORTED,
             "an float8_e5m2 output d needs an E5M2 operand; E4M3 x E4M3 GEMMs write E4M3, bf16, "
             "fp16 or fp32");
-    require(!(a.d.dtype == FUS_FLOAT32 &&
-              (e == FUS_GEMM_EPILOGUE_BIAS_GELU_AUX || e == FUS_GEMM_EPILOGUE_DGELU_BGRAD)),
+    require(a.d.dtype != FUS_FLOAT32 || fp8_epilogue_has_kernel(*row, a.d.dtype),
             FUS_ERROR_UNSUPPORTED,
             std::string("epilogue ") + ep +
                 " with FP8 operands needs a bfloat16 or float16 output d (cuBLASLt has no FP8 "
                 "kernel with a float32 output for it)");
-    require(!(d_fp8 && s.dgelu), FUS_ERROR_UNSUPPORTED,
+    require(fp8_epilogue_has_kernel(*row, a.d.dtype), FUS_ERROR_UNSUPPORTED,
             std::string("epilogue ") + ep +
                 " cannot write an FP8 output d (cuBLASLt has no such FP8 kernel); use a bfloat16 "
                 "or float16 output");
@@ -247,7 +303,7 @@ GemmShape validate(const fus_gemm_args* args, const fus_context* ctx) {
   // Linear combination with C.
   s.has_c = a.beta != 0.0f;
   if (s.has_c) {
-    require(e == FUS_GEMM_EPILOGUE_NONE || e == FUS_GEMM_EPILOGUE_BIAS,
+    require(row->c != 0,
             std::string("c (beta != 0) is supported with epilogues NONE and BIAS only, not ") + ep);
     require(!d_fp8, "c (beta != 0) cannot accumulate into an FP8 output d");
     if (present(a.c)) {
@@ -349,6 +405,29 @@ fus_status fus_gemm_grouped(const fus_gemm_args* args, int64_t count, const fus_
     return FUS_SUCCESS;
   });
 }
+
+const fus_gemm_epilogue_info* fus_gemm_epilogue_row(fus_gemm_epilogue e) {
+  const EpilogueRow* row = epilogue_row(e);
+  return row != nullptr ? &row->info : nullptr;
+}
+
+int fus_gemm_supported(fus_dtype a, fus_dtype b, fus_dtype d, fus_gemm_epilogue e,
+                       fus_gemm_scaling a_scaling, fus_gemm_scaling b_scaling) {
+  const EpilogueRow* row = epilogue_row(e);
+  if (row == nullptr || !valid_scaling(a_scaling) || !valid_scaling(b_scaling)) return 0;
+  bool dtype_ok = false;
+  for (fus_dtype t : kOperand) dtype_ok = dtype_ok || t == a;
+  if (!dtype_ok || !operands_pair(a, b) || !output_allowed(a, d)) return 0;
+  if (!is_fp8(a))
+    return a_scaling == FUS_GEMM_SCALING_TENSOR && b_scaling == FUS_GEMM_SCALING_TENSOR;
+  if (!fp8_pair_has_kernel(a, b) || !fp8_output_pair_has_kernel(a, b, d)) return 0;
+  if (!fp8_epilogue_has_kernel(row->info, d)) return 0;
+  if (a_scaling == FUS_GEMM_SCALING_TENSOR && b_scaling == FUS_GEMM_SCALING_TENSOR) return 1;
+  return scaling_pair_has_kernel(a_scaling, b_scaling) && block_output_has_kernel(d) &&
+         block_epilogue_has_kernel(e);
+}
+
+const fus_gemm_limits* fus_gemm_get_limits(void) { return &kLimits; }
 
 int fus_gemm_has_cublaslt(void) {
 #if defined(FUSIBLE_WITH_CUDA) && defined(FUSIBLE_WITH_CUBLASLT)

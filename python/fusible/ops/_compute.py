@@ -206,7 +206,7 @@ def _gemm(
             bm = bm.reshape(-1, bm.shape[-1])
         scales: tuple[torch.Tensor | None, torch.Tensor | None] = (a.scale_inv, b.scale_inv)
         transa, transb = False, True  # the NT form: both operands K-contiguous
-        if am.is_cuda and not _fp8_gemm_aligned(am, bm, out_dtype):
+        if am.is_cuda and not K.gemm_fp8_aligned(am.shape[-1], bm.shape[0], out_dtype):
             f32 = torch.float32
             (am, ta), (bm, tb) = _dequant_copy(a, which[0], f32), _dequant_copy(b, which[1], f32)
             transa, transb = ta, not tb
@@ -220,14 +220,14 @@ def _gemm(
         scales = (None, None)
     fp8 = scales[0] is not None
     gemm_out = out_dtype if fp8 or am.dtype == out_dtype else torch.float32
-    fused = epilogue != "none" and K.gemm_epilogue_supported(am.dtype, bm.dtype, gemm_out, epilogue)
-    if fused and bias is not None and fp8 and gemm_out == torch.float32:
-        fused = False  # cuBLASLt takes only a bf16 bias there; keep the fp32 bias exact
-    if c is not None and epilogue == "bias_gelu_aux":
-        fused = False  # accumulation only composes with the none / bias epilogues
-    bias_arg = None
-    if fused and bias is not None:
-        bias_arg = _to(bias, torch.bfloat16 if fp8 and gemm_out == torch.float32 else gemm_out)
+    fused = (
+        epilogue != "none"
+        and K.gemm_epilogue_supported(am.dtype, bm.dtype, gemm_out, epilogue)
+        # cuBLASLt may take another bias dtype (FP8 operands, fp32 output): keep the bias exact
+        and (bias is None or K.gemm_bias_fused(fp8, gemm_out))
+        and (c is None or K.GEMM_RULES.epilogues[epilogue].c)  # accumulation: none / bias only
+    )
+    bias_arg = _to(bias, gemm_out) if fused and bias is not None else None
     d, aux, _, _ = K.gemm(
         am, bm, transa, transb, scales[0], scales[1], gemm_out, bias_arg,
         epilogue if fused else "none", None, None if c is None else _to(c, gemm_out), 1.0,
@@ -257,13 +257,14 @@ def blockwise_gemm(a: Any, b: Any) -> bool:
 
 
 def _block_gemm(a: Any, b: Any) -> bool:
-    """Whether ``_gemm`` runs the blockwise FP8 GEMM: both operands blockwise and not both in
-    128x128 blocks (cuBLASLt has no such kernel; a CustomRecipe can make that pair, which then runs
-    on the dequantized operands like any other mix of formats)."""
+    """Whether ``_gemm`` runs the blockwise FP8 GEMM: both operands blockwise in a pair of block
+    shapes it serves (``GEMM_RULES.block_pairs``: not both 128x128, which cuBLASLt has no kernel
+    for; a CustomRecipe can make that pair, which then runs on the dequantized operands like any
+    other mix of formats)."""
     return (
         isinstance(a, Float8BlockData)
         and isinstance(b, Float8BlockData)
-        and not (a.block_dim == 2 and b.block_dim == 2)
+        and (a.block_dim, b.block_dim) in K.GEMM_RULES.block_pairs
     )
 
 
@@ -299,8 +300,7 @@ def _gemm_blockwise(
     it by the kernels the unfused ops use; ``c`` is accumulated by the GEMM."""
     am, sa = _block_copy(a, which[0])
     bm, sb = _block_copy(b, which[1])
-    hp = (torch.float32, torch.bfloat16, torch.float16)
-    gemm_out = out_dtype if out_dtype in hp else torch.float32
+    gemm_out = out_dtype if out_dtype in K.GEMM_RULES.block_out_dtypes else torch.float32
     cc = None if c is None else c.to(gemm_out).contiguous()
     d = K.gemm_block(am, sa, a.block_dim, bm, sb, b.block_dim, gemm_out, cc, 1.0,
                      0.0 if c is None else 1.0)  # fmt: skip
@@ -446,16 +446,6 @@ def without_copy(x: Any, which: str) -> Any:
 
 def _byte_transpose(m: torch.Tensor) -> torch.Tensor:
     return K.transpose_fp8(m.contiguous())
-
-
-def _fp8_gemm_aligned(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """cuBLASLt FP8 needs K % 16 == 0 and 16-byte output rows (gemm.h)."""
-    k, n = am.shape[-1], bm.shape[0]
-    return (
-        k % 16 == 0
-        and (n * torch.empty(0, dtype=out_dtype).element_size()) % 16 == 0
-        and n % 8 == 0
-    )
 
 
 def _common_dtype(a: Any, b: Any, out_dtype: torch.dtype) -> torch.dtype:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import itertools
 import math
 
 import pytest
@@ -254,6 +255,24 @@ def test_gemm_block_cpu_is_the_dequantized_gemm(dims, mnk):
                      torch.float32, c, 2.0, 1.0)  # fmt: skip
     ref = 2.0 * (qa.dequantize().double() @ qb.dequantize().double().t()) + c.double()
     assert torch.allclose(d.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_gemm_rules_block_rows_match_gemm_block():
+    """GEMM_RULES' blockwise rows (read from the core library) agree with what gemm_block
+    accepts on the CPU: every pair of block shapes, every output dtype."""
+    rules = K.GEMM_RULES
+    assert rules.block_epilogues == ("none",)
+    for (da, db), out in itertools.product(
+        itertools.product((1, 2), (1, 2)), K.HIGH_PRECISION_DTYPES + K.FP8_DTYPES
+    ):
+        qa, qb = _operands(16, 16, 32, da, db)
+        try:
+            K.gemm_block(qa.data, qa.scale_inv, da, qb.data, qb.scale_inv, db, out, None, 1.0, 0.0)
+            accepted = True
+        except (TypeError, ValueError):
+            accepted = False
+        expected = (da, db) in rules.block_pairs and out in rules.block_out_dtypes
+        assert accepted == expected, (da, db, out)
 
 
 def test_gemm_block_bad_input():

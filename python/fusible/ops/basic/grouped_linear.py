@@ -13,7 +13,7 @@ import torch
 
 from fusible import _kernels as K
 from fusible.ops import _compute as C
-from fusible.ops.basic.linear import _inference
+from fusible.ops.basic.linear import _inference, blockwise_multiple
 from fusible.ops.op import BasicOperation
 from fusible.ops.workspace import WorkspaceCache, quantize_weight
 from fusible.quantization import QuantizerRole
@@ -255,13 +255,14 @@ class GroupedLinear(BasicOperation):
     def _check_blockwise(self, splits: tuple[int, ...]) -> None:
         """Blockwise FP8 GEMMs need every dimension a multiple of 16 (see
         ``linear.check_blockwise_sizes``); an empty split runs no GEMM."""
-        bad = [(i, m) for i, m in enumerate(splits) if m % 16]
-        if self.in_features % 16 or self.out_features % 16 or bad:
+        mult = blockwise_multiple()
+        bad = [(i, m) for i, m in enumerate(splits) if m % mult]
+        if self.in_features % mult or self.out_features % mult or bad:
             what = f"m_splits[{bad[0][0]}]={bad[0][1]}" if bad else f"m_splits={list(splits)}"
             raise ValueError(
                 f"GroupedLinear: Float8BlockScaling needs in_features, out_features and every "
-                f"m_splits entry to be multiples of 16 (the blockwise FP8 GEMM's alignment), got "
-                f"{self.in_features}, {self.out_features} and {what}"
+                f"m_splits entry to be multiples of {mult} (the blockwise FP8 GEMM's alignment), "
+                f"got {self.in_features}, {self.out_features} and {what}"
             )
 
     # ---- execution ----------------------------------------------------------------------------
@@ -465,11 +466,10 @@ class GroupedLinear(BasicOperation):
 
     def _aligned(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
         """cuBLASLt's FP8 alignment for the forward and dgrad GEMMs of every expert (they depend
-        on the feature sizes only; see ``_compute._fp8_gemm_aligned``); the CPU takes any."""
+        on the feature sizes only; see ``_kernels.gemm_fp8_aligned``); the CPU takes any."""
         if not x.is_cuda:
             return True
-        size = torch.empty(0, dtype=dtype).element_size()
-        return all(k % 16 == 0 and (n * size) % 16 == 0 and n % 8 == 0
+        return all(K.gemm_fp8_aligned(k, n, dtype)
                    for k, n in ((self.in_features, self.out_features),
                                 (self.out_features, self.in_features)))  # fmt: skip
 
@@ -609,7 +609,8 @@ class GroupedLinear(BasicOperation):
             w_dtype = w_dtypes[0]
             # cuBLASLt's FP8 GEMM needs K = the expert's token count % 16 == 0: others (CUDA
             # only) run the loop's GEMM on dequantized operands.
-            one = [i for i in range(n) if need_wgrad[i] and dy2.is_cuda and splits[i] % 16]
+            k_mult = K.GEMM_RULES.fp8_k_multiple
+            one = [i for i in range(n) if need_wgrad[i] and dy2.is_cuda and splits[i] % k_mult]
             grp = [i for i in range(n) if need_wgrad[i] and i not in one]
             if grp:
                 # An empty expert is a GEMM with K = 0, which writes its zeros: its B is one

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from fusible import _kernels as K
 from fusible.ops import _compute as C
 
 # Split by concern: the quantized-weight lifecycle (quantized_weight.py) and Bias (bias.py); their
@@ -577,17 +578,27 @@ def _with_columnwise(xq: Any, op: str) -> Any:
     return C.ensure_fp8_copy(xq, "c")
 
 
+def blockwise_multiple() -> int:
+    """What every dimension of a Linear's three blockwise FP8 GEMMs must be a multiple of: each
+    feature size and the token count is K of one GEMM and M or N of another, so the least common
+    multiple of ``GEMM_RULES``' ``block_k_multiple`` (16: 16-byte FP8 rows) and
+    ``block_mn_multiple`` (4)."""
+    r = K.GEMM_RULES
+    return math.lcm(r.block_k_multiple, r.block_mn_multiple)
+
+
 def check_blockwise_sizes(op: str, in_features: int, out_features: int, tokens: int) -> None:
     """Blockwise FP8 GEMMs (cuBLASLt's block-scaled kernels) need every GEMM dimension -- the
     features (fprop's K and N, dgrad's K) and the token count (fprop's M, wgrad's K) -- to be a
-    multiple of 16 (16-byte FP8 rows, M and N multiples of 4). Checked on every backend, so a
-    model that would fail on the GPU fails on the CPU too; partial 128-blocks are fine."""
+    multiple of :func:`blockwise_multiple` (16). Checked on every backend, so a model that would
+    fail on the GPU fails on the CPU too; partial 128-blocks are fine."""
+    mult = blockwise_multiple()
     for name, n in (("in_features", in_features), ("out_features", out_features),
                     ("the token count (prod(x.shape[:-1]))", tokens)):  # fmt: skip
-        if n % 16:
+        if n % mult:
             raise ValueError(
-                f"{op}: Float8BlockScaling needs {name} to be a multiple of 16 (the blockwise FP8 "
-                f"GEMM's alignment), got {n}; pad the input or use another recipe for this op"
+                f"{op}: Float8BlockScaling needs {name} to be a multiple of {mult} (the blockwise "
+                f"FP8 GEMM's alignment), got {n}; pad the input or use another recipe for this op"
             )
 
 
