@@ -5,6 +5,7 @@ sequence parallelism live on the modules (``tp_group=``) and the communication o
 (``fusible.ops.AllGather`` / ``ReduceScatter`` / ``AllReduce``)."""
 
 from fusible.distributed.checkpoint import (
+    init_recipe_state,
     tp_full_state_dict,
     tp_load_full_state_dict,
     tp_shard_state_dict,
@@ -14,6 +15,7 @@ from fusible.distributed.fsdp import Float8AllGatherWeight, fully_shard_fp8
 __all__ = [
     "Float8AllGatherWeight",
     "fully_shard_fp8",
+    "init_recipe_state",
     "tp_full_state_dict",
     "tp_load_full_state_dict",
     "tp_shard_state_dict",

@@ -13,6 +13,10 @@ the *full* state dict (the one the single-process module of the same sizes has) 
   one (any world size, 1 included);
 * :func:`tp_load_full_state_dict` -- :func:`tp_shard_state_dict` then ``load_state_dict``.
 
+FSDP2 (``fully_shard``) parameters are ``DTensor``s, which ``torch.distributed.checkpoint``
+reshards itself; :func:`init_recipe_state` gives a fresh module the recipe-state entries for DCP
+to fill.
+
 Recipe state (``_extra_state``: delayed scaling's ``amax_history`` and ``scale``) is one per
 Linear on every rank. Gathered, the amax histories are max-reduced element by element and the
 scales min-reduced over the group: the state a run with ``amax_reduction_group=tp_group`` has
@@ -30,7 +34,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["tp_full_state_dict", "tp_load_full_state_dict", "tp_shard_state_dict"]
+__all__ = [
+    "init_recipe_state",
+    "tp_full_state_dict",
+    "tp_load_full_state_dict",
+    "tp_shard_state_dict",
+]
 
 
 @dataclass(frozen=True)
@@ -203,3 +212,17 @@ def tp_load_full_state_dict(
     rank loads its shards (:func:`tp_shard_state_dict`) and the full recipe state. Returns
     ``load_state_dict``'s result."""
     return module.load_state_dict(tp_shard_state_dict(module, state_dict), strict=strict)
+
+
+def init_recipe_state(module: torch.nn.Module, recipe: Any) -> None:
+    """Build every op's recipe state for ``recipe`` (initial values: delayed scaling's zero
+    amax history and unit scales) without running the module, so that ``state_dict()`` holds
+    recipe-state tensors of the right shapes for ``torch.distributed.checkpoint.load`` to fill
+    in place (DCP loads only the entries the given state dict has; a module never run under a
+    recipe has an empty ``_extra_state``). States already built for ``recipe`` are kept; a run
+    under an equal recipe uses them."""
+    from fusible.ops.op import BasicOperation
+
+    for m in module.modules():
+        if isinstance(m, BasicOperation):
+            m.ensure_recipe_state(recipe)
