@@ -1,0 +1,228 @@
+"""Checkpoints of tensor-parallel modules across a change of world size.
+
+A tensor-parallel ``fusible.Linear`` / ``LayerNormLinear`` / ``LayerNormMLP`` holds plain local
+tensors of TransformerEngine's local shapes (``weight`` ``[out/tp, in]`` for column-parallel,
+``[out, in/tp]`` for row-parallel; docs/distributed.md), not ``DTensor``s, so
+``torch.distributed.checkpoint`` cannot reshard them. These functions turn the local shards into
+the *full* state dict (the one the single-process module of the same sizes has) and back:
+
+* :func:`tp_full_state_dict` -- collective over each module's ``tp_group``: every rank returns
+  the full state dict (save it from rank 0 with ``torch.save``, or with DCP as replicated
+  tensors);
+* :func:`tp_shard_state_dict` -- no communication: this rank's local state dict cut from a full
+  one (any world size, 1 included);
+* :func:`tp_load_full_state_dict` -- :func:`tp_shard_state_dict` then ``load_state_dict``.
+
+FSDP2 (``fully_shard``) parameters are ``DTensor``s, which ``torch.distributed.checkpoint``
+reshards itself; :func:`init_recipe_state` gives a fresh module the recipe-state entries for DCP
+to fill.
+
+Recipe state (``_extra_state``: delayed scaling's ``amax_history`` and ``scale``) is one per
+Linear on every rank. Gathered, the amax histories are max-reduced element by element and the
+scales min-reduced over the group: the state a run with ``amax_reduction_group=tp_group`` has
+(there the ranks' states are equal already, and unchanged by the reduction), and the state of
+the single-process module of the full weights, whose per-tensor amax is the maximum of the
+shards'. Loaded, every rank gets that state. Other recipe-state fields are taken from the
+group's first rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "init_recipe_state",
+    "tp_full_state_dict",
+    "tp_load_full_state_dict",
+    "tp_shard_state_dict",
+]
+
+
+@dataclass(frozen=True)
+class _Split:
+    """How a state-dict entry is split over a module's group: along ``dim`` in ``halves``
+    blocks (each rank holds its block of every half: a gated fc1), or replicated
+    (``dim is None``); ``extra``: a recipe-state dict."""
+
+    group: Any
+    size: int
+    rank: int
+    dim: int | None = None
+    halves: int = 1
+    extra: bool = False
+
+
+def _specs(module: torch.nn.Module, what: str) -> dict[str, _Split]:
+    """The split of every entry of ``module.state_dict()`` that is not replicated across ranks
+    without a group (the tensor-parallel modules' weights, biases and recipe states)."""
+    import torch.distributed as dist
+
+    from fusible.modules import LayerNormLinear, LayerNormMLP, Linear
+    from fusible.modules._common import GLU
+
+    out: dict[str, _Split] = {}
+    for path, m in module.named_modules():
+        tp = getattr(m, "tp", None)
+        if tp is None or not getattr(tp, "active", False):
+            continue
+        pre = f"{path}." if path else ""
+        if not isinstance(m, (Linear, LayerNormLinear, LayerNormMLP)):
+            raise NotImplementedError(
+                f"{what}: {pre or '<root>'} ({type(m).__name__}) is tensor-parallel; only "
+                "Linear, LayerNormLinear and LayerNormMLP shards are gathered / scattered"
+            )
+        size, rank = int(tp.size), int(dist.get_rank(tp.group))
+        entries: list[tuple[str, int | None, int, bool]]
+        if isinstance(m, LayerNormMLP):
+            h = 2 if m.activation in GLU else 1
+            entries = [("fc1_weight", 0, h, False), ("fc1_bias", 0, h, False),
+                       ("fc2_weight", 1, 1, False), ("fc1._extra_state", None, 1, True),
+                       ("fc2._extra_state", None, 1, True)]  # fmt: skip
+        else:  # Linear, LayerNormLinear (column only)
+            col = tp.mode == "column"
+            entries = [("weight", 0 if col else 1, 1, False), ("_extra_state", None, 1, True)]
+            if col:
+                entries.append(("bias", 0, 1, False))
+        for key, dim, halves, extra in entries:
+            out[pre + key] = _Split(tp.group, size, rank, dim, halves, extra)
+    return out
+
+
+def _check_plain(key: str, v: Any, what: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(v, DTensor):
+        raise TypeError(
+            f"{what}: {key!r} is a DTensor (an FSDP2 / DTensor-sharded parameter): save and load "
+            "it with torch.distributed.checkpoint, which reshards DTensors itself"
+        )
+
+
+def _gather(t: torch.Tensor, s: _Split) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    t = t.detach().contiguous()
+    parts = [torch.empty_like(t) for _ in range(s.size)]
+    dist.all_gather(parts, t, group=s.group)
+    return parts
+
+
+def _gather_extra(key: str, state: Any, s: _Split, what: str) -> dict[str, torch.Tensor]:
+    import torch.distributed as dist
+
+    state = dict(state or {})
+    if any(str(k).startswith("weight.") for k in state):
+        raise NotImplementedError(
+            f"{what}: {key!r} holds a quantized weight's data (quantized_model_init); gathering "
+            "quantized weight shards is not supported (save a high-precision model)"
+        )
+    names = sorted(state)
+    all_names: list[Any] = [None] * s.size
+    dist.all_gather_object(all_names, names, group=s.group)
+    if any(n != names for n in all_names):
+        raise ValueError(
+            f"{what}: the ranks of {key!r}'s group hold different recipe states {all_names} "
+            "(run every rank under the same recipe)"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for k in names:
+        v = state[k]
+        parts = _gather(v, s)
+        if k.endswith("amax_history"):
+            out[k] = torch.stack(parts).amax(0)
+        elif k.endswith("scale"):
+            out[k] = torch.stack(parts).amin(0)
+        else:
+            out[k] = parts[0]
+    return out
+
+
+def tp_full_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+    """The state dict of the single-process module with the same (full) sizes, on every rank.
+
+    Collective: every rank of every tensor-parallel module's ``tp_group`` must call it (in the
+    same order). Sharded weights and biases are all-gathered and concatenated in rank order
+    (column-parallel: along the rows, a gated fc1 half by half; row-parallel: along the
+    columns); replicated entries (norms, a row-parallel bias, anything outside a
+    tensor-parallel module) are this rank's. Recipe states: see the module docstring.
+    Raises ``TypeError`` for DTensor entries (FSDP2: use ``torch.distributed.checkpoint``) and
+    ``NotImplementedError`` for other tensor-parallel modules (``TransformerLayer``'s attention,
+    ``GroupedLinear``) and quantized weights."""
+    what = "tp_full_state_dict"
+    specs = _specs(module, what)
+    out: dict[str, Any] = {}
+    for key, v in module.state_dict().items():
+        _check_plain(key, v, what)
+        s = specs.get(key)
+        if s is None:
+            out[key] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+        elif s.extra:
+            out[key] = _gather_extra(key, v, s, what)
+        elif s.dim is None:
+            out[key] = v.detach().clone()
+        else:
+            parts = _gather(v, s)
+            blocks = [p.chunk(s.halves, s.dim) for p in parts]
+            out[key] = torch.cat([b[h] for h in range(s.halves) for b in blocks], s.dim)
+    return out
+
+
+def tp_shard_state_dict(module: torch.nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """This rank's local state dict of ``module`` cut from the full ``state_dict`` (as
+    :func:`tp_full_state_dict` returns, or the single-process module's ``state_dict()``). No
+    communication. Raises ``ValueError`` naming the key when a sharded entry's full size is not
+    the module's ``tp_size`` times its local size."""
+    what = "tp_shard_state_dict"
+    specs = _specs(module, what)
+    local = module.state_dict()
+    out: dict[str, Any] = {}
+    for key, v in state_dict.items():
+        s = specs.get(key)
+        if s is None or s.extra or s.dim is None or not isinstance(v, torch.Tensor):
+            out[key] = v
+            continue
+        _check_plain(key, v, what)
+        want = local.get(key)
+        if want is not None and (
+            v.dim() != want.dim() or v.shape[s.dim] != want.shape[s.dim] * s.size
+        ):
+            raise ValueError(
+                f"{what}: {key!r} has shape {tuple(v.shape)}; this module (tp_size={s.size}) "
+                f"holds {tuple(want.shape)} per rank, so the full tensor needs "
+                f"{want.shape[s.dim] * s.size if v.dim() == want.dim() else '?'} along dim {s.dim}"
+            )
+        halves = v.chunk(s.halves, s.dim)
+        if any(h.shape[s.dim] % s.size for h in halves) or v.shape[s.dim] % s.halves:
+            raise ValueError(
+                f"{what}: {key!r} ({tuple(v.shape)}) does not split into {s.halves} x "
+                f"{s.size} blocks along dim {s.dim}"
+            )
+        out[key] = torch.cat([h.chunk(s.size, s.dim)[s.rank] for h in halves], s.dim)
+    return out
+
+
+def tp_load_full_state_dict(
+    module: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool = True
+) -> Any:
+    """Load the full ``state_dict`` into tensor-parallel ``module`` (any ``tp_size``): each
+    rank loads its shards (:func:`tp_shard_state_dict`) and the full recipe state. Returns
+    ``load_state_dict``'s result."""
+    return module.load_state_dict(tp_shard_state_dict(module, state_dict), strict=strict)
+
+
+def init_recipe_state(module: torch.nn.Module, recipe: Any) -> None:
+    """Build every op's recipe state for ``recipe`` (initial values: delayed scaling's zero
+    amax history and unit scales) without running the module, so that ``state_dict()`` holds
+    recipe-state tensors of the right shapes for ``torch.distributed.checkpoint.load`` to fill
+    in place (DCP loads only the entries the given state dict has; a module never run under a
+    recipe has an empty ``_extra_state``). States already built for ``recipe`` are kept; a run
+    under an equal recipe uses them."""
+    from fusible.ops.op import BasicOperation
+
+    for m in module.modules():
+        if isinstance(m, BasicOperation):
+            m.ensure_recipe_state(recipe)

@@ -1,0 +1,353 @@
+"""One rank of the checkpoint tests (run by test_dist_checkpoint.py as a subprocess:
+``python _ckpt_worker.py RANK WORLD PORT OUT_DIR ONLY``). The checkpoints live in
+``OUT_DIR/../ckpt``, shared by the runs at world sizes 1, 2 and 3 of one test module:
+``tp_w<n>.pt`` (a full state dict from :func:`fusible.distributed.tp_full_state_dict`) and
+``fsdp_w<n>/`` (a ``torch.distributed.checkpoint`` of ``fully_shard``-ed modules) with
+``fsdp_w<n>_ref.pt`` (its full tensors, the expected values). Loads run before saves."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fusible
+from fusible import recipe as R
+from fusible.distributed import (
+    init_recipe_state,
+    tp_full_state_dict,
+    tp_load_full_state_dict,
+    tp_shard_state_dict,
+)
+
+S, H, F = 96, 96, 192  # divisible by 1, 2 and 3 (and by 2*3*16 where FP8 GEMMs align)
+CASES: list[tuple[str, Callable[[], None]]] = []
+RANK = WORLD = 0
+CKPT = Path(".")
+DELAYED = R.DelayedScaling()
+
+
+def case(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    def deco(fn: Callable[[], None]) -> Callable[[], None]:
+        CASES.append((name, fn))
+        return fn
+
+    return deco
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)  # same values on every rank
+    return torch.randn(*shape, generator=g) * 0.5
+
+
+def exact(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.shape != b.shape or not torch.equal(a, b):
+        err = (a - b).abs().max().item() if a.shape == b.shape else "shape"
+        raise AssertionError(f"{what}: not bit-exact (shapes {tuple(a.shape)} / "
+                             f"{tuple(b.shape)}, max err {err})")  # fmt: skip
+
+
+def close(what: str, a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
+    if a.shape != b.shape:
+        raise AssertionError(f"{what}: shapes {tuple(a.shape)} / {tuple(b.shape)}")
+    err = (a - b).abs().max().item()
+    scale = max(b.abs().max().item(), 1.0)
+    if err > tol * scale:
+        raise AssertionError(f"{what}: max err {err} > {tol} * {scale}")
+
+
+def toks(t: torch.Tensor) -> torch.Tensor:
+    return t.chunk(WORLD, 0)[RANK]
+
+
+# ---- tensor parallelism: full state dicts ----------------------------------------------------
+# name -> (constructor kwargs -> module, sequence parallel, input features, output features)
+_TP: dict[str, tuple[Callable[..., torch.nn.Module], bool, int, int]] = {
+    "col_sp": (lambda **k: fusible.Linear(H, F, parallel_mode="column", **k), True, H, F),
+    "row": (lambda **k: fusible.Linear(F, H, parallel_mode="row", **k), False, F, H),
+    "lnlin": (lambda **k: fusible.LayerNormLinear(H, F, parallel_mode="column", **k), False, H,
+              F),
+    "mlp_sp": (lambda **k: fusible.LayerNormMLP(H, F, **k), True, H, H),
+    "glu": (lambda **k: fusible.LayerNormMLP(H, F, activation="swiglu", **k), False, H, H),
+}  # fmt: skip
+
+
+def tp_model() -> torch.nn.ModuleDict:
+    g = dist.group.WORLD
+    return torch.nn.ModuleDict(
+        {n: make(tp_group=g, sequence_parallel=sp) for n, (make, sp, _, _) in _TP.items()}
+    )
+
+
+def full_model() -> torch.nn.ModuleDict:
+    return torch.nn.ModuleDict({n: make() for n, (make, _, _, _) in _TP.items()})
+
+
+def _local_in(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The TP module's input: this rank's tokens (SP), features (row) or all of it."""
+    if _TP[name][1]:
+        return toks(x)
+    if name == "row":
+        return x.chunk(WORLD, 1)[RANK]
+    return x
+
+
+def _local_out(name: str, y: torch.Tensor) -> torch.Tensor:
+    """The part of the full module's output this rank's TP module returns: its features
+    (column-parallel, every token), its tokens (sequence-parallel MLP) or all of it."""
+    if name in ("col_sp", "lnlin"):
+        return y.chunk(WORLD, 1)[RANK]
+    return toks(y) if _TP[name][1] else y
+
+
+def step(
+    tp: torch.nn.ModuleDict, full: torch.nn.ModuleDict, rec: Any, seed: int, reduce: bool = True
+) -> None:
+    """One forward and backward of every module, TP and full size, on the same data (delayed
+    scaling: amaxes reduced over the group unless ``reduce=False``, so the TP states follow the
+    full model's); the TP outputs and input gradients against the full model's."""
+    tol = 1e-5
+    for i, name in enumerate(_TP):
+        _, _, k, n = _TP[name]
+        x, dy = rand(S, k, seed=seed + 2 * i), rand(S, n, seed=seed + 2 * i + 1)
+        outs = []
+        for m, xin, dyin in ((tp[name], _local_in(name, x), _local_out(name, dy)),
+                             (full[name], x, dy)):  # fmt: skip
+            xin = xin.detach().clone().requires_grad_()
+            group = dist.group.WORLD if reduce else None
+            with fusible.autocast(enabled=rec is not None, recipe=rec, amax_reduction_group=group):
+                y = m(xin)
+            y.backward(dyin)
+            outs.append((y.detach(), xin.grad))
+        (y, dx), (yf, dxf) = outs
+        close(f"{name} y vs full", y, _local_out(name, yf), tol)
+        close(f"{name} dx vs full", dx, _local_in(name, dxf), tol)
+
+
+def check_full(what: str, got: dict[str, Any], want: dict[str, Any], tol: float = 0.0) -> None:
+    if sorted(got) != sorted(want):
+        raise AssertionError(f"{what}: keys {sorted(got)} != {sorted(want)}")
+    for k, v in want.items():
+        if isinstance(v, dict):
+            check_full(f"{what} {k}", got[k], v, tol)
+        elif tol:
+            close(f"{what} {k}", got[k], v, tol)
+        else:
+            exact(f"{what} {k}", got[k], v)
+
+
+def tp_save() -> None:
+    torch.manual_seed(0)  # the same full weights on every rank, at every world size
+    full = full_model()
+    tp = tp_model()
+    sd = full.state_dict()
+    tp_load_full_state_dict(tp, sd)
+    # The scatter by hand (TransformerEngine's layouts): rows of a column-parallel weight, columns
+    # of a row-parallel one, this rank's block of each half of a gated fc1.
+    c = slice(RANK * F // WORLD, (RANK + 1) * F // WORLD)
+    exact("col_sp weight shard", tp["col_sp"].weight, sd["col_sp.weight"][c])
+    exact("col_sp bias shard", tp["col_sp"].bias, sd["col_sp.bias"][c])
+    exact("row weight shard", tp["row"].weight, sd["row.weight"][:, c])
+    exact("row bias (whole)", tp["row"].bias, sd["row.bias"])
+    w1 = sd["glu.fc1_weight"]
+    exact("glu fc1 shard", tp["glu"].fc1_weight, torch.cat([w1[:F][c], w1[F:][c]]))
+    exact("mlp fc2 shard", tp["mlp_sp"].fc2_weight, sd["mlp_sp.fc2_weight"][:, c])
+    # Two steps under delayed scaling, so the recipe states hold amax histories and scales.
+    for s in (0, 100):
+        step(tp, full, DELAYED, s)
+    got = tp_full_state_dict(tp)
+    want = full.state_dict()
+    weights = {k: v for k, v in want.items() if not k.endswith("_extra_state")}
+    check_full("full state dict (weights)", {k: got[k] for k in weights}, weights)
+    # The gathered recipe state (amax histories max-, scales min-reduced over the ranks) is the
+    # full model's: its per-tensor amaxes are the maximum of the shards'.
+    check_full("full state dict", got, want, 1e-5)
+    if RANK == 0:
+        torch.save(got, CKPT / f"tp_w{WORLD}.pt")
+
+
+def tp_load(src: int) -> None:
+    sd = torch.load(CKPT / f"tp_w{src}.pt", weights_only=True)
+    tp, full = tp_model(), full_model()
+    tp_load_full_state_dict(tp, sd)
+    full.load_state_dict(sd)
+    # Back to the full state dict at this world size: the same weights, the same recipe state.
+    check_full(f"tp_full_state_dict after load from world {src}", tp_full_state_dict(tp), sd)
+    # The next steps (delayed scaling from the loaded state; then no recipe) compute what the
+    # single-process model of the same full weights computes.
+    step(tp, full, DELAYED, 200)
+    step(tp, full, None, 300)
+    check_full("state after the steps", tp_full_state_dict(tp), full.state_dict(), 1e-5)
+
+
+def tp_merge_unreduced() -> None:
+    """Without ``amax_reduction_group`` the ranks' delayed-scaling states differ (each saw its
+    shard's amaxes); the gathered state (amax histories max-, scales min-reduced) is still the
+    full model's. One step: scale 1 everywhere, so the TP and full-size steps compute the same
+    values and record the same per-tensor amaxes."""
+    torch.manual_seed(0)
+    full, tp = full_model(), tp_model()
+    tp_load_full_state_dict(tp, full.state_dict())
+    step(tp, full, DELAYED, 0, reduce=False)
+    if WORLD > 1:
+        h = tp["row"].state_dict()["_extra_state"]["forward.amax_history"]
+        hs = [torch.empty_like(h) for _ in range(WORLD)]
+        dist.all_gather(hs, h)
+        if all(torch.equal(hs[0], o) for o in hs[1:]):
+            raise AssertionError("the ranks' states agree without a reduction: shows nothing")
+    check_full("merged recipe state", tp_full_state_dict(tp), full.state_dict(), 1e-5)
+
+
+def tp_bad_shapes() -> None:
+    """A full state dict of other sizes: a clear error naming the key, no collective."""
+    tp = tp_model()
+    sd = full_model().state_dict()
+    sd["row.weight"] = torch.zeros(H, F + 6)
+    try:
+        tp_shard_state_dict(tp, sd)
+    except ValueError as e:
+        if "'row.weight'" not in str(e) or f"tp_size={WORLD}" not in str(e):
+            raise AssertionError(f"unclear message: {e}") from e
+    else:
+        raise AssertionError("no error for a full weight of the wrong size")
+    # FSDP2 parameters (DTensors) are refused: DCP reshards them.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    m = fusible.Linear(H, F)
+    fully_shard(m, mesh=init_device_mesh("cpu", (WORLD,)))
+    try:
+        tp_full_state_dict(m)
+    except TypeError as e:
+        if "torch.distributed.checkpoint" not in str(e):
+            raise AssertionError(f"unclear message: {e}") from e
+    else:
+        raise AssertionError("no error for a DTensor state dict")
+
+
+# ---- FSDP2: torch.distributed.checkpoint --------------------------------------------------------
+
+
+def fsdp_model() -> torch.nn.ModuleDict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = torch.nn.ModuleDict({"lin": fusible.Linear(H, F), "mlp": fusible.LayerNormMLP(H, F)})
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for sub in m.values():
+        fully_shard(sub, mesh=mesh)
+    return m
+
+
+# Linear under current scaling (stateless), LayerNormMLP under delayed scaling with the amaxes
+# reduced over the ranks (its state is then the same on every rank: DCP saves it once).
+_FSDP_RECIPES = {"lin": R.Float8CurrentScaling(), "mlp": DELAYED}
+
+
+def fsdp_run(m: torch.nn.ModuleDict, x: torch.Tensor, train: bool) -> dict[str, torch.Tensor]:
+    outs = {}
+    for name, sub in m.items():
+        with fusible.autocast(recipe=_FSDP_RECIPES[name], amax_reduction_group=dist.group.WORLD):
+            y = sub(x)
+        if train:
+            y.float().pow(2).mean().backward()
+        outs[name] = y.detach()
+    return outs
+
+
+def _plain(sd: dict[str, Any]) -> dict[str, Any]:
+    """Full tensors of a (sharded) state dict."""
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out[k] = {a: b.detach().clone() for a, b in v.items()}
+        elif hasattr(v, "full_tensor"):
+            out[k] = v.full_tensor().detach().clone()
+        else:
+            out[k] = v.detach().clone()
+    return out
+
+
+def fsdp_save() -> None:
+    import torch.distributed.checkpoint as dcp
+
+    m = fsdp_model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for s in (0, 1):  # two training steps: weights moved off the initialisation, a delayed state
+        fsdp_run(m, rand(S // WORLD * WORLD, H, seed=50 + 10 * s + RANK), True)
+        opt.step()
+        opt.zero_grad()
+    sd = m.state_dict()
+    dcp.save(sd, checkpoint_id=str(CKPT / f"fsdp_w{WORLD}"))
+    ref = _plain(sd)
+    if RANK == 0:
+        torch.save(ref, CKPT / f"fsdp_w{WORLD}_ref.pt")
+
+
+def fsdp_load(src: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    ref = torch.load(CKPT / f"fsdp_w{src}_ref.pt", weights_only=True)
+    m = fsdp_model()
+    init_recipe_state(m["mlp"], DELAYED)  # entries for DCP to fill (a fresh module has none)
+    sd = m.state_dict()
+    dcp.load(sd, checkpoint_id=str(CKPT / f"fsdp_w{src}"))
+    m.load_state_dict(sd)
+    for name, sub in m.items():
+        local = sub.state_dict()["weight" if name == "lin" else "fc1_weight"].to_local()
+        rows = (F + WORLD - 1) // WORLD
+        if local.shape[0] != rows:
+            raise AssertionError(f"{name}: {local.shape[0]} rows per rank, expected {rows}")
+    check_full(f"loaded from world {src}", _plain(m.state_dict()), ref)
+    # Outputs equal the single-process model with the checkpoint's full tensors, bit for bit.
+    single = torch.nn.ModuleDict({"lin": fusible.Linear(H, F), "mlp": fusible.LayerNormMLP(H, F)})
+    single.load_state_dict(ref)
+    x = rand(S, H, seed=60)
+    got, want = fsdp_run(m, x, False), fsdp_run(single, x, False)
+    for name in got:
+        exact(f"{name} output after load from world {src}", got[name], want[name])
+
+
+for _n in (1, 2, 3):
+    case(f"tp_load_w{_n}")(lambda n=_n: tp_load(n))
+    case(f"fsdp_load_w{_n}")(lambda n=_n: fsdp_load(n))
+case("tp_save")(tp_save)
+case("fsdp_save")(fsdp_save)
+case("tp_merge_unreduced")(tp_merge_unreduced)
+case("tp_bad_shapes")(tp_bad_shapes)
+
+
+def main() -> None:
+    global RANK, WORLD, CKPT
+    RANK, WORLD, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    CKPT = Path(out).parent / "ckpt"
+    CKPT.mkdir(exist_ok=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    torch.manual_seed(0)
+    only = set(sys.argv[5].split(",")) if len(sys.argv) > 5 else None
+    results: dict[str, str] = {}
+    for name, fn in CASES:
+        if only is not None and name not in only:
+            continue
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc(limit=4)
+        dist.barrier()
+    with open(f"{out}/rank{RANK}.json", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
