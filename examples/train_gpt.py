@@ -50,6 +50,7 @@ RECIPES = {
     "delayed": lambda: recipe.DelayedScaling(amax_history_len=16),
     "current": lambda: recipe.Float8CurrentScaling(),
     "mxfp8": lambda: recipe.MXFP8BlockScaling(),
+    "blockwise": lambda: recipe.Float8BlockScaling(),
 }
 VOCAB = 256  # bytes
 

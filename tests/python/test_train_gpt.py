@@ -51,7 +51,7 @@ def test_fails_when_the_fp8_loss_is_too_high(job, tmp_path, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("recipe_name", ["none", "delayed", "current", "mxfp8"])
+@pytest.mark.parametrize("recipe_name", ["none", "delayed", "current", "mxfp8", "blockwise"])
 def test_checkpoint_round_trip_gives_identical_logits(job, tmp_path, recipe_name):
     cfg = job.replace(job.TINY, steps=2, eval_every=2)
     data = job.ByteData(cfg, "cpu", seed=0)
