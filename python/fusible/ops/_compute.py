@@ -307,7 +307,7 @@ def _gemm_blockwise(
     aux = None
     if epilogue != "none":
         if bias is not None:
-            d = d + bias.to(d.dtype)
+            d.add_(bias.to(d.dtype))  # in place: no second [M, N] alive (the same bits)
         if epilogue == "bias_gelu_aux":
             aux = d.contiguous()
             d = K.act_fwd(aux, "gelu", aux.dtype, "none", torch.float8_e4m3fn, None, True, False)[0]
