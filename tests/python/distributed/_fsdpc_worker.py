@@ -1,6 +1,6 @@
-"""One rank of the FSDP2 + torch.compile and FSDP2 + ``quantized_model_init`` tests
-(test_fsdp_compile.py). Same harness as _tp_worker.py (whose helpers and ``main`` it reuses):
-``python _fsdpc_worker.py RANK WORLD PORT OUT_DIR [CASES]``.
+"""One rank of the FSDP2 + torch.compile, FSDP2 + ``quantized_model_init`` and FSDP2 + weight
+workspace cache tests (test_fsdp_compile.py). Same harness as _tp_worker.py (whose helpers and
+``main`` it reuses): ``python _fsdpc_worker.py RANK WORLD PORT OUT_DIR [CASES]``.
 
 Compiled cases: ``torch.compile(model, fullgraph=True)`` of a ``fully_shard``-ed module runs
 FSDP2's hooks outside dynamo (torch 2.13's ``OptimizedModule`` calls the module's ``__call__``
@@ -198,6 +198,56 @@ def qinit(kind: str, rec: Any) -> None:
 case("qinit_linear_current")(lambda: qinit("linear", R.Float8CurrentScaling()))
 case("qinit_lnmlp_current")(lambda: qinit("lnmlp", R.Float8CurrentScaling()))
 case("qinit_linear_mxfp8")(lambda: qinit("linear", R.MXFP8BlockScaling()))
+
+
+def cache(rec_name: str, keep_unsharded: bool) -> None:
+    """The weight workspace cache (``is_first_microbatch`` True, False, False: three
+    micro-batches of one step) of a ``fully_shard``-ed Linear against the unsharded module with
+    the same flags: outputs and input gradients bit for bit, the accumulated gradient its mean
+    over ranks. By default FSDP2 re-gathers the weight for every forward, writing the unsharded
+    parameter in place: its version moves, so ``False`` finds the cache invalid and quantizes
+    again -- it acts as ``None`` (the reference runs True, None, None there): the same bits
+    under current scaling and MXFP8, but under delayed scaling the weight is quantized with the
+    scale updated since the first micro-batch, not reused. Kept unsharded across the micro-batches
+    (``reshard_after_forward=False``, ``set_reshard_after_backward(False)``,
+    ``set_requires_gradient_sync(False)`` until the last one) the cached copy is reused."""
+    rec = RECIPES[rec_name]
+    torch.manual_seed(0)
+    ref, m = fusible.Linear(H, F), fusible.Linear(H, F)
+    m.load_state_dict(ref.state_dict())
+    fully_shard(m, mesh=mesh(), reshard_after_forward=not keep_unsharded)
+    op = m[0]
+    wss = []
+    for k, first in enumerate((True, False, False)):
+        last = k == 2
+        if keep_unsharded:
+            m.set_reshard_after_backward(last)
+            m.set_requires_gradient_sync(last)
+        x, dy = rand(S, H, seed=120 + k + base.RANK), rand(S, F, seed=123 + k + base.RANK)
+        outs = []
+        # Re-gathered, False acts as None (quantize again, with the delayed scale as it is now).
+        ref_first = first if keep_unsharded or first else None
+        for mod, flag in ((m, first), (ref, ref_first)):
+            xx = x.clone().requires_grad_()
+            with fusible.autocast(recipe=rec):
+                y = mod(xx, is_first_microbatch=flag)
+            y.backward(dy)
+            outs.append((y.detach(), xx.grad))
+        exact(f"cache {rec_name} mb {k} output", outs[0][0], outs[1][0])
+        exact(f"cache {rec_name} mb {k} dx", outs[0][1], outs[1][1])
+        wss.append(op.workspace_cache.workspace)
+    for (n, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
+        g = q.grad.clone()
+        dist.all_reduce(g)
+        base.close(f"cache {rec_name} grad {n}", p.grad.full_tensor(), g / base.WORLD, 1e-6)
+    reused = [wss[i] is wss[0] for i in (1, 2)]
+    if reused != [keep_unsharded] * 2:
+        raise AssertionError(f"cache {rec_name} keep_unsharded={keep_unsharded}: reused {reused}")
+
+
+for _rec in ("delayed", "current", "mxfp8"):
+    case(f"cache_{_rec}")(lambda r=_rec: cache(r, False))
+    case(f"cache_{_rec}_kept_unsharded")(lambda r=_rec: cache(r, True))
 
 
 if __name__ == "__main__":

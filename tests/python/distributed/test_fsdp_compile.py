@@ -1,6 +1,7 @@
-"""FSDP2 (``fully_shard``) under ``torch.compile`` and on ``quantized_model_init`` modules (gloo,
-CPU, two processes running ``_fsdpc_worker.py`` once for the module; every process under a
-timeout). See the worker's docstring for what each case checks and its tolerances."""
+"""FSDP2 (``fully_shard``) under ``torch.compile``, on ``quantized_model_init`` modules and with
+the weight workspace cache (``is_first_microbatch``): gloo, CPU, two processes running
+``_fsdpc_worker.py`` once for the module, every process under a timeout. See the worker's
+docstring and its cases' for what each checks and its tolerances."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ CASES = [
     *(f"compile_{k}_{r}" for k in ("linear", "lnmlp") for r in (*_RECIPES, "current_inductor")),
     "compile_root_of_sharded_layers",
     "qinit_linear_current", "qinit_lnmlp_current", "qinit_linear_mxfp8",
+    *(f"cache_{r}{k}" for r in ("delayed", "current", "mxfp8") for k in ("", "_kept_unsharded")),
 ]  # fmt: skip
 
 results, test_case = two_rank_suite(_WORKER, CASES, 240, "FSDP2 compile", "fsdpc")
