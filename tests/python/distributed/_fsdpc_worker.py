@@ -14,6 +14,10 @@ everything else bit for bit. The cases compile many modules in one process witho
 
 from __future__ import annotations
 
+import datetime
+import json
+import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -204,13 +208,15 @@ def cache(rec_name: str, keep_unsharded: bool) -> None:
     """The weight workspace cache (``is_first_microbatch`` True, False, False: three
     micro-batches of one step) of a ``fully_shard``-ed Linear against the unsharded module with
     the same flags: outputs and input gradients bit for bit, the accumulated gradient its mean
-    over ranks. By default FSDP2 re-gathers the weight for every forward, writing the unsharded
-    parameter in place: its version moves, so ``False`` finds the cache invalid and quantizes
-    again -- it acts as ``None`` (the reference runs True, None, None there): the same bits
-    under current scaling and MXFP8, but under delayed scaling the weight is quantized with the
-    scale updated since the first micro-batch, not reused. Kept unsharded across the micro-batches
-    (``reshard_after_forward=False``, ``set_reshard_after_backward(False)``,
-    ``set_requires_gradient_sync(False)`` until the last one) the cached copy is reused."""
+    over ranks. Kept unsharded across the micro-batches (``reshard_after_forward=False``,
+    ``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)`` until the last
+    one) the cached copy is reused (the same object), under every recipe. Resharded (FSDP2's
+    default) the weight is gathered again into freshly allocated storage, written with its
+    version counter preserved: whether ``False`` then finds the cache valid depends on the
+    allocator handing back the same address, so only current scaling and MXFP8 (whose
+    re-quantization of the same weight gives the same bits) are compared there, hit or miss;
+    delayed scaling is not (a miss quantizes with the scale updated since the first
+    micro-batch, and the ranks may differ: docs/distributed.md)."""
     rec = RECIPES[rec_name]
     torch.manual_seed(0)
     ref, m = fusible.Linear(H, F), fusible.Linear(H, F)
@@ -225,12 +231,10 @@ def cache(rec_name: str, keep_unsharded: bool) -> None:
             m.set_requires_gradient_sync(last)
         x, dy = rand(S, H, seed=120 + k + base.RANK), rand(S, F, seed=123 + k + base.RANK)
         outs = []
-        # Re-gathered, False acts as None (quantize again, with the delayed scale as it is now).
-        ref_first = first if keep_unsharded or first else None
-        for mod, flag in ((m, first), (ref, ref_first)):
+        for mod in (m, ref):
             xx = x.clone().requires_grad_()
             with fusible.autocast(recipe=rec):
-                y = mod(xx, is_first_microbatch=flag)
+                y = mod(xx, is_first_microbatch=first)
             y.backward(dy)
             outs.append((y.detach(), xx.grad))
         exact(f"cache {rec_name} mb {k} output", outs[0][0], outs[1][0])
@@ -240,16 +244,40 @@ def cache(rec_name: str, keep_unsharded: bool) -> None:
         g = q.grad.clone()
         dist.all_reduce(g)
         base.close(f"cache {rec_name} grad {n}", p.grad.full_tensor(), g / base.WORLD, 1e-6)
-    reused = [wss[i] is wss[0] for i in (1, 2)]
-    if reused != [keep_unsharded] * 2:
-        raise AssertionError(f"cache {rec_name} keep_unsharded={keep_unsharded}: reused {reused}")
+    if keep_unsharded and not (wss[1] is wss[0] and wss[2] is wss[0]):
+        raise AssertionError(f"cache {rec_name}: the kept-unsharded weight was quantized again")
 
 
-for _rec in ("delayed", "current", "mxfp8"):
+for _rec in ("current", "mxfp8"):
     case(f"cache_{_rec}")(lambda r=_rec: cache(r, False))
+for _rec in ("delayed", "current", "mxfp8"):
     case(f"cache_{_rec}_kept_unsharded")(lambda r=_rec: cache(r, True))
 
 
+def main() -> None:
+    """_tp_worker.main with a longer collective timeout (180 s, not 60): compiling on a loaded
+    CPU, one rank may reach the barrier after a case more than a minute after the other (the
+    launcher's per-process timeout still catches a hang)."""
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    base.RANK, base.WORLD = rank, world
+    dist.init_process_group(base.BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=180))  # fmt: skip
+    torch.manual_seed(0)
+    only = set(sys.argv[5].split(",")) if len(sys.argv) > 5 else None
+    results: dict[str, str] = {}
+    for name, fn in CASES:
+        if only is not None and name not in only:
+            continue
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc(limit=4)
+        dist.barrier()
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    base.CASES[:] = CASES
-    base.main()
+    main()
