@@ -21,13 +21,13 @@ __all__ = ["Sequential"]
 
 
 _SEQ_UIDS = itertools.count()
-_SEQ_BY_UID: weakref.WeakValueDictionary[int, Sequential] = weakref.WeakValueDictionary()
+_SEQ_BY_UID: weakref.WeakValueDictionary[str, Sequential] = weakref.WeakValueDictionary()
 _NO_RECIPE: Any = object()  # explain(): no recipe argument given
 _MAX_PLANS = 32  # per container
 
 
 @torch._dynamo.assume_constant_result
-def _traced_activate(seq_uid: int, recipe_key: str | None) -> int:
+def _traced_activate(seq_uid: str, recipe_key: str | None) -> int:
     """Make the recipe states of the Sequential ``seq_uid``'s ops those of the recipe with key
     ``recipe_key`` (see :meth:`Sequential._activate`). Under ``torch.compile`` this runs at
     trace time, outside the graph, like :func:`_traced_plan_id`: the states' tensors
@@ -50,7 +50,7 @@ def _traced_activate(seq_uid: int, recipe_key: str | None) -> int:
 
 
 @torch._dynamo.assume_constant_result
-def _traced_plan_id(seq_uid: int, key: tuple[Any, ...], recipe_key: str | None) -> int:
+def _traced_plan_id(seq_uid: str, key: tuple[Any, ...], recipe_key: str | None) -> int:
     """The id of the plan for ``key`` (see :meth:`Sequential._traced_key`), built on first use.
     Under ``torch.compile`` this runs at trace time and its result is a constant of the graph:
     planning is Python bookkeeping, never traced."""
@@ -87,7 +87,10 @@ class Sequential(torch.nn.Module):
     def _init_plans(self) -> None:
         # Plans live with the container (a dropped model frees them); _SLOTS entries of the
         # plans are released by a finalizer that does not reference the container.
-        self._seq_uid = next(_SEQ_UIDS)
+        # A str, not an int: dynamo may track an int attribute of a module as a dynamic
+        # (symbolic) int once it has seen two values of it -- FSDP2-managed modules, compiled one
+        # frame each -- and a SymInt cannot be handed to an assume_constant_result function.
+        self._seq_uid = f"seq{next(_SEQ_UIDS)}"
         _SEQ_BY_UID[self._seq_uid] = self
         self._plans: dict[Any, fuser.Plan] = {}
         self._plan_ids: list[int] = []
@@ -313,7 +316,8 @@ class Sequential(torch.nn.Module):
         if traced:
             recipe = _autocast.get_recipe()
             rkey = _recipe_key(recipe)
-            _traced_activate(self._seq_uid, rkey)
+            uid = str(self._seq_uid)  # a plain constant (see _recipe_key)
+            _traced_activate(uid, rkey)
             runs = self._runs()
         else:
             state = _autocast._state  # get_recipe(), read inline (the eager hot path)
@@ -343,7 +347,7 @@ class Sequential(torch.nn.Module):
                 x, extra, run_params = _cast_for_torch_autocast(cast, x, extra, params)
             if traced:
                 key = self._traced_key(index, x, extra, run_params, run)
-                plan = fuser.plan_by_id(_traced_plan_id(self._seq_uid, key, rkey))
+                plan = fuser.plan_by_id(_traced_plan_id(uid, key, rkey))
                 if extra:  # block(x, x): dynamo wants distinct autograd.Function inputs
                     extra = fuser.distinct_inputs(x, extra)
             else:
