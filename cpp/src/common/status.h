@@ -44,4 +44,8 @@ fus_status guarded(const char* fn, F&& body) noexcept {
 
 const char* dtype_name(fus_dtype dtype);
 
+// The enumerator's name of a scaling mode ("FUS_SCALING_PER_TENSOR"), nullptr for a value that is
+// not a mode (FUS_SCALING_MODE_TABLE, fusible/common.h).
+const char* scaling_mode_c_name(fus_scaling_mode mode);
+
 }  // namespace fusible
