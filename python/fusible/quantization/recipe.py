@@ -13,10 +13,11 @@ import itertools
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
+from fusible import _kernels as K
 from fusible.quantization.roles import QuantizerRole, as_role
 
 __all__ = [
@@ -58,6 +59,20 @@ class Format(enum.Enum):
         if mode == "backward":
             return self.bwd_dtype
         raise ValueError(f"Format.dtype: mode must be 'forward' or 'backward', got {mode!r}")
+
+
+# The amax algorithms of DelayedScaling: the core library's (K.AMAX_ALGOS, FUS_AMAX_ALGO_TABLE in
+# recipe.h), spelled as a Literal for type checkers (checked against the library here).
+AmaxComputeAlgo = Literal["max", "most_recent"]
+if get_args(AmaxComputeAlgo) != K.AMAX_ALGOS:
+    raise ImportError(
+        f"fusible: DelayedScaling's amax_compute_algo {get_args(AmaxComputeAlgo)} does not match "
+        f"the core library's amax algorithms {K.AMAX_ALGOS} (FUS_AMAX_ALGO_TABLE, recipe.h)"
+    )
+# "'max' or 'most_recent'" (the choices, for messages).
+_AMAX_ALGO_CHOICES = " or ".join(
+    filter(None, (", ".join(map(repr, K.AMAX_ALGOS[:-1])), repr(K.AMAX_ALGOS[-1])))
+)
 
 
 def _fail(cls: object, fld: str, expected: str, got: object) -> ValueError:
@@ -161,7 +176,7 @@ class DelayedScaling(Recipe):
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
-    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    amax_compute_algo: AmaxComputeAlgo = "max"
     reduce_amax: bool = True
 
     def __post_init__(self) -> None:
@@ -170,8 +185,8 @@ class DelayedScaling(Recipe):
         h = self.amax_history_len
         if isinstance(h, bool) or not isinstance(h, int) or h < 1:
             raise _fail(self, "amax_history_len", "an int >= 1", h)
-        if self.amax_compute_algo not in ("max", "most_recent"):
-            raise _fail(self, "amax_compute_algo", "'max' or 'most_recent'", self.amax_compute_algo)
+        if self.amax_compute_algo not in K.AMAX_ALGOS:
+            raise _fail(self, "amax_compute_algo", _AMAX_ALGO_CHOICES, self.amax_compute_algo)
         if not isinstance(self.reduce_amax, bool):
             raise _fail(self, "reduce_amax", "a bool", self.reduce_amax)
         _register_recipe(self)
