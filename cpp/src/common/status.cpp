@@ -19,6 +19,13 @@ fus_status set_error(fus_status code, const char* fmt, ...) {
 
 void clear_error() { g_last_error.clear(); }
 
+std::string or_list(const std::vector<std::string>& items) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i)
+    out += std::string(i == 0 ? "" : i + 1 == items.size() ? " or " : ", ") + items[i];
+  return out;
+}
+
 const char* last_error() { return g_last_error.c_str(); }
 
 const char* dtype_name(fus_dtype dtype) {
@@ -53,17 +60,11 @@ constexpr ScalingModeRow kScalingModes[] = {
 };
 constexpr int kNumScalingModes = static_cast<int>(sizeof(kScalingModes) / sizeof(kScalingModes[0]));
 
-// The table's values are 0, 1, ... in row order (kScalingModes is indexed by them).
-constexpr bool scaling_values_are_row_indices() {
-  int row = 0;
-#define FUS_SCALING_VALUE_(id, value, name, block_rows, block_cols, scale_dtype, transposed) \
-  if (value != row++) return false;
-  FUS_SCALING_MODE_TABLE(FUS_SCALING_VALUE_)
-#undef FUS_SCALING_VALUE_
-  return true;
-}
-static_assert(scaling_values_are_row_indices(),
+// kScalingModes is indexed by the modes' values.
+#define FUS_SCALING_VALUE_(id, value, ...) value,
+static_assert(values_are_row_indices({FUS_SCALING_MODE_TABLE(FUS_SCALING_VALUE_)}),
               "FUS_SCALING_MODE_TABLE: values must be 0, 1, ... in order");
+#undef FUS_SCALING_VALUE_
 
 bool valid_mode(fus_scaling_mode mode) {
   return static_cast<int>(mode) >= 0 && static_cast<int>(mode) < kNumScalingModes;

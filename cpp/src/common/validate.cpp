@@ -58,14 +58,10 @@ void check_quantized(const char* fn, const char* arg, const fus_quantized* q, in
   const std::string where = std::string(fn) + ": " + arg;
   if (q == nullptr) throw Error(FUS_ERROR_INVALID_ARGUMENT, where + " is NULL");
   if (scaling_mode_c_name(q->mode) == nullptr) {
-    // "A, B, C or D": every mode of FUS_SCALING_MODE_TABLE.
-    std::string modes;
-    for (int m = 0; const char* c_name = scaling_mode_c_name(static_cast<fus_scaling_mode>(m));
-         ++m) {
-      const bool last = scaling_mode_c_name(static_cast<fus_scaling_mode>(m + 1)) == nullptr;
-      modes += std::string(m == 0 ? "" : last ? " or " : ", ") + c_name;
-    }
-    throw Error(FUS_ERROR_INVALID_ARGUMENT, where + "->mode must be " + modes + ", got " +
+    std::vector<std::string> modes;  // every mode of FUS_SCALING_MODE_TABLE
+    for (int m = 0; const char* c_name = scaling_mode_c_name(static_cast<fus_scaling_mode>(m)); ++m)
+      modes.push_back(c_name);
+    throw Error(FUS_ERROR_INVALID_ARGUMENT, where + "->mode must be " + or_list(modes) + ", got " +
                                                 std::to_string(static_cast<int>(q->mode)));
   }
   if (q->dtype != FUS_FLOAT8_E4M3 && q->dtype != FUS_FLOAT8_E5M2)

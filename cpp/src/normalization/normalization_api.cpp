@@ -25,16 +25,11 @@ constexpr KindRow kKinds[] = {
 };
 constexpr int kNumKinds = static_cast<int>(sizeof(kKinds) / sizeof(kKinds[0]));
 
-// The table's values are 0, 1, ... in row order (kKinds is indexed by them).
-constexpr bool values_are_row_indices() {
-  int row = 0;
-#define FUS_NORM_KIND_VALUE_(id, value, name) \
-  if (value != row++) return false;
-  FUS_NORM_KIND_TABLE(FUS_NORM_KIND_VALUE_)
+// kKinds is indexed by the kinds' values.
+#define FUS_NORM_KIND_VALUE_(id, value, ...) value,
+static_assert(values_are_row_indices({FUS_NORM_KIND_TABLE(FUS_NORM_KIND_VALUE_)}),
+              "FUS_NORM_KIND_TABLE: values must be 0, 1, ... in order");
 #undef FUS_NORM_KIND_VALUE_
-  return true;
-}
-static_assert(values_are_row_indices(), "FUS_NORM_KIND_TABLE: values must be 0, 1, ... in order");
 
 bool valid_kind(fus_norm_kind kind) {
   return static_cast<int>(kind) >= 0 && static_cast<int>(kind) < kNumKinds;
@@ -42,14 +37,11 @@ bool valid_kind(fus_norm_kind kind) {
 
 void check_kind(const char* fn, fus_norm_kind kind) {
   if (valid_kind(kind)) return;
-  // "A (0), B (1) or C (2)": every kind of the table.
-  std::string kinds;
+  std::vector<std::string> kinds;  // "FUS_NORM_LAYERNORM (0)", ...: every kind of the table
   for (int k = 0; k < kNumKinds; ++k)
-    kinds += std::string(k == 0               ? ""
-                         : k + 1 == kNumKinds ? " or "
-                                              : ", ") +
-             kKinds[k].c_name + " (" + std::to_string(k) + ")";
-  require(false, fn, "kind must be " + kinds + ", got " + std::to_string(static_cast<int>(kind)));
+    kinds.push_back(std::string(kKinds[k].c_name) + " (" + std::to_string(k) + ")");
+  require(false, fn,
+          "kind must be " + or_list(kinds) + ", got " + std::to_string(static_cast<int>(kind)));
 }
 
 // A [1, H] vector of a high-precision dtype.

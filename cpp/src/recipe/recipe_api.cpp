@@ -21,27 +21,21 @@ constexpr AlgoRow kAlgos[] = {
 };
 constexpr int kNumAlgos = static_cast<int>(sizeof(kAlgos) / sizeof(kAlgos[0]));
 
-// The table's values are 0, 1, ... in row order (kAlgos is indexed by them).
-constexpr bool values_are_row_indices() {
-  int row = 0;
-#define FUS_AMAX_ALGO_VALUE_(id, value, name) \
-  if (value != row++) return false;
-  FUS_AMAX_ALGO_TABLE(FUS_AMAX_ALGO_VALUE_)
+// kAlgos is indexed by the algorithms' values.
+#define FUS_AMAX_ALGO_VALUE_(id, value, ...) value,
+static_assert(values_are_row_indices({FUS_AMAX_ALGO_TABLE(FUS_AMAX_ALGO_VALUE_)}),
+              "FUS_AMAX_ALGO_TABLE: values must be 0, 1, ... in order");
 #undef FUS_AMAX_ALGO_VALUE_
-  return true;
-}
-static_assert(values_are_row_indices(), "FUS_AMAX_ALGO_TABLE: values must be 0, 1, ... in order");
 
 bool valid_algo(fus_amax_algo algo) {
   return static_cast<int>(algo) >= 0 && static_cast<int>(algo) < kNumAlgos;
 }
 
-// "A, B or C": every algorithm's enumerator.
+// "FUS_AMAX_MAX or FUS_AMAX_MOST_RECENT": every algorithm's enumerator.
 std::string algo_list() {
-  std::string out;
-  for (int a = 0; a < kNumAlgos; ++a)
-    out += std::string(a == 0 ? "" : a + 1 == kNumAlgos ? " or " : ", ") + kAlgos[a].c_name;
-  return out;
+  std::vector<std::string> names;
+  for (const AlgoRow& r : kAlgos) names.push_back(r.c_name);
+  return or_list(names);
 }
 
 }  // namespace
