@@ -17,7 +17,6 @@ from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
-from fusible import _kernels as K
 from fusible.quantization.roles import QuantizerRole, as_role
 
 __all__ = [
@@ -61,17 +60,14 @@ class Format(enum.Enum):
         raise ValueError(f"Format.dtype: mode must be 'forward' or 'backward', got {mode!r}")
 
 
-# The amax algorithms of DelayedScaling: the core library's (K.AMAX_ALGOS, FUS_AMAX_ALGO_TABLE in
-# recipe.h), spelled as a Literal for type checkers (checked against the library here).
+# The amax algorithms of DelayedScaling, spelled as a Literal for type checkers: the core
+# library's (FUS_AMAX_ALGO_TABLE in recipe.h, K.AMAX_ALGOS), which state.py checks it against at
+# import (this module is below the kernels: roles only).
 AmaxComputeAlgo = Literal["max", "most_recent"]
-if get_args(AmaxComputeAlgo) != K.AMAX_ALGOS:
-    raise ImportError(
-        f"fusible: DelayedScaling's amax_compute_algo {get_args(AmaxComputeAlgo)} does not match "
-        f"the core library's amax algorithms {K.AMAX_ALGOS} (FUS_AMAX_ALGO_TABLE, recipe.h)"
-    )
 # "'max' or 'most_recent'" (the choices, for messages).
+_AMAX_ALGOS = get_args(AmaxComputeAlgo)
 _AMAX_ALGO_CHOICES = " or ".join(
-    filter(None, (", ".join(map(repr, K.AMAX_ALGOS[:-1])), repr(K.AMAX_ALGOS[-1])))
+    filter(None, (", ".join(map(repr, _AMAX_ALGOS[:-1])), repr(_AMAX_ALGOS[-1])))
 )
 
 
@@ -185,7 +181,7 @@ class DelayedScaling(Recipe):
         h = self.amax_history_len
         if isinstance(h, bool) or not isinstance(h, int) or h < 1:
             raise _fail(self, "amax_history_len", "an int >= 1", h)
-        if self.amax_compute_algo not in K.AMAX_ALGOS:
+        if self.amax_compute_algo not in _AMAX_ALGOS:
             raise _fail(self, "amax_compute_algo", _AMAX_ALGO_CHOICES, self.amax_compute_algo)
         if not isinstance(self.reduce_amax, bool):
             raise _fail(self, "reduce_amax", "a bool", self.reduce_amax)
