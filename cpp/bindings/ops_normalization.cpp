@@ -10,7 +10,12 @@
 namespace fusible_torch {
 namespace {
 
-const std::vector<std::string_view> kNormKinds{"layernorm", "rmsnorm"};  // fus_norm_kind order
+// The kinds' names in fus_norm_kind order (FUS_NORM_KIND_TABLE, fusible/normalization.h).
+const std::vector<std::string_view> kNormKinds{
+#define FUS_NORM_NAME_(id, value, name) name,
+    FUS_NORM_KIND_TABLE(FUS_NORM_NAME_)
+#undef FUS_NORM_NAME_
+};
 
 // gamma / beta: a high-precision vector [n] (the input's last dimension).
 void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, c10::Device dev) {

@@ -28,6 +28,22 @@ std::tuple<Tensor, Tensor> compute_scale(const Tensor& amax, at::ScalarType fp8_
   return {scale, scale_inv};
 }
 
+// The algorithm named `algo` (FUS_AMAX_ALGO_TABLE, fusible/recipe.h: "max", "most_recent").
+fus_amax_algo check_algo(const char* op, c10::string_view algo) {
+  std::string names;  // "'A', 'B' or 'C'"
+  int count = 0;
+#define FUS_AMAX_ALGO_COUNT_(id, value, name) ++count;
+  FUS_AMAX_ALGO_TABLE(FUS_AMAX_ALGO_COUNT_)
+#undef FUS_AMAX_ALGO_COUNT_
+  for (int a = 0; a < count; ++a) {
+    const char* name = fus_amax_algo_name(static_cast<fus_amax_algo>(a));
+    if (algo == name) return static_cast<fus_amax_algo>(a);
+    names += std::string(a == 0 ? "" : a + 1 == count ? " or " : ", ") + "'" + name + "'";
+  }
+  FUS_VALUE_CHECK(false, op, "algo must be ", names, ", got '", std::string(algo), "'");
+  return FUS_AMAX_MAX;  // not reached
+}
+
 // Operator schemas (docs in python/fusible/_kernels/; the C contract in fusible/recipe.h).
 const char* const kSchemas[] = {
     "compute_scale(Tensor amax, ScalarType fp8_dtype, SymInt margin) -> (Tensor, Tensor)",
@@ -43,8 +59,7 @@ void delayed_scaling_update(at::TensorList amax_histories, at::TensorList scales
   FUS_VALUE_CHECK(amax_histories.size() == scales.size() && scales.size() == fp8_maxes.size(), op,
                   "amax_histories, scales and fp8_maxes must have equal lengths, got ",
                   amax_histories.size(), ", ", scales.size(), " and ", fp8_maxes.size());
-  FUS_VALUE_CHECK(algo == "max" || algo == "most_recent", op,
-                  "algo must be 'max' or 'most_recent', got '", std::string(algo), "'");
+  const fus_amax_algo algo_value = check_algo(op, algo);
   check_margin(op, margin);
   if (amax_histories.empty()) return;
   const c10::Device device = amax_histories[0].device();
@@ -71,8 +86,7 @@ void delayed_scaling_update(at::TensorList amax_histories, at::TensorList scales
   }
   const fus_context ctx = context_of(amax_histories[0]);
   check_status(op, fus_delayed_scaling_update(groups.data(), static_cast<int>(groups.size()),
-                                              algo == "max" ? FUS_AMAX_MAX : FUS_AMAX_MOST_RECENT,
-                                              static_cast<int>(margin), &ctx));
+                                              algo_value, static_cast<int>(margin), &ctx));
 }
 
 Family recipe_family() {

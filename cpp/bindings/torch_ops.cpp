@@ -182,18 +182,24 @@ std::vector<int64_t> block_scale_shape(int64_t block_dim, int64_t R, int64_t C) 
 int check_quant_args(const char* op, std::string_view quant, at::ScalarType fp8_dtype,
                      const OptTensor& scale, bool rowwise, bool columnwise, double amax_epsilon,
                      c10::Device device) {
-  const int mode = check_choice(op, "quant", quant, {"none", "fp8", "mxfp8", "block1d", "block2d"});
+  // "none", then the modes' names in fus_scaling_mode order.
+  static const std::vector<std::string_view> kQuantNames{"none",
+#define FUS_QUANT_NAME_(id, value, name, block_rows, block_cols, scale_dtype, transposed) name,
+                                                         FUS_SCALING_MODE_TABLE(FUS_QUANT_NAME_)
+#undef FUS_QUANT_NAME_
+  };
+  const int mode = check_choice(op, "quant", quant, kQuantNames);
   if (mode == kQuantNone) return mode;
   check_fp8_dtype(op, fp8_dtype);
   require_a_copy(op, rowwise, columnwise);
-  if (mode == kQuantFp8) {
+  if (mode == kQuant_PER_TENSOR) {
     FUS_VALUE_CHECK(scale.has_value(), op,
                     "argument 'scale' is required for quant='fp8' (float32, one value)");
     check_scalar(op, "scale", *scale, device);
   } else if (scale.has_value()) {
     check_tensor(op, "scale", *scale, {}, device);  // unused, but must not mix devices
   }
-  if (mode == kQuantBlock1d || mode == kQuantBlock2d)
+  if (mode == kQuant_BLOCK_1D || mode == kQuant_BLOCK_2D)
     FUS_VALUE_CHECK(std::isfinite(amax_epsilon) && amax_epsilon >= 0.0, op,
                     "argument 'amax_epsilon' must be finite and >= 0, got ", amax_epsilon);
   return mode;
@@ -210,11 +216,11 @@ std::vector<Tensor> quant_outputs(at::IntArrayRef shape, const Tensor& like, int
             nothing(at::kFloat, like)};
   Tensor data = rowwise ? empty(shape, fp8_dtype, like) : nothing(fp8_dtype, like);
   Tensor amax = empty({1}, at::kFloat, like);
-  if (quant == kQuantFp8 || quant == kQuantBlock1d || quant == kQuantBlock2d) {
+  if (quant == kQuant_PER_TENSOR || quant == kQuant_BLOCK_1D || quant == kQuant_BLOCK_2D) {
     Tensor data_t = columnwise ? empty({cols, rows}, fp8_dtype, like) : nothing(fp8_dtype, like);
-    if (quant == kQuantFp8)
+    if (quant == kQuant_PER_TENSOR)
       return {data, data_t, empty({1}, at::kFloat, like), nothing(u8, like), amax};
-    const int64_t bd = quant == kQuantBlock1d ? 1 : 2;
+    const int64_t bd = quant == kQuant_BLOCK_1D ? 1 : 2;
     const auto f32 = at::kFloat;
     Tensor s = rowwise ? empty(block_scale_shape(bd, rows, cols), f32, like) : nothing(f32, like);
     Tensor cs =
@@ -233,10 +239,7 @@ std::optional<fus_quantized> quantized_view(int quant, at::ScalarType fp8_dtype,
                                             size_t first, const OptTensor& scale,
                                             bool power_2_scale, double amax_epsilon) {
   if (quant == kQuantNone) return std::nullopt;
-  const fus_scaling_mode mode = quant == kQuantFp8       ? FUS_SCALING_PER_TENSOR
-                                : quant == kQuantMx      ? FUS_SCALING_MXFP8
-                                : quant == kQuantBlock1d ? FUS_SCALING_BLOCK_1D
-                                                         : FUS_SCALING_BLOCK_2D;
+  const fus_scaling_mode mode = scaling_mode_of(quant);
   return fus_quantized{mode,
                        code_of(fp8_dtype),
                        rows,

@@ -98,16 +98,21 @@ inline Tensor nothing(at::ScalarType dtype, const Tensor& like) { return empty({
 std::vector<int64_t> block_scale_shape(int64_t block_dim, int64_t R, int64_t C);
 
 // The quantized output of norm_fwd / act_fwd / act_bwd as four tensors plus amax (see
-// python/fusible/_kernels/__init__.py and _common.py): quant 0 = none, 1 = fp8, 2 = mxfp8,
-// 3 = block1d (1x128 blocks), 4 = block2d (128x128 blocks); power_2_scale / amax_epsilon: the
-// blockwise cast's parameters.
+// python/fusible/_kernels/__init__.py and _common.py), chosen by the operator's quant= name: 0 =
+// "none", 1 + m = the name of fus_scaling_mode m (FUS_SCALING_MODE_TABLE, fusible/common.h:
+// "fp8", "mxfp8", "block1d" = 1x128 blocks, "block2d" = 128x128 blocks); power_2_scale /
+// amax_epsilon: the blockwise cast's parameters.
 enum QuantMode {
   kQuantNone = 0,
-  kQuantFp8 = 1,
-  kQuantMx = 2,
-  kQuantBlock1d = 3,
-  kQuantBlock2d = 4
+#define FUS_QUANT_ENUMERATOR_(id, value, name, block_rows, block_cols, scale_dtype, transposed) \
+  kQuant_##id = value + 1,
+  FUS_SCALING_MODE_TABLE(FUS_QUANT_ENUMERATOR_)
+#undef FUS_QUANT_ENUMERATOR_
 };
+// The scaling mode of a quant other than kQuantNone.
+inline fus_scaling_mode scaling_mode_of(int quant) {
+  return static_cast<fus_scaling_mode>(quant - kQuant_PER_TENSOR);
+}
 int check_quant_args(const char* op, std::string_view quant, at::ScalarType fp8_dtype,
                      const OptTensor& scale, bool rowwise, bool columnwise, double amax_epsilon,
                      c10::Device device);

@@ -61,19 +61,49 @@ typedef struct fus_tensor {
   int64_t cols;
 } fus_tensor;
 
-/* How a quantized tensor is scaled. */
-typedef enum fus_scaling_mode {
-  FUS_SCALING_PER_TENSOR = 0, /* one fp32 scale for the whole tensor (delayed or current scaling) */
-  FUS_SCALING_MXFP8 = 1,      /* one E8M0 scale per 32 consecutive elements (OCP MX) */
-  FUS_SCALING_BLOCK_1D = 2,   /* one fp32 scale per 1x128 block (blockwise FP8, activations) */
-  FUS_SCALING_BLOCK_2D = 3,   /* one fp32 scale per 128x128 block (blockwise FP8, weights) */
-} fus_scaling_mode;
-
 /* MXFP8 block size along the scaled dimension. */
 #define FUS_MXFP8_BLOCK 32
 
 /* Blockwise FP8 block edge (1x128 and 128x128 blocks). */
 #define FUS_FP8_BLOCK 128
+
+/*
+ * The scaling-mode table (how a quantized tensor is scaled): one row a mode,
+ * X(ID, value, name, block_rows, block_cols, scale_dtype, transposed):
+ *   name        the torch operators' quant= spelling (norm_fwd / act_fwd / act_bwd; "none" is no
+ *               quantized output) and Python's
+ *   block_rows x block_cols   the block of the rowwise copy one scale covers (0 x 0: the tensor)
+ *   scale_dtype the dtype of the scales (scale_inv) stored with the data
+ *   transposed  1 if the columnwise copy is stored transposed ([cols, rows]), 0 if as X
+ * Every list of modes is read from it: the enum below, check_quantized (common/validate.cpp),
+ * the torch operators' quant names (cpp/bindings/torch_ops.cpp) and Python's QUANT_MODES /
+ * MXFP8_BLOCK / FP8_BLOCK (through fus_scaling_mode_name / fus_scaling_mode_layout). The layouts
+ * of the scales are in the comment of fus_quantized below.
+ */
+#define FUS_SCALING_MODE_TABLE(X)                             \
+  X(PER_TENSOR, 0, "fp8", 0, 0, FUS_FLOAT32, 1)               \
+  X(MXFP8, 1, "mxfp8", 1, FUS_MXFP8_BLOCK, FUS_E8M0, 0)       \
+  X(BLOCK_1D, 2, "block1d", 1, FUS_FP8_BLOCK, FUS_FLOAT32, 1) \
+  X(BLOCK_2D, 3, "block2d", FUS_FP8_BLOCK, FUS_FP8_BLOCK, FUS_FLOAT32, 1)
+
+/* PER_TENSOR: one fp32 scale for the whole tensor (delayed or current scaling); MXFP8: one E8M0
+ * scale per 32 consecutive elements (OCP MX); BLOCK_1D: one fp32 scale per 1x128 block (blockwise
+ * FP8, activations); BLOCK_2D: one fp32 scale per 128x128 block (blockwise FP8, weights). */
+typedef enum fus_scaling_mode {
+#define FUS_SCALING_ENUMERATOR_(id, value, name, block_rows, block_cols, scale_dtype, transposed) \
+  FUS_SCALING_##id = value,
+  FUS_SCALING_MODE_TABLE(FUS_SCALING_ENUMERATOR_)
+#undef FUS_SCALING_ENUMERATOR_
+} fus_scaling_mode;
+
+/* The mode's name ("fp8", "mxfp8", ...); NULL for a value that is not a mode (so the modes are
+ * 0, 1, ... up to the first NULL). */
+const char* fus_scaling_mode_name(fus_scaling_mode mode);
+
+/* The mode's row: *block_rows, *block_cols, *scale_dtype and *transposed (see the table; any
+ * pointer may be NULL). FUS_ERROR_INVALID_ARGUMENT for a value that is not a mode. */
+fus_status fus_scaling_mode_layout(fus_scaling_mode mode, int64_t* block_rows, int64_t* block_cols,
+                                   fus_dtype* scale_dtype, int* transposed);
 
 /*
  * A quantized view of a high-precision matrix X [rows, cols]. Either copy may be absent (NULL).

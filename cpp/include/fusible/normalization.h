@@ -47,10 +47,25 @@
 extern "C" {
 #endif
 
+/*
+ * The normalization table: one row a kind, X(ID, value, name). Every list of the family's kinds
+ * is read from it: the enum below, the C API's kind check (normalization_api.cpp), the torch
+ * operators' kind names (cpp/bindings/ops_normalization.cpp) and Python's NORM_KINDS (through
+ * fus_norm_kind_name). (zero_centered_gamma is an argument of every kind, not a kind.)
+ */
+#define FUS_NORM_KIND_TABLE(X) \
+  X(LAYERNORM, 0, "layernorm") \
+  X(RMSNORM, 1, "rmsnorm")
+
 typedef enum fus_norm_kind {
-  FUS_NORM_LAYERNORM = 0,
-  FUS_NORM_RMSNORM = 1,
+#define FUS_NORM_ENUMERATOR_(id, value, name) FUS_NORM_##id = value,
+  FUS_NORM_KIND_TABLE(FUS_NORM_ENUMERATOR_)
+#undef FUS_NORM_ENUMERATOR_
 } fus_norm_kind;
+
+/* The kind's name ("layernorm", "rmsnorm": the torch operators' and Python's spelling); NULL for a
+ * value that is not a kind (so the kinds are 0, 1, ... up to the first NULL). */
+const char* fus_norm_kind_name(fus_norm_kind kind);
 
 /*
  * Forward.

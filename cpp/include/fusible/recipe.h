@@ -22,10 +22,25 @@
 extern "C" {
 #endif
 
+/*
+ * The amax algorithm table: one row an algorithm, X(ID, value, name). Every list of them is read
+ * from it: the enum below, the C API's check (recipe_api.cpp), the torch operator's algo names
+ * (cpp/bindings/ops_recipe.cpp) and Python's AMAX_ALGOS (through fus_amax_algo_name), which
+ * DelayedScaling's amax_compute_algo accepts.
+ */
+#define FUS_AMAX_ALGO_TABLE(X) \
+  X(MAX, 0, "max")             \
+  X(MOST_RECENT, 1, "most_recent")
+
 typedef enum fus_amax_algo {
-  FUS_AMAX_MAX = 0,
-  FUS_AMAX_MOST_RECENT = 1,
+#define FUS_AMAX_ENUMERATOR_(id, value, name) FUS_AMAX_##id = value,
+  FUS_AMAX_ALGO_TABLE(FUS_AMAX_ENUMERATOR_)
+#undef FUS_AMAX_ENUMERATOR_
 } fus_amax_algo;
+
+/* The algorithm's name ("max", "most_recent": the torch operator's and Python's spelling); NULL
+ * for a value that is not an algorithm (so they are 0, 1, ... up to the first NULL). */
+const char* fus_amax_algo_name(fus_amax_algo algo);
 
 typedef struct fus_delayed_scaling_group {
   float* amax_history; /* [history_len, n], row-major */

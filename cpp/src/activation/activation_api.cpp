@@ -26,16 +26,11 @@ constexpr KindRow kKinds[] = {
 };
 constexpr int kNumKinds = static_cast<int>(sizeof(kKinds) / sizeof(kKinds[0]));
 
-// The table's values are 0, 1, ... in row order (kKinds is indexed by them).
-constexpr bool values_are_row_indices() {
-  int row = 0;
-#define FUS_ACT_KIND_VALUE_(id, value, name, gated, fn) \
-  if (value != row++) return false;
-  FUS_ACTIVATION_TABLE(FUS_ACT_KIND_VALUE_)
+// kKinds is indexed by the kinds' values.
+#define FUS_ACT_KIND_VALUE_(id, value, ...) value,
+static_assert(values_are_row_indices({FUS_ACTIVATION_TABLE(FUS_ACT_KIND_VALUE_)}),
+              "FUS_ACTIVATION_TABLE: values must be 0, 1, ... in order");
 #undef FUS_ACT_KIND_VALUE_
-  return true;
-}
-static_assert(values_are_row_indices(), "FUS_ACTIVATION_TABLE: values must be 0, 1, ... in order");
 
 bool valid_kind(fus_activation kind) {
   return static_cast<int>(kind) >= 0 && static_cast<int>(kind) < kNumKinds;

@@ -19,6 +19,13 @@ fus_status set_error(fus_status code, const char* fmt, ...) {
 
 void clear_error() { g_last_error.clear(); }
 
+std::string or_list(const std::vector<std::string>& items) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i)
+    out += std::string(i == 0 ? "" : i + 1 == items.size() ? " or " : ", ") + items[i];
+  return out;
+}
+
 const char* last_error() { return g_last_error.c_str(); }
 
 const char* dtype_name(fus_dtype dtype) {
@@ -33,9 +40,65 @@ const char* dtype_name(fus_dtype dtype) {
   return "unknown";
 }
 
+namespace {
+
+// One row of FUS_SCALING_MODE_TABLE (fusible/common.h), indexed by the mode's value.
+struct ScalingModeRow {
+  const char* name;    // "fp8"
+  const char* c_name;  // "FUS_SCALING_PER_TENSOR"
+  int64_t block_rows;
+  int64_t block_cols;
+  fus_dtype scale_dtype;
+  int transposed;
+};
+
+constexpr ScalingModeRow kScalingModes[] = {
+#define FUS_SCALING_ROW_(id, value, name, block_rows, block_cols, scale_dtype, transposed) \
+  {name, "FUS_SCALING_" #id, block_rows, block_cols, scale_dtype, transposed},
+    FUS_SCALING_MODE_TABLE(FUS_SCALING_ROW_)
+#undef FUS_SCALING_ROW_
+};
+constexpr int kNumScalingModes = static_cast<int>(sizeof(kScalingModes) / sizeof(kScalingModes[0]));
+
+// kScalingModes is indexed by the modes' values.
+#define FUS_SCALING_VALUE_(id, value, ...) value,
+static_assert(values_are_row_indices({FUS_SCALING_MODE_TABLE(FUS_SCALING_VALUE_)}),
+              "FUS_SCALING_MODE_TABLE: values must be 0, 1, ... in order");
+#undef FUS_SCALING_VALUE_
+
+bool valid_mode(fus_scaling_mode mode) {
+  return static_cast<int>(mode) >= 0 && static_cast<int>(mode) < kNumScalingModes;
+}
+
+}  // namespace
+
+const char* scaling_mode_c_name(fus_scaling_mode mode) {
+  return valid_mode(mode) ? kScalingModes[mode].c_name : nullptr;
+}
+
 }  // namespace fusible
 
 extern "C" {
+
+const char* fus_scaling_mode_name(fus_scaling_mode mode) {
+  return fusible::valid_mode(mode) ? fusible::kScalingModes[mode].name : nullptr;
+}
+
+fus_status fus_scaling_mode_layout(fus_scaling_mode mode, int64_t* block_rows, int64_t* block_cols,
+                                   fus_dtype* scale_dtype, int* transposed) {
+  fusible::clear_error();
+  if (!fusible::valid_mode(mode))
+    return fusible::set_error(FUS_ERROR_INVALID_ARGUMENT,
+                              "fus_scaling_mode_layout: mode must be a fus_scaling_mode (0..%d), "
+                              "got %d",
+                              fusible::kNumScalingModes - 1, static_cast<int>(mode));
+  const fusible::ScalingModeRow& r = fusible::kScalingModes[mode];
+  if (block_rows) *block_rows = r.block_rows;
+  if (block_cols) *block_cols = r.block_cols;
+  if (scale_dtype) *scale_dtype = r.scale_dtype;
+  if (transposed) *transposed = r.transposed;
+  return FUS_SUCCESS;
+}
 
 const char* fus_last_error(void) { return fusible::last_error(); }
 

@@ -3,7 +3,9 @@
 
 #include <cstdarg>
 #include <exception>
+#include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "fusible/common.h"
 
@@ -43,5 +45,21 @@ fus_status guarded(const char* fn, F&& body) noexcept {
 }
 
 const char* dtype_name(fus_dtype dtype);
+
+// Whether a family table's values (its value column, in row order) are 0, 1, ...: each family
+// indexes an array of its table's rows by value.
+constexpr bool values_are_row_indices(std::initializer_list<int> values) {
+  int row = 0;
+  for (const int v : values)
+    if (v != row++) return false;
+  return true;
+}
+
+// "A, B or C": the items joined by ", " and a last " or " (for the messages listing a table).
+std::string or_list(const std::vector<std::string>& items);
+
+// The enumerator's name of a scaling mode ("FUS_SCALING_PER_TENSOR"), nullptr for a value that is
+// not a mode (FUS_SCALING_MODE_TABLE, fusible/common.h).
+const char* scaling_mode_c_name(fus_scaling_mode mode);
 
 }  // namespace fusible

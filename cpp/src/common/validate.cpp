@@ -57,13 +57,13 @@ void check_quantized(const char* fn, const char* arg, const fus_quantized* q, in
                      int64_t cols) {
   const std::string where = std::string(fn) + ": " + arg;
   if (q == nullptr) throw Error(FUS_ERROR_INVALID_ARGUMENT, where + " is NULL");
-  if (q->mode != FUS_SCALING_PER_TENSOR && q->mode != FUS_SCALING_MXFP8 &&
-      q->mode != FUS_SCALING_BLOCK_1D && q->mode != FUS_SCALING_BLOCK_2D)
-    throw Error(FUS_ERROR_INVALID_ARGUMENT,
-                where +
-                    "->mode must be FUS_SCALING_PER_TENSOR, FUS_SCALING_MXFP8, "
-                    "FUS_SCALING_BLOCK_1D or FUS_SCALING_BLOCK_2D, got " +
-                    std::to_string(static_cast<int>(q->mode)));
+  if (scaling_mode_c_name(q->mode) == nullptr) {
+    std::vector<std::string> modes;  // every mode of FUS_SCALING_MODE_TABLE
+    for (int m = 0; const char* c_name = scaling_mode_c_name(static_cast<fus_scaling_mode>(m)); ++m)
+      modes.push_back(c_name);
+    throw Error(FUS_ERROR_INVALID_ARGUMENT, where + "->mode must be " + or_list(modes) + ", got " +
+                                                std::to_string(static_cast<int>(q->mode)));
+  }
   if (q->dtype != FUS_FLOAT8_E4M3 && q->dtype != FUS_FLOAT8_E5M2)
     throw Error(FUS_ERROR_INVALID_ARGUMENT, where + "->dtype is " + dtype_name(q->dtype) +
                                                 ", expected float8_e4m3 or float8_e5m2");

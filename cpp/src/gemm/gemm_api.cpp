@@ -47,17 +47,11 @@ constexpr EpilogueRow kEpilogues[] = {
 };
 constexpr int kNumEpilogues = static_cast<int>(sizeof(kEpilogues) / sizeof(kEpilogues[0]));
 
-// The table's values are 0, 1, ... in row order (kEpilogues is indexed by them).
-constexpr bool epilogue_values_are_row_indices() {
-  int row = 0;
-#define FUS_GEMM_EPILOGUE_VALUE_(id, value, ...) \
-  if (value != row++) return false;
-  FUS_GEMM_EPILOGUE_TABLE(FUS_GEMM_EPILOGUE_VALUE_)
-#undef FUS_GEMM_EPILOGUE_VALUE_
-  return true;
-}
-static_assert(epilogue_values_are_row_indices(),
+// kEpilogues is indexed by the epilogues' values.
+#define FUS_GEMM_EPILOGUE_VALUE_(id, value, ...) value,
+static_assert(values_are_row_indices({FUS_GEMM_EPILOGUE_TABLE(FUS_GEMM_EPILOGUE_VALUE_)}),
               "FUS_GEMM_EPILOGUE_TABLE: values must be 0, 1, ... in order");
+#undef FUS_GEMM_EPILOGUE_VALUE_
 
 // The row of e, or nullptr.
 const EpilogueRow* epilogue_row(fus_gemm_epilogue e) {

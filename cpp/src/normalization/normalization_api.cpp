@@ -12,10 +12,36 @@ namespace {
 constexpr std::initializer_list<fus_dtype> kHighPrecision = {FUS_FLOAT32, FUS_FLOAT16,
                                                              FUS_BFLOAT16};
 
+// One row of FUS_NORM_KIND_TABLE (fusible/normalization.h), indexed by the kind's value.
+struct KindRow {
+  const char* name;    // "layernorm"
+  const char* c_name;  // "FUS_NORM_LAYERNORM"
+};
+
+constexpr KindRow kKinds[] = {
+#define FUS_NORM_KIND_ROW_(id, value, name) {name, "FUS_NORM_" #id},
+    FUS_NORM_KIND_TABLE(FUS_NORM_KIND_ROW_)
+#undef FUS_NORM_KIND_ROW_
+};
+constexpr int kNumKinds = static_cast<int>(sizeof(kKinds) / sizeof(kKinds[0]));
+
+// kKinds is indexed by the kinds' values.
+#define FUS_NORM_KIND_VALUE_(id, value, ...) value,
+static_assert(values_are_row_indices({FUS_NORM_KIND_TABLE(FUS_NORM_KIND_VALUE_)}),
+              "FUS_NORM_KIND_TABLE: values must be 0, 1, ... in order");
+#undef FUS_NORM_KIND_VALUE_
+
+bool valid_kind(fus_norm_kind kind) {
+  return static_cast<int>(kind) >= 0 && static_cast<int>(kind) < kNumKinds;
+}
+
 void check_kind(const char* fn, fus_norm_kind kind) {
-  require(kind == FUS_NORM_LAYERNORM || kind == FUS_NORM_RMSNORM, fn,
-          "kind must be FUS_NORM_LAYERNORM (0) or FUS_NORM_RMSNORM (1), got " +
-              std::to_string(static_cast<int>(kind)));
+  if (valid_kind(kind)) return;
+  std::vector<std::string> kinds;  // "FUS_NORM_LAYERNORM (0)", ...: every kind of the table
+  for (int k = 0; k < kNumKinds; ++k)
+    kinds.push_back(std::string(kKinds[k].c_name) + " (" + std::to_string(k) + ")");
+  require(false, fn,
+          "kind must be " + or_list(kinds) + ", got " + std::to_string(static_cast<int>(kind)));
 }
 
 // A [1, H] vector of a high-precision dtype.
@@ -36,6 +62,10 @@ size_t norm_bwd_workspace_bytes(int64_t rows, int64_t cols) {
 using namespace fusible;
 
 extern "C" {
+
+const char* fus_norm_kind_name(fus_norm_kind kind) {
+  return valid_kind(kind) ? kKinds[kind].name : nullptr;
+}
 
 fus_status fus_norm_forward(fus_norm_kind kind, const fus_tensor* x, const fus_tensor* gamma,
                             const fus_tensor* beta, float eps, int zero_centered_gamma,

@@ -6,7 +6,45 @@
 
 using namespace fusible;
 
+namespace {
+
+// One row of FUS_AMAX_ALGO_TABLE (fusible/recipe.h), indexed by the algorithm's value.
+struct AlgoRow {
+  const char* name;    // "max"
+  const char* c_name;  // "FUS_AMAX_MAX"
+};
+
+constexpr AlgoRow kAlgos[] = {
+#define FUS_AMAX_ALGO_ROW_(id, value, name) {name, "FUS_AMAX_" #id},
+    FUS_AMAX_ALGO_TABLE(FUS_AMAX_ALGO_ROW_)
+#undef FUS_AMAX_ALGO_ROW_
+};
+constexpr int kNumAlgos = static_cast<int>(sizeof(kAlgos) / sizeof(kAlgos[0]));
+
+// kAlgos is indexed by the algorithms' values.
+#define FUS_AMAX_ALGO_VALUE_(id, value, ...) value,
+static_assert(values_are_row_indices({FUS_AMAX_ALGO_TABLE(FUS_AMAX_ALGO_VALUE_)}),
+              "FUS_AMAX_ALGO_TABLE: values must be 0, 1, ... in order");
+#undef FUS_AMAX_ALGO_VALUE_
+
+bool valid_algo(fus_amax_algo algo) {
+  return static_cast<int>(algo) >= 0 && static_cast<int>(algo) < kNumAlgos;
+}
+
+// "FUS_AMAX_MAX or FUS_AMAX_MOST_RECENT": every algorithm's enumerator.
+std::string algo_list() {
+  std::vector<std::string> names;
+  for (const AlgoRow& r : kAlgos) names.push_back(r.c_name);
+  return or_list(names);
+}
+
+}  // namespace
+
 extern "C" {
+
+const char* fus_amax_algo_name(fus_amax_algo algo) {
+  return valid_algo(algo) ? kAlgos[algo].name : nullptr;
+}
 
 fus_status fus_delayed_scaling_update(const fus_delayed_scaling_group* groups, int num_groups,
                                       fus_amax_algo algo, int margin, const fus_context* ctx) {
@@ -17,9 +55,8 @@ fus_status fus_delayed_scaling_update(const fus_delayed_scaling_group* groups, i
       throw Error(FUS_ERROR_INVALID_ARGUMENT,
                   std::string(fn) + ": groups must hold num_groups >= 0 descriptors, got " +
                       std::to_string(num_groups));
-    if (algo != FUS_AMAX_MAX && algo != FUS_AMAX_MOST_RECENT)
-      throw Error(FUS_ERROR_INVALID_ARGUMENT,
-                  std::string(fn) + ": algo must be FUS_AMAX_MAX or FUS_AMAX_MOST_RECENT");
+    if (!valid_algo(algo))
+      throw Error(FUS_ERROR_INVALID_ARGUMENT, std::string(fn) + ": algo must be " + algo_list());
     for (int g = 0; g < num_groups; ++g) {
       const fus_delayed_scaling_group& grp = groups[g];
       const std::string where = std::string(fn) + ": groups[" + std::to_string(g) + "]";

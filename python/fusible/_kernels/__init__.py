@@ -46,6 +46,8 @@ from fusible._kernels._common import (
     HIGH_PRECISION_DTYPES,
     MXFP8_BLOCK,
     QUANT_MODES,
+    SCALING_MODES,
+    ScalingMode,
     block_scale_shape,
     has_cuda,
 )
@@ -78,10 +80,11 @@ from fusible._kernels.quantize import (
     quantize_mxfp8,
     transpose_fp8,
 )
-from fusible._kernels.recipe import compute_scale, delayed_scaling_update
+from fusible._kernels.recipe import AMAX_ALGOS, compute_scale, delayed_scaling_update
 
 __all__ = [
     "ACTIVATIONS",
+    "AMAX_ALGOS",
     "FP8_BLOCK",
     "FP8_DTYPES",
     "GATED_ACTIVATIONS",
@@ -91,8 +94,10 @@ __all__ = [
     "MXFP8_BLOCK",
     "NORM_KINDS",
     "QUANT_MODES",
+    "SCALING_MODES",
     "GemmEpilogue",
     "GemmRules",
+    "ScalingMode",
     "act_bwd",
     "act_fwd",
     "block_scale_shape",

@@ -10,6 +10,8 @@ two agree.
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import glob
 import math
 import os
@@ -35,8 +37,36 @@ def _load_operators() -> tuple[Any, str]:
 
 _ops, _LIBRARY = _load_operators()
 
-MXFP8_BLOCK = 32
-FP8_BLOCK = 128  # blockwise FP8 block edge
+
+def _c_names(library: str, function: str) -> tuple[str, ...]:
+    """The names the core library's ``function`` (``const char* fus_<x>_name(value)``: a family
+    table's names, NULL past the last row) gives for the values 0, 1, ..., in the C enum's order."""
+    fn = getattr(ctypes.CDLL(library), function)
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_char_p
+    names: list[str] = []
+    while (name := fn(len(names))) is not None:
+        names.append(name.decode())
+    return tuple(names)
+
+
+# The mirror of ``fus_dtype`` (common.h) in value order, checked against ``fus_dtype_size`` at
+# import; ``FUS_E8M0`` (MXFP8 scales) is stored as torch.uint8.
+_FUS_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+               torch.float8_e5m2, torch.uint8)  # fmt: skip
+
+
+def _check_fus_dtypes(library: str) -> None:
+    lib = ctypes.CDLL(library)
+    lib.fus_dtype_size.argtypes = [ctypes.c_int]
+    lib.fus_dtype_size.restype = ctypes.c_size_t
+    for code, dt in enumerate(_FUS_DTYPES):  # the mirror of fus_dtype agrees with the library
+        if lib.fus_dtype_size(code) != dt.itemsize:
+            raise ImportError(f"fusible: fus_dtype {code} is not {dt} (the mirror in _common.py)")
+
+
+_check_fus_dtypes(_LIBRARY)
+
 HIGH_PRECISION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -127,8 +157,40 @@ def _group_mats(
 # The layouts of a quantized copy, which the quantize family writes and the normalization and
 # activation kernels write too (their quantized outputs, chosen by ``quant``).
 
-# The choices of the fused kernels' ``quant``, in the C enum's order.
-QUANT_MODES = ("none", "fp8", "mxfp8", "block1d", "block2d")
+
+@dataclasses.dataclass(frozen=True)
+class ScalingMode:
+    """One row of the core library's scaling-mode table (``FUS_SCALING_MODE_TABLE``, common.h):
+    the name (the fused kernels' ``quant``), the block of the rowwise copy one scale covers
+    (``0 x 0``: the whole tensor), the scales' dtype and whether the columnwise copy is stored
+    transposed (``[cols, rows]``)."""
+
+    name: str
+    block_rows: int
+    block_cols: int
+    scale_dtype: torch.dtype
+    transposed: bool
+
+
+def _scaling_modes(library: str) -> tuple[ScalingMode, ...]:
+    """The scaling modes in ``fus_scaling_mode`` order, read through the library's C API."""
+    lib = ctypes.CDLL(library)
+    i64, i32 = ctypes.c_int64, ctypes.c_int
+    lib.fus_scaling_mode_layout.argtypes = [i32] + [ctypes.POINTER(t) for t in (i64, i64, i32, i32)]
+    lib.fus_scaling_mode_layout.restype = i32
+    modes = []
+    for value, name in enumerate(_c_names(library, "fus_scaling_mode_name")):
+        br, bc, dt, tr = i64(), i64(), i32(), i32()
+        if lib.fus_scaling_mode_layout(value, br, bc, dt, tr) != 0:
+            raise ImportError(f"fusible: fus_scaling_mode_layout({value}) failed")
+        modes.append(ScalingMode(name, br.value, bc.value, _FUS_DTYPES[dt.value], bool(tr.value)))
+    return tuple(modes)
+
+
+#: The scaling modes of a quantized output, by name (``FUS_SCALING_MODE_TABLE``, read at import).
+SCALING_MODES = {m.name: m for m in _scaling_modes(_LIBRARY)}
+# The choices of the fused kernels' ``quant``: "none", then the modes in the C enum's order.
+QUANT_MODES = ("none", *SCALING_MODES)
 
 
 def _check_fused_choices(op: str, kind: str, kinds: Sequence[str], quant: str) -> None:
@@ -169,12 +231,12 @@ def _mx_copies(
     """(data, scale, col_data, col_scale) of an MXFP8 cast of a tensor of ``shape``."""
     shape = tuple(shape)
     rows, cols = _rows_cols(shape)
-    u8 = torch.uint8
+    e8m0 = SCALING_MODES["mxfp8"].scale_dtype
     return (
         _or_nothing(rowwise, shape, fp8_dtype, dev),
-        _or_nothing(rowwise, (rows, _ceil_div(cols, MXFP8_BLOCK)), u8, dev),
+        _or_nothing(rowwise, (rows, _ceil_div(cols, MXFP8_BLOCK)), e8m0, dev),
         _or_nothing(columnwise, shape, fp8_dtype, dev),
-        _or_nothing(columnwise, (_ceil_div(rows, MXFP8_BLOCK), cols), u8, dev),
+        _or_nothing(columnwise, (_ceil_div(rows, MXFP8_BLOCK), cols), e8m0, dev),
     )
 
 
@@ -196,7 +258,7 @@ def _block_outputs(
     """(data, scale_inv, data_t, col_scale_inv) of a blockwise cast of a tensor of ``shape``."""
     shape = tuple(shape)
     rows, cols = math.prod(shape[:-1]), shape[-1]
-    f32 = torch.float32
+    f32 = SCALING_MODES[_BLOCK_QUANT[block_dim]].scale_dtype
     data, data_t = _fp8_copies(shape, dev, fp8_dtype, rowwise, columnwise)
     scale = _or_nothing(rowwise, block_scale_shape(block_dim, rows, cols), f32, dev)
     col_scale = _or_nothing(columnwise, block_scale_shape(block_dim, cols, rows), f32, dev)
@@ -218,13 +280,14 @@ def _quant_outputs(
         f = _nothing(f32, device)
         return e, _nothing(u8, device), f, _nothing(u8, device), _nothing(f32, device)
     amax = torch.empty(1, dtype=f32, device=device)
-    if quant in ("block1d", "block2d"):
-        bd = 1 if quant == "block1d" else 2
+    if quant in _BLOCK_QUANT.values():
+        bd = 1 if quant == _BLOCK_QUANT[1] else 2
         data, s, data_t, cs = _block_outputs(shape, device, fp8_dtype, bd, rowwise, columnwise)
         return data, data_t, s, cs, amax
     if quant == "fp8":
         data, data_t = _fp8_copies(shape, device, fp8_dtype, rowwise, columnwise)
-        return data, data_t, torch.empty(1, dtype=f32, device=device), _nothing(u8, device), amax
+        s = torch.empty(1, dtype=SCALING_MODES["fp8"].scale_dtype, device=device)
+        return data, data_t, s, _nothing(u8, device), amax
     data, s, col, cs = _mx_copies(shape, device, fp8_dtype, rowwise, columnwise)
     return data, col, s, cs, amax
 
@@ -243,3 +306,33 @@ def _fused_outputs(
     ``y`` of ``out_dtype`` (empty of ``dtype`` when None) and the quantized outputs."""
     y = _or_nothing(out_dtype is not None, shape, out_dtype or dtype, device)
     return (y, *_quant_outputs(shape, device, quant, fp8_dtype, rowwise, columnwise))
+
+
+# The quant of a blockwise copy by ``block_dim`` (1: 1x128 blocks, 2: 128x128 blocks).
+_BLOCK_QUANT = {1: "block1d", 2: "block2d"}
+
+
+def _check_scaling_modes(modes: dict[str, ScalingMode]) -> tuple[int, int]:
+    """``(MXFP8_BLOCK, FP8_BLOCK)`` from the table, after checking that its rows are the modes
+    the layouts above are written for (``_quant_outputs``): a per-tensor "fp8"; an "mxfp8" of
+    1 x n blocks with E8M0 scales and its columnwise copy stored as X; blockwise "block1d" /
+    "block2d" of 1 x n / n x n blocks with float32 scales, their columnwise copies transposed."""
+    mx = modes["mxfp8"].block_cols if "mxfp8" in modes else 0
+    n = modes["block1d"].block_cols if "block1d" in modes else 0
+    expected = {
+        "fp8": ScalingMode("fp8", 0, 0, torch.float32, True),
+        "mxfp8": ScalingMode("mxfp8", 1, mx, torch.uint8, False),
+        _BLOCK_QUANT[1]: ScalingMode(_BLOCK_QUANT[1], 1, n, torch.float32, True),
+        _BLOCK_QUANT[2]: ScalingMode(_BLOCK_QUANT[2], n, n, torch.float32, True),
+    }
+    if modes != expected or mx < 1 or n < 1:
+        raise ImportError(
+            f"fusible: the core library's scaling modes {tuple(modes.values())} "
+            "(FUS_SCALING_MODE_TABLE, common.h) are not the ones the quantized outputs' layouts "
+            "of fusible._kernels._common are written for"
+        )
+    return mx, n
+
+
+# MXFP8 block size along the scaled dimension; blockwise FP8 block edge (1x128, 128x128).
+MXFP8_BLOCK, FP8_BLOCK = _check_scaling_modes(SCALING_MODES)

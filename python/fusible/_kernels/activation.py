@@ -20,6 +20,7 @@ import torch
 
 from fusible._kernels._common import (
     _LIBRARY,
+    _c_names,
     _check_devices,
     _check_fused_choices,
     _fake,
@@ -34,16 +35,12 @@ act_bwd: Any = _ops.act_bwd.default
 def _activation_table(library: str) -> tuple[tuple[str, ...], frozenset[str]]:
     """The activation kinds in ``fus_activation`` order and the gated ones, read from the core
     library's one table (``FUS_ACTIVATION_TABLE``, activation.h) through its C API."""
+    kinds = _c_names(library, "fus_activation_name")
     lib = ctypes.CDLL(library)
-    lib.fus_activation_name.argtypes = [ctypes.c_int]
-    lib.fus_activation_name.restype = ctypes.c_char_p
     lib.fus_activation_is_gated.argtypes = [ctypes.c_int]
     lib.fus_activation_is_gated.restype = ctypes.c_int
-    kinds: list[str] = []
-    while (name := lib.fus_activation_name(len(kinds))) is not None:
-        kinds.append(name.decode())
     gated = frozenset(k for i, k in enumerate(kinds) if lib.fus_activation_is_gated(i))
-    return tuple(kinds), gated
+    return kinds, gated
 
 
 # The activation kinds (the torch operators' ``kind``) and the gated ones ([a | b] -> H columns).

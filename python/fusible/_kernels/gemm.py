@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from fusible._kernels._common import (
+    _FUS_DTYPES,
     _LIBRARY,
     FP8_DTYPES,
     HIGH_PRECISION_DTYPES,
@@ -137,17 +138,11 @@ class GemmRules:
 
 
 # fus_dtype's values (common.h), in order.
-_FUS_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
-               torch.float8_e5m2)  # fmt: skip
 
 
 def _gemm_rules(library: str) -> GemmRules:
     """:data:`GEMM_RULES`, read from the core library's C API."""
     lib = ctypes.CDLL(library)
-    lib.fus_dtype_size.argtypes = [ctypes.c_int]
-    lib.fus_dtype_size.restype = ctypes.c_size_t
-    for code, dt in enumerate(_FUS_DTYPES):  # the mirror of fus_dtype agrees with the library
-        assert lib.fus_dtype_size(code) == dt.itemsize, dt
     lib.fus_gemm_epilogue_row.argtypes = [ctypes.c_int]
     lib.fus_gemm_epilogue_row.restype = ctypes.POINTER(_EpilogueInfo)
     lib.fus_gemm_supported.argtypes = [ctypes.c_int] * 6
@@ -158,7 +153,7 @@ def _gemm_rules(library: str) -> GemmRules:
         info = row.contents
         flags = {f: bool(getattr(info, f)) for f in _EPILOGUE_FLAGS}
         rows.append(GemmEpilogue(name=info.name.decode(), **flags))
-    codes = range(len(_FUS_DTYPES))
+    codes = range(_FUS_DTYPES.index(torch.uint8))  # the element dtypes (not E8M0, a scale dtype)
 
     def supported(a: int, b: int, d: int, e: int, sa: int = 0, sb: int = 0) -> bool:
         return bool(lib.fus_gemm_supported(a, b, d, e, sa, sb))

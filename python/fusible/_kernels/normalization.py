@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from fusible._kernels._common import (
+    _LIBRARY,
+    _c_names,
     _check_choice,
     _check_devices,
     _check_fused_choices,
@@ -27,8 +29,16 @@ from fusible._kernels._common import (
 norm_fwd: Any = _ops.norm_fwd.default
 norm_bwd: Any = _ops.norm_bwd.default
 
-# The choices of ``kind``, in the C enum's order (ops_normalization.cpp reads the same list).
-NORM_KINDS = ("layernorm", "rmsnorm")
+# The choices of ``kind``, in the C enum's order: read from the core library's table
+# (FUS_NORM_KIND_TABLE, normalization.h), which ops_normalization.cpp reads too.
+NORM_KINDS = _c_names(_LIBRARY, "fus_norm_kind_name")
+# The kind with a mean and a bias (beta / dbeta); the others have neither (RMSNorm).
+_WITH_MEAN = "layernorm"
+if _WITH_MEAN not in NORM_KINDS:
+    raise ImportError(
+        f"fusible: the core library's normalization kinds {NORM_KINDS} (FUS_NORM_KIND_TABLE, "
+        f"normalization.h) lack {_WITH_MEAN!r}, which fusible._kernels.normalization expects"
+    )
 
 
 def _norm_fwd_outputs(
@@ -43,7 +53,7 @@ def _norm_fwd_outputs(
     rows = math.prod(x.shape[:-1])
     dev = x.device
     yq = _fused_outputs(x.shape, dev, out_dtype, x.dtype, quant, fp8_dtype, rowwise, columnwise)
-    mean = torch.empty(rows if kind == "layernorm" else 0, dtype=torch.float32, device=dev)
+    mean = torch.empty(rows if kind == _WITH_MEAN else 0, dtype=torch.float32, device=dev)
     rstd = torch.empty(rows, dtype=torch.float32, device=dev)
     return (*yq, mean, rstd)
 
@@ -54,7 +64,7 @@ def _norm_bwd_outputs(
     dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
     dgamma = torch.empty(gamma.shape, dtype=gamma.dtype, device=dy.device)
     dbeta = torch.empty(
-        gamma.shape if kind == "layernorm" else (0,), dtype=gamma.dtype, device=dy.device
+        gamma.shape if kind == _WITH_MEAN else (0,), dtype=gamma.dtype, device=dy.device
     )
     return dx, dgamma, dbeta
 

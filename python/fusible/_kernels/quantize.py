@@ -54,11 +54,14 @@ Grouped (MoE experts; fus_quantize_grouped)
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
 
 from fusible._kernels._common import (
+    _FUS_DTYPES,
+    _LIBRARY,
     FP8_DTYPES,
     _block_outputs,
     _check_same_device,
@@ -70,7 +73,16 @@ from fusible._kernels._common import (
     _ops,
 )
 
-_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+def _fp8_maxes(library: str) -> dict[torch.dtype, float]:
+    """Largest finite value of each FP8 dtype, read from the core library (``fus_fp8_max``)."""
+    lib = ctypes.CDLL(library)
+    lib.fus_fp8_max.argtypes = [ctypes.c_int]
+    lib.fus_fp8_max.restype = ctypes.c_float
+    return {dt: float(lib.fus_fp8_max(_FUS_DTYPES.index(dt))) for dt in FP8_DTYPES}
+
+
+_FP8_MAX = _fp8_maxes(_LIBRARY)
 
 # The operators (OpOverloads: what eager code, dynamo and the fake-tensor machinery all call).
 quantize_fp8: Any = _ops.quantize_fp8.default

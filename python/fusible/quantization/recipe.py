@@ -13,7 +13,7 @@ import itertools
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
@@ -58,6 +58,17 @@ class Format(enum.Enum):
         if mode == "backward":
             return self.bwd_dtype
         raise ValueError(f"Format.dtype: mode must be 'forward' or 'backward', got {mode!r}")
+
+
+# The amax algorithms of DelayedScaling, spelled as a Literal for type checkers: the core
+# library's (FUS_AMAX_ALGO_TABLE in recipe.h, K.AMAX_ALGOS), which state.py checks it against at
+# import (this module is below the kernels: roles only).
+AmaxComputeAlgo = Literal["max", "most_recent"]
+# "'max' or 'most_recent'" (the choices, for messages).
+_AMAX_ALGOS = get_args(AmaxComputeAlgo)
+_AMAX_ALGO_CHOICES = " or ".join(
+    filter(None, (", ".join(map(repr, _AMAX_ALGOS[:-1])), repr(_AMAX_ALGOS[-1])))
+)
 
 
 def _fail(cls: object, fld: str, expected: str, got: object) -> ValueError:
@@ -161,7 +172,7 @@ class DelayedScaling(Recipe):
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
-    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    amax_compute_algo: AmaxComputeAlgo = "max"
     reduce_amax: bool = True
 
     def __post_init__(self) -> None:
@@ -170,8 +181,8 @@ class DelayedScaling(Recipe):
         h = self.amax_history_len
         if isinstance(h, bool) or not isinstance(h, int) or h < 1:
             raise _fail(self, "amax_history_len", "an int >= 1", h)
-        if self.amax_compute_algo not in ("max", "most_recent"):
-            raise _fail(self, "amax_compute_algo", "'max' or 'most_recent'", self.amax_compute_algo)
+        if self.amax_compute_algo not in _AMAX_ALGOS:
+            raise _fail(self, "amax_compute_algo", _AMAX_ALGO_CHOICES, self.amax_compute_algo)
         if not isinstance(self.reduce_amax, bool):
             raise _fail(self, "reduce_amax", "a bool", self.reduce_amax)
         _register_recipe(self)

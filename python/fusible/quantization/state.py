@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -33,6 +33,7 @@ from fusible.quantization.quantizers import (
     block_quantizer,
 )
 from fusible.quantization.recipe import (
+    AmaxComputeAlgo,
     CustomRecipe,
     DelayedScaling,
     Float8BlockScaling,
@@ -56,6 +57,13 @@ __all__ = [
 ]
 
 _MODES = ("forward", "backward")
+
+# DelayedScaling's amax_compute_algo (a Literal in recipe.py) is the core library's table.
+if get_args(AmaxComputeAlgo) != _kernels.AMAX_ALGOS:
+    raise ImportError(
+        f"fusible: DelayedScaling's amax_compute_algo {get_args(AmaxComputeAlgo)} does not match "
+        f"the core library's amax algorithms {_kernels.AMAX_ALGOS} (FUS_AMAX_ALGO_TABLE, recipe.h)"
+    )
 
 
 class RecipeState:

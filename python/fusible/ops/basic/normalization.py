@@ -112,3 +112,11 @@ class RMSNorm(_Norm):
     """``x / sqrt(mean(x^2) + eps) * gamma``."""
 
     kind = "rmsnorm"
+
+
+if (LayerNorm.kind, RMSNorm.kind) != K.NORM_KINDS:
+    raise ImportError(
+        f"fusible: ops.basic.normalization's kinds {(LayerNorm.kind, RMSNorm.kind)} do not match "
+        f"the core library's normalization table {K.NORM_KINDS} (FUS_NORM_KIND_TABLE, "
+        "normalization.h)"
+    )
