@@ -7,16 +7,14 @@
 
 from __future__ import annotations
 
-import datetime
-import json
-import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _tp_worker as base
 import torch
 import torch.distributed as dist
+from _tp_worker import close, exact, rand
 
 import fusible
 from fusible import recipe as R
@@ -34,33 +32,7 @@ CKPT = Path(".")
 DELAYED = R.DelayedScaling()
 
 
-def case(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    def deco(fn: Callable[[], None]) -> Callable[[], None]:
-        CASES.append((name, fn))
-        return fn
-
-    return deco
-
-
-def rand(*shape: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)  # same values on every rank
-    return torch.randn(*shape, generator=g) * 0.5
-
-
-def exact(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
-    if a.shape != b.shape or not torch.equal(a, b):
-        err = (a - b).abs().max().item() if a.shape == b.shape else "shape"
-        raise AssertionError(f"{what}: not bit-exact (shapes {tuple(a.shape)} / "
-                             f"{tuple(b.shape)}, max err {err})")  # fmt: skip
-
-
-def close(what: str, a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
-    if a.shape != b.shape:
-        raise AssertionError(f"{what}: shapes {tuple(a.shape)} / {tuple(b.shape)}")
-    err = (a - b).abs().max().item()
-    scale = max(b.abs().max().item(), 1.0)
-    if err > tol * scale:
-        raise AssertionError(f"{what}: max err {err} > {tol} * {scale}")
+case = base.case_adder(CASES)
 
 
 def toks(t: torch.Tensor) -> torch.Tensor:
@@ -325,28 +297,15 @@ case("tp_merge_unreduced")(tp_merge_unreduced)
 case("tp_bad_shapes")(tp_bad_shapes)
 
 
-def main() -> None:
+def _start(rank: int, world: int, out: str) -> None:
     global RANK, WORLD, CKPT
-    RANK, WORLD, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    RANK, WORLD = rank, world
     CKPT = Path(out).parent / "ckpt"
     CKPT.mkdir(exist_ok=True)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    torch.manual_seed(0)
-    only = set(sys.argv[5].split(",")) if len(sys.argv) > 5 else None
-    results: dict[str, str] = {}
-    for name, fn in CASES:
-        if only is not None and name not in only:
-            continue
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc(limit=4)
-        dist.barrier()
-    with open(f"{out}/rank{RANK}.json", "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+
+
+def main() -> None:
+    base.main(CASES, on_start=_start)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,6 @@ everything else bit for bit. The cases compile many modules in one process witho
 
 from __future__ import annotations
 
-import datetime
-import json
-import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -45,12 +41,7 @@ MAKERS: dict[str, Callable[[], torch.nn.Module]] = {
 }
 
 
-def case(name: str) -> Any:
-    def deco(fn: Any) -> Any:
-        CASES.append((name, fn))
-        return fn
-
-    return deco
+case = base.case_adder(CASES)
 
 
 def mesh() -> Any:
@@ -255,28 +246,10 @@ for _rec in ("delayed", "current", "mxfp8"):
 
 
 def main() -> None:
-    """_tp_worker.main with a longer collective timeout (180 s, not 60): compiling on a loaded
+    """The shared main with a longer collective timeout (180 s, not 60): compiling on a loaded
     CPU, one rank may reach the barrier after a case more than a minute after the other (the
     launcher's per-process timeout still catches a hang)."""
-    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    base.RANK, base.WORLD = rank, world
-    dist.init_process_group(base.BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=180))  # fmt: skip
-    torch.manual_seed(0)
-    only = set(sys.argv[5].split(",")) if len(sys.argv) > 5 else None
-    results: dict[str, str] = {}
-    for name, fn in CASES:
-        if only is not None and name not in only:
-            continue
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc(limit=4)
-        dist.barrier()
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+    base.main(CASES, timeout_s=180.0)
 
 
 if __name__ == "__main__":

@@ -32,12 +32,23 @@ BACKEND = os.environ.get("FUSIBLE_TEST_DIST_BACKEND", "gloo")
 DEVICE = "cuda" if BACKEND == "nccl" else "cpu"
 
 
-def case(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    def deco(fn: Callable[[], None]) -> Callable[[], None]:
-        CASES.append((name, fn))
-        return fn
+Case = tuple[str, Callable[[], None]]
 
-    return deco
+
+def case_adder(cases: list[Case]) -> Callable[[str], Callable[[Callable[[], None]], Any]]:
+    """The ``@case(name)`` decorator of a worker: appends ``(name, fn)`` to ``cases``."""
+
+    def case(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+        def deco(fn: Callable[[], None]) -> Callable[[], None]:
+            cases.append((name, fn))
+            return fn
+
+        return deco
+
+    return case
+
+
+case = case_adder(CASES)
 
 
 def rand(*shape: int, seed: int) -> torch.Tensor:
@@ -356,18 +367,31 @@ def fsdp2() -> None:
                 close(f"{name} fsdp2 grad {n}", p.grad.full_tensor(), g / WORLD, 1e-5)
 
 
-def main() -> None:
+def main(
+    cases: list[tuple[str, Callable[[], None]]] | None = None,
+    *,
+    timeout_s: float = 60.0,
+    on_start: Callable[[int, int, str], None] | None = None,
+) -> None:
+    """Every worker's entry point (``python WORKER RANK WORLD PORT OUT_DIR [ONLY]``): joins the
+    process group, runs ``cases`` (default this module's) in order on every rank (collectives pair
+    up), a barrier after each, and writes OUT_DIR/rank{RANK}.json (case -> "ok" or its error).
+    ``on_start(rank, world, out_dir)`` lets a worker set its own globals first; ``timeout_s`` is
+    the collectives' (the launcher's per-process timeout still catches a hang)."""
     global RANK, WORLD
     RANK, WORLD, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    if on_start is not None:
+        on_start(RANK, WORLD, out)
     if DEVICE == "cuda":
         torch.cuda.set_device(RANK)
         torch.set_default_device("cuda")  # the cases build modules and tensors without device=
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))  # fmt: skip
+                            world_size=WORLD, timeout=timeout)  # fmt: skip
     torch.manual_seed(0)
     only = set(sys.argv[5].split(",")) if len(sys.argv) > 5 else None
     results: dict[str, str] = {}
-    for name, fn in CASES:
+    for name, fn in CASES if cases is None else cases:
         if only is not None and name not in only:
             continue
         try:

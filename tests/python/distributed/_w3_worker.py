@@ -10,16 +10,14 @@ single-process module of its shard, as the two-rank tests do."""
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
+import _tp_worker as base
 import torch
 import torch.distributed as dist
+from _tp_worker import _raises, close, cols, exact, load, rand, run, toks
 
 import fusible
 from fusible import recipe as R
@@ -37,55 +35,7 @@ RANK = WORLD = 0
 BACKEND = os.environ.get("FUSIBLE_TEST_DIST_BACKEND", "gloo")
 
 
-def case(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    def deco(fn: Callable[[], None]) -> Callable[[], None]:
-        CASES.append((name, fn))
-        return fn
-
-    return deco
-
-
-def rand(*shape: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)  # same values on every rank
-    return torch.randn(*shape, generator=g) * 0.5
-
-
-def exact(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
-    if a.shape != b.shape or not torch.equal(a, b):
-        err = (a - b).abs().max().item() if a.shape == b.shape else "shape"
-        raise AssertionError(f"{what}: not bit-exact (shapes {tuple(a.shape)} / "
-                             f"{tuple(b.shape)}, max err {err})")  # fmt: skip
-
-
-def close(what: str, a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
-    if a.shape != b.shape:
-        raise AssertionError(f"{what}: shapes {tuple(a.shape)} / {tuple(b.shape)}")
-    err = (a - b).abs().max().item()
-    scale = max(b.abs().max().item(), 1.0)
-    if err > tol * scale:
-        raise AssertionError(f"{what}: max err {err} > {tol} * {scale}")
-
-
-def load(module: torch.nn.Module, **tensors: torch.Tensor) -> None:
-    with torch.no_grad():
-        for k, v in tensors.items():
-            getattr(module, k).copy_(v)
-
-
-def cols(n: int, r: int) -> slice:
-    return slice(r * n // WORLD, (r + 1) * n // WORLD)
-
-
-def toks(t: torch.Tensor, r: int) -> torch.Tensor:
-    return t.chunk(WORLD, 0)[r]
-
-
-def run(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, rec: Any, group: Any = None):
-    x = x.detach().clone().requires_grad_()
-    with fusible.autocast(enabled=rec is not None, recipe=rec, amax_reduction_group=group):
-        y = module(x)
-    y.backward(dy)
-    return y.detach(), x.grad
+case = base.case_adder(CASES)
 
 
 def column_linear(rec_name: str, sp: bool) -> None:
@@ -251,18 +201,6 @@ def fsdp2() -> None:
         close(f"fsdp2 grad {n}", p.grad.full_tensor(), g / WORLD, 1e-5)
 
 
-def _raises(fn: Callable[[], Any], *words: str) -> None:
-    try:
-        fn()
-    except (ValueError, TypeError) as e:
-        msg = str(e)
-        missing = [w for w in words if w not in msg]
-        if missing:
-            raise AssertionError(f"message {msg!r} lacks {missing}") from e
-        return
-    raise AssertionError(f"no error raised (expected one naming {words})")
-
-
 @case("bad_input")
 def bad_input() -> None:
     """Sizes that do not divide by 3 raise on every rank at construction (before any
@@ -281,26 +219,13 @@ def bad_input() -> None:
     _raises(lambda: tp(torch.randn(64, F // WORLD)), "ReduceScatter", "divisible")
 
 
-def main() -> None:
+def _start(rank: int, world: int, out: str) -> None:
     global RANK, WORLD
-    RANK, WORLD, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    torch.manual_seed(0)
-    only = set(sys.argv[5].split(",")) if len(sys.argv) > 5 else None
-    results: dict[str, str] = {}
-    for name, fn in CASES:
-        if only is not None and name not in only:
-            continue
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc(limit=4)
-        dist.barrier()
-    with open(f"{out}/rank{RANK}.json", "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+    RANK, WORLD = rank, world
+
+
+def main() -> None:
+    base.main(CASES, on_start=_start)
 
 
 if __name__ == "__main__":
