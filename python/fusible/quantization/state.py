@@ -249,13 +249,14 @@ class MXFP8BlockScalingRecipeState(RecipeState):
         self.quantizers = [
             MXFP8Quantizer(dtype, role=self._role(i)) for i in range(self.num_quantizers)
         ]
-        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (10, 0):
+        cap = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        if cap is not None and cap < (10, 0):
             # Not an error (the numerics are MXFP8's, and the memory savings hold), but a user
             # who picked it for speed should hear that it costs more than bf16 here. Python's
             # default filter shows it once per process.
             warnings.warn(
                 "fusible: MXFP8BlockScaling on a GPU without MXFP8 tensor cores (compute "
-                f"capability {'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}"
+                f"capability {cap[0]}.{cap[1]}"
                 " < 10.0): its GEMMs run in high precision on exactly dequantized operands, "
                 "slower than training without a recipe. Float8BlockScaling is the fine-grained "
                 "FP8 recipe with native GEMMs on Hopper.",

@@ -10,97 +10,23 @@ single-process module of its shard, as the two-rank tests do."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from typing import Any
 
 import _tp_worker as base
 import torch
 import torch.distributed as dist
-from _tp_worker import _raises, close, cols, exact, load, rand, run, toks
+from _tp_worker import RECIPES, _raises, close, cols, exact, load, rand, run, toks
 
 import fusible
 from fusible import recipe as R
 
 # tokens, hidden, ffn/out: divisible by 3, and per rank (32, 32, 64) by MXFP8's 32-blocks.
 S, H, F = 96, 96, 192
-RECIPES: dict[str, Any] = {
-    "none": None,
-    "delayed": R.DelayedScaling(),
-    "current": R.Float8CurrentScaling(),
-    "mxfp8": R.MXFP8BlockScaling(),
-}
 CASES: list[tuple[str, Callable[[], None]]] = []
 RANK = WORLD = 0
-BACKEND = os.environ.get("FUSIBLE_TEST_DIST_BACKEND", "gloo")
 
 
 case = base.case_adder(CASES)
-
-
-def column_linear(rec_name: str, sp: bool) -> None:
-    rec = RECIPES[rec_name]
-    W, b = rand(F, H, seed=1), rand(F, seed=2)
-    x, dy = rand(S, H, seed=3), rand(S, F, seed=4)
-    c = cols(F, RANK)
-    tp = fusible.Linear(H, F, tp_group=dist.group.WORLD, parallel_mode="column",
-                        sequence_parallel=sp)  # fmt: skip
-    assert tuple(tp.weight.shape) == (F // WORLD, H), tp.weight.shape
-    load(tp, weight=W[c], bias=b[c])
-    y, dx = run(tp, toks(x, RANK) if sp else x, dy[:, c], rec, dist.group.WORLD)
-    # Reference: each rank's shard as a single-process Linear on the full input.
-    dxs, mine = [], None
-    for r in range(WORLD):
-        ref = fusible.Linear(H, F // WORLD)
-        load(ref, weight=W[cols(F, r)], bias=b[cols(F, r)])
-        yr, dxr = run(ref, x, dy[:, cols(F, r)], rec)
-        dxs.append(dxr)
-        if r == RANK:
-            mine = (yr, ref)
-    yr, ref = mine  # type: ignore[misc]
-    exact("y", y, yr)
-    exact("dW", tp.weight.grad, ref.weight.grad)
-    exact("db", tp.bias.grad, ref.bias.grad)
-    dx_ref = sum(dxs[1:], dxs[0])
-    close("dx", dx, toks(dx_ref, RANK) if sp else dx_ref)  # a sum of 3: gloo's order
-    if rec is None:
-        full = fusible.Linear(H, F)
-        load(full, weight=W, bias=b)
-        yf, dxf = run(full, x, torch.cat([dy[:, cols(F, r)] for r in range(WORLD)], 1), None)
-        exact("y vs full", y, yf[:, c])
-        close("dx vs full", dx, toks(dxf, RANK) if sp else dxf)
-
-
-def row_linear(rec_name: str, sp: bool) -> None:
-    rec = RECIPES[rec_name]
-    W, b = rand(H, F, seed=5), rand(H, seed=6)
-    x, dy = rand(S, F, seed=7), rand(S, H, seed=8)
-    c = cols(F, RANK)
-    tp = fusible.Linear(F, H, tp_group=dist.group.WORLD, parallel_mode="row",
-                        sequence_parallel=sp)  # fmt: skip
-    assert tuple(tp.weight.shape) == (H, F // WORLD), tp.weight.shape
-    load(tp, weight=W[:, c], bias=b)
-    y, dx = run(tp, x[:, c], toks(dy, RANK) if sp else dy, rec, dist.group.WORLD)
-    parts, mine = [], None
-    for r in range(WORLD):
-        ref = fusible.Linear(F // WORLD, H, bias=False)
-        load(ref, weight=W[:, cols(F, r)])
-        pr, dxr = run(ref, x[:, cols(F, r)], dy, rec)
-        parts.append(pr)
-        if r == RANK:
-            mine = (dxr, ref)
-    dxr, ref = mine  # type: ignore[misc]
-    y_ref = sum(parts[1:], parts[0]) + b
-    close("y", y, toks(y_ref, RANK) if sp else y_ref)  # a sum of 3: gloo's order
-    exact("dx", dx, dxr)
-    exact("dW", tp.weight.grad, ref.weight.grad)
-    close("db", tp.bias.grad, dy.sum(0))
-    if rec is None:
-        full = fusible.Linear(F, H)
-        load(full, weight=W, bias=b)
-        yf, dxf = run(full, x, dy, None)
-        close("y vs full", y, toks(yf, RANK) if sp else yf)
-        exact("dx vs full", dx, dxf[:, c])
 
 
 def ln_mlp(rec_name: str) -> None:
@@ -146,8 +72,8 @@ def ln_mlp(rec_name: str) -> None:
 for _r in RECIPES:
     for _sp in (False, True):
         _sfx = f"{_r}{'_sp' if _sp else ''}"
-        case(f"linear_column_{_sfx}")(lambda r=_r, s=_sp: column_linear(r, s))
-        case(f"linear_row_{_sfx}")(lambda r=_r, s=_sp: row_linear(r, s))
+        case(f"linear_column_{_sfx}")(lambda r=_r, s=_sp: base.column_linear(r, s, (S, H, F)))
+        case(f"linear_row_{_sfx}")(lambda r=_r, s=_sp: base.row_linear(r, s, (S, H, F)))
     case(f"lnmlp_{_r}_sp")(lambda r=_r: ln_mlp(r))
 
 
