@@ -37,7 +37,7 @@ def _needs_cuda() -> None:
 
 def test_gemm_kernel_tests_pass_under_tuning():
     _needs_cuda()
-    rc, out = _child(["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "cuda",
+    rc, out = _child(["-m", "pytest", "-q", "-x", "-s", "-p", "no:cacheprovider", "-k", "cuda",
                 "test_kernels_gemm.py", "test_kernels_grouped.py"], "8", timeout=600)  # fmt: skip
     assert rc == 0, out[-6000:]
     # The log proves candidates were timed (not the heuristic's first taken silently).

@@ -109,26 +109,27 @@ extern "C" {
 
 /*
  * The epilogue table: one row an epilogue, X(ID, value, name, bias, gelu, writes_aux, reads_aux,
- * bgrad, c, fp8_f32_out, fp8_out), each flag 0 or 1:
+ * bgrad, c, fp8_f32_out, fp8_out, lt), each flag 0 or 1:
  *    bias         reads bias [1, N]            gelu        applies the tanh GELU
  *    writes_aux   writes aux [M, N]            reads_aux   reads aux [M, N] (D = t * gelu'(aux))
  *    bgrad        writes dbias [1, N]          c           allows C (beta != 0)
  *    fp8_f32_out  FP8 operands may write a float32 D with it (cuBLASLt has the kernel)
  *    fp8_out      FP8 operands may write an FP8 D with it
+ *    lt           the cuBLASLt epilogue that runs it, CUBLASLT_EPILOGUE_<lt> (gemm.cu)
  * Every rule of the family that depends on the epilogue is read from it: the enum below, the C
  * API's checks (gemm_api.cpp), fus_gemm_epilogue_row, and through it the torch operator's
  * epilogue names (ops_gemm.cpp) and Python (fusible._kernels.gemm, which also reads the dtype
  * rules through fus_gemm_supported and the limits through fus_gemm_get_limits).
  */
-#define FUS_GEMM_EPILOGUE_TABLE(X)                             \
-  X(NONE, 0, "none", 0, 0, 0, 0, 0, 1, 1, 1)                   \
-  X(BIAS, 1, "bias", 1, 0, 0, 0, 0, 1, 1, 1)                   \
-  X(GELU, 2, "gelu", 0, 1, 0, 0, 0, 0, 1, 1)                   \
-  X(GELU_AUX, 3, "gelu_aux", 0, 1, 1, 0, 0, 0, 1, 1)           \
-  X(BIAS_GELU, 4, "bias_gelu", 1, 1, 0, 0, 0, 0, 1, 1)         \
-  X(BIAS_GELU_AUX, 5, "bias_gelu_aux", 1, 1, 1, 0, 0, 0, 0, 1) \
-  X(DGELU, 6, "dgelu", 0, 0, 0, 1, 0, 0, 1, 0)                 \
-  X(DGELU_BGRAD, 7, "dgelu_bgrad", 0, 0, 0, 1, 1, 0, 0, 0)
+#define FUS_GEMM_EPILOGUE_TABLE(X)                                            \
+  X(NONE, 0, "none", 0, 0, 0, 0, 0, 1, 1, 1, DEFAULT)                         \
+  X(BIAS, 1, "bias", 1, 0, 0, 0, 0, 1, 1, 1, BIAS)                            \
+  X(GELU, 2, "gelu", 0, 1, 0, 0, 0, 0, 1, 1, GELU)                            \
+  X(GELU_AUX, 3, "gelu_aux", 0, 1, 1, 0, 0, 0, 1, 1, GELU_AUX)                \
+  X(BIAS_GELU, 4, "bias_gelu", 1, 1, 0, 0, 0, 0, 1, 1, GELU_BIAS)             \
+  X(BIAS_GELU_AUX, 5, "bias_gelu_aux", 1, 1, 1, 0, 0, 0, 0, 1, GELU_AUX_BIAS) \
+  X(DGELU, 6, "dgelu", 0, 0, 0, 1, 0, 0, 1, 0, DGELU)                         \
+  X(DGELU_BGRAD, 7, "dgelu_bgrad", 0, 0, 0, 1, 1, 0, 0, 0, DGELU_BGRAD)
 
 typedef enum fus_gemm_epilogue {
 #define FUS_GEMM_EPILOGUE_ENUMERATOR_(id, value, ...) FUS_GEMM_EPILOGUE_##id = value,

@@ -347,14 +347,11 @@ void set_block_scale_modes(Desc& desc, const fus_gemm_args& args) {
 
 cublasLtEpilogue_t lt_epilogue(fus_gemm_epilogue e) {
   switch (e) {
-    case FUS_GEMM_EPILOGUE_NONE: return CUBLASLT_EPILOGUE_DEFAULT;
-    case FUS_GEMM_EPILOGUE_BIAS: return CUBLASLT_EPILOGUE_BIAS;
-    case FUS_GEMM_EPILOGUE_GELU: return CUBLASLT_EPILOGUE_GELU;
-    case FUS_GEMM_EPILOGUE_GELU_AUX: return CUBLASLT_EPILOGUE_GELU_AUX;
-    case FUS_GEMM_EPILOGUE_BIAS_GELU: return CUBLASLT_EPILOGUE_GELU_BIAS;
-    case FUS_GEMM_EPILOGUE_BIAS_GELU_AUX: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
-    case FUS_GEMM_EPILOGUE_DGELU: return CUBLASLT_EPILOGUE_DGELU;
-    case FUS_GEMM_EPILOGUE_DGELU_BGRAD: return CUBLASLT_EPILOGUE_DGELU_BGRAD;
+#define FUS_GEMM_LT_CASE_(id, value, name, bias, gelu, writes_aux, reads_aux, bgrad, c, f32, fp8, \
+                          lt)                                                                     \
+  case FUS_GEMM_EPILOGUE_##id: return CUBLASLT_EPILOGUE_##lt;
+    FUS_GEMM_EPILOGUE_TABLE(FUS_GEMM_LT_CASE_)
+#undef FUS_GEMM_LT_CASE_
   }
   throw Error(FUS_ERROR_INTERNAL, "fus_gemm: unexpected epilogue");
 }

@@ -40,7 +40,7 @@ struct EpilogueRow {
 };
 constexpr EpilogueRow kEpilogues[] = {
 #define FUS_GEMM_EPILOGUE_ROW_(id, value, name, bias, gelu, writes_aux, reads_aux, bgrad, c, \
-                               fp8_f32_out, fp8_out)                                         \
+                               fp8_f32_out, fp8_out, lt)                                     \
   {{name, bias, gelu, writes_aux, reads_aux, bgrad, c, fp8_f32_out, fp8_out}, #id},
     FUS_GEMM_EPILOGUE_TABLE(FUS_GEMM_EPILOGUE_ROW_)
 #undef FUS_GEMM_EPILOGUE_ROW_
