@@ -1,9 +1,10 @@
 """FP8 GEMM benchmark: fusible.gemm (cuBLASLt) vs torch._scaled_mm at the same shapes, same run.
 
-Per-tensor FP8 at M = N = K = each size; then blockwise FP8 (Float8BlockScaling: 1x128 x 128x128
-block scales, ``fusible.gemm_block``) at those sizes and at the MLP block's three GEMM shapes
-(``--mlp tokens,hidden,ffn``), against torch._scaled_mm with blockwise scales where the installed
-torch accepts them (else that column says so).
+Per-tensor FP8 at M = N = K = each size and at the MLP block's GEMM shapes
+(``--mlp tokens,hidden,ffn``); then blockwise FP8 (Float8BlockScaling: 1x128 x 128x128 block
+scales, ``fusible.gemm_block``) at the same shapes, against torch._scaled_mm with blockwise
+scales where the installed torch accepts them (else that column says so). With
+FUSIBLE_GEMM_TUNING=N set, fusible times N cuBLASLt candidates per shape (see gemm.cu).
 
 python benchmarks/gemm.py [--sizes 8192,4096] [--mlp 16384,4096,16384] [--out DIR]
 """
@@ -64,25 +65,26 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gemm.py needs a CUDA GPU")
+    t, h, f = (int(v) for v in args.mlp.split(","))
+    shapes = [(f"square {s}", s, s, s) for s in (int(v) for v in args.sizes.split(","))]
+    shapes += [("mlp fc1 fprop", t, f, h), ("mlp fc2 fprop", t, h, f), ("mlp fc2 dgrad", t, f, h),
+               ("mlp fc1 wgrad", f, h, t)]  # fmt: skip
     rows: list[dict[str, Any]] = []
-    for s in (int(v) for v in args.sizes.split(",")):
-        a = torch.randn(s, s, device="cuda").to(torch.float8_e4m3fn)
-        b = torch.randn(s, s, device="cuda").to(torch.float8_e4m3fn)  # [N, K]: the NT form
-        one = torch.ones(1, device="cuda")
-        flops = 2 * s**3
+    one = torch.ones(1, device="cuda")
+    for name, m, n, k in shapes:
+        a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)  # [N, K]: the NT form
+        flops = 2 * m * n * k
         ours = time_ms(lambda: K.gemm(a, b, False, True, one, one, torch.bfloat16, None, "none",
                                       None, None, 1.0, 0.0, None, False))  # fmt: skip
         ref = time_ms(lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16))
         ab, bb = a.to(torch.bfloat16), b.to(torch.bfloat16)
         bf16 = time_ms(lambda: ab @ bb.t())
-        rows.append({"M=N=K": s, "fusible_ms": ours, "fusible_TFLOP/s": flops / ours / 1e9,
+        rows.append({"gemm": name, "MxNxK": f"{m}x{n}x{k}", "fusible_ms": ours,
+                     "fusible_TFLOP/s": flops / ours / 1e9,
                      "scaled_mm_TFLOP/s": flops / ref / 1e9, "ratio_vs_scaled_mm": ref / ours,
                      "bf16_TFLOP/s": flops / bf16 / 1e9})  # fmt: skip
     print_table(rows, list(rows[0]))
-    t, h, f = (int(v) for v in args.mlp.split(","))
-    shapes = [(f"square {s}", s, s, s) for s in (int(v) for v in args.sizes.split(","))]
-    shapes += [("mlp fc1 fprop", t, f, h), ("mlp fc2 fprop", t, h, f), ("mlp fc2 dgrad", t, f, h),
-               ("mlp fc1 wgrad", f, h, t)]  # fmt: skip
     block = blockwise_rows(shapes)
     print_table(block, list(block[0]))
     data = {"env": environment(), "results": rows, "blockwise": block}

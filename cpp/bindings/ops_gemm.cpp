@@ -173,7 +173,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gemm(
 // when ceil(K/128) % 4 != 0.
 Tensor gemm_block(const Tensor& a, const Tensor& a_scale_inv, int64_t a_block_dim, const Tensor& b,
                   const Tensor& b_scale_inv, int64_t b_block_dim, at::ScalarType out_dtype,
-                  const OptTensor& c, double alpha, double beta) {
+                  const OptTensor& c, double alpha, double beta, const OptTensor& bias) {
   const char* op = "gemm_block";
   check_tensor(op, "a", a, fp8_dtypes());
   const c10::Device dev = a.device();
@@ -208,6 +208,14 @@ Tensor gemm_block(const Tensor& a, const Tensor& a_scale_inv, int64_t a_block_di
     check_tensor(op, "c", *c, {out_dtype}, dev);
     check_mn("c", *c, m, n);
   }
+  if (bias.has_value()) {  // the BIAS epilogue: bias has D's dtype (a 16-bit D; gemm.h)
+    check_tensor(op, "bias", *bias, {at::kBFloat16, at::kHalf}, dev);
+    FUS_VALUE_CHECK(bias->scalar_type() == out_dtype, op, "argument 'bias' has dtype ",
+                    bias->scalar_type(), ", expected out_dtype ", out_dtype);
+    FUS_VALUE_CHECK(bias->dim() == 1 && bias->size(0) == n, op, "argument 'bias' has shape ",
+                    shape_str(bias->sizes()), ", expected ", shape_str(std::vector<int64_t>{n}),
+                    " (N)");
+  }
   if (!shapes_only(a)) {
     auto padded = [&](const Tensor& s, int64_t dim) {
       if (dim == 1 || nk % 4 == 0 || s.numel() == 0) return s.contiguous();
@@ -229,7 +237,8 @@ Tensor gemm_block(const Tensor& a, const Tensor& a_scale_inv, int64_t a_block_di
     if (c.has_value()) args.c = mat(*c, m, n);
     args.alpha = static_cast<float>(alpha);
     args.beta = static_cast<float>(beta);
-    args.epilogue = FUS_GEMM_EPILOGUE_NONE;
+    args.epilogue = bias.has_value() ? FUS_GEMM_EPILOGUE_BIAS : FUS_GEMM_EPILOGUE_NONE;
+    if (bias.has_value()) args.bias = mat(*bias, 1, n);
     const fus_context ctx = context_of(a);
     check_status(op, fus_gemm(&args, &ctx));
   }
@@ -421,7 +430,8 @@ const char* const kSchemas[] = {
     " Tensor? c, float alpha, float beta, Tensor? out_scale, bool want_amax,"
     " bool fast_accum=False) -> (Tensor, Tensor, Tensor, Tensor)",
     "gemm_block(Tensor a, Tensor a_scale_inv, SymInt a_block_dim, Tensor b, Tensor b_scale_inv,"
-    " SymInt b_block_dim, ScalarType out_dtype, Tensor? c, float alpha, float beta) -> Tensor",
+    " SymInt b_block_dim, ScalarType out_dtype, Tensor? c, float alpha, float beta,"
+    " Tensor? bias=None) -> Tensor",
     "grouped_gemm(Tensor[] a, Tensor[] b, SymInt[] m_splits, Tensor[]? a_scale_inv,"
     " Tensor[]? b_scale_inv, ScalarType out_dtype, Tensor[]? bias, bool fast_accum,"
     " bool packed_out) -> Tensor[]",

@@ -103,7 +103,11 @@ bool scaling_pair_has_kernel(fus_gemm_scaling a, fus_gemm_scaling b) {
 }
 // Blockwise: a high-precision D, epilogue NONE.
 bool block_output_has_kernel(fus_dtype d) { return !is_fp8(d); }
-bool block_epilogue_has_kernel(fus_gemm_epilogue e) { return e == FUS_GEMM_EPILOGUE_NONE; }
+// cuBLASLt 13.1's block-scaled kernels on Hopper: BIAS has heuristic results for the 1x128 x
+// 128x128 and 1x128 x 1x128 pairs, GELU_AUX_BIAS has none (probed; the fused GELU runs after it).
+bool block_epilogue_has_kernel(fus_gemm_epilogue e) {
+  return e == FUS_GEMM_EPILOGUE_NONE || e == FUS_GEMM_EPILOGUE_BIAS;
+}
 
 // An epilogue tensor: present with the given shape and one of the allowed dtypes when the
 // epilogue uses it, absent otherwise.
@@ -231,7 +235,7 @@ GemmShape validate(const fus_gemm_args* args, const fus_context* ctx) {
             "blockwise FP8 GEMMs write float32, float16 or bfloat16 outputs only (cuBLASLt has no "
             "FP8 output with block scaling)");
     require(block_epilogue_has_kernel(a.epilogue), FUS_ERROR_UNSUPPORTED,
-            "blockwise FP8 GEMMs support epilogue NONE only (apply bias / GELU separately)");
+            "blockwise FP8 GEMMs support epilogues NONE and BIAS only (apply GELU separately)");
     if (s.m * s.n * s.k > 0)
       require(a.a_scale_inv != nullptr && a.b_scale_inv != nullptr,
               "a_scale_inv and b_scale_inv must hold the operands' block scales (NULL given)");

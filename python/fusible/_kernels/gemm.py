@@ -14,11 +14,13 @@ beta, out_scale, want_amax, fast_accum=False) -> (d, aux_out, dbias, amax)``
     ``out_scale``; ``want_amax`` then returns ``max|r|``. ``fast_accum`` allows cuBLASLt's faster
     FP8 accumulation (and TF32 for float32) on CUDA. ``d`` has shape ``(*a.shape[:-1], N)``
     (``(M, N)`` when ``transa``).
-``gemm_block(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim, out_dtype, c, alpha, beta)
--> d``
+``gemm_block(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim, out_dtype, c, alpha, beta,
+bias=None) -> d``
     Blockwise FP8 operands (the layouts of ``quantize_fp8_block``):
-    ``d[M, N] = alpha * a[M, K] @ b[N, K]^T + beta * c`` (the pairs, output dtypes and sizes of
-    :data:`GEMM_RULES`). CPU: the GEMM of the exactly dequantized operands.
+    ``d[M, N] = alpha * a[M, K] @ b[N, K]^T + beta * c (+ bias)`` (the pairs, output dtypes and
+    sizes of :data:`GEMM_RULES`). ``bias`` [N] (a bf16 / fp16 ``out_dtype``, the same dtype) is
+    added in the epilogue, before D's one rounding. CPU: the GEMM of the exactly dequantized
+    operands.
 
 Grouped (MoE experts; fus_gemm_grouped)
 ---------------------------------------
@@ -275,9 +277,10 @@ def _gemm_outputs(
 
 @_fake("gemm_block")
 def _gemm_block_fake(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim, out_dtype, c, alpha,
-                     beta):  # fmt: skip
+                     beta, bias=None):  # fmt: skip
     _check_devices("gemm_block", a.device, (("a_scale_inv", a_scale_inv), ("b", b),
-                                            ("b_scale_inv", b_scale_inv), ("c", c)))  # fmt: skip
+                                            ("b_scale_inv", b_scale_inv), ("c", c),
+                                            ("bias", bias)))  # fmt: skip
     n = math.prod(b.shape[:-1])
     return torch.empty((*a.shape[:-1], n), dtype=out_dtype, device=a.device)
 

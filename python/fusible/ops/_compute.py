@@ -296,23 +296,34 @@ def _gemm_blockwise(
     c: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The blockwise FP8 GEMM (``gemm_block``: cuBLASLt's block-scaled kernels on CUDA, the
-    exactly dequantized operands on the CPU). It has no epilogues: bias and GELU are applied after
-    it by the kernels the unfused ops use; ``c`` is accumulated by the GEMM."""
+    exactly dequantized operands on the CPU). Its epilogues are none and bias (a 16-bit output):
+    a bias of another dtype is added after it, and the GELU (no block-scaled GELU_AUX kernel) is
+    the activation kernel after it; ``c`` is accumulated by the GEMM."""
     am, sa = _block_copy(a, which[0])
     bm, sb = _block_copy(b, which[1])
     gemm_out = out_dtype if out_dtype in K.GEMM_RULES.block_out_dtypes else torch.float32
     cc = None if c is None else c.to(gemm_out).contiguous()
+    fused_bias = (
+        epilogue != "none" and bias is not None and bias.dtype == gemm_out
+        and gemm_out in _BLOCK_BIAS_DTYPES
+    )  # fmt: skip
     d = K.gemm_block(am, sa, a.block_dim, bm, sb, b.block_dim, gemm_out, cc, 1.0,
-                     0.0 if c is None else 1.0)  # fmt: skip
+                     0.0 if c is None else 1.0, bias if fused_bias else None)  # fmt: skip
     aux = None
     if epilogue != "none":
-        if bias is not None:
-            d.add_(bias.to(d.dtype))  # in place: no second [M, N] alive (the same bits)
+        if bias is not None and not fused_bias:
+            d.add_(bias.to(d.dtype))  # in place: no second [M, N] alive
         if epilogue == "bias_gelu_aux":
             aux = d.contiguous()
             d = K.act_fwd(aux, "gelu", aux.dtype, "none", torch.float8_e4m3fn, None, True, False)[0]
     d = d.to(out_dtype)
     return d, (aux.to(out_dtype) if aux is not None else None)
+
+
+# The bias dtypes of the blockwise GEMM's bias epilogue (the output's, 16-bit; gemm.h).
+_BLOCK_BIAS_DTYPES = (
+    (torch.bfloat16, torch.float16) if "bias" in K.GEMM_RULES.block_epilogues else ()
+)
 
 
 def _fp8_copy(x: Float8Data, which: str) -> torch.Tensor:

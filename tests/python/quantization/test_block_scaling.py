@@ -16,6 +16,7 @@ import torch
 import fusible
 from fusible import _kernels as K
 from fusible import ops, recipe
+from fusible.ops import _compute as C
 from fusible.quantization import (
     Float8BlockData,
     Float8BlockQuantizer,
@@ -257,11 +258,57 @@ def test_gemm_block_cpu_is_the_dequantized_gemm(dims, mnk):
     assert torch.allclose(d.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dims", [(1, 1), (1, 2), (2, 1)])
+@pytest.mark.parametrize("mnk", [(16, 32, 48), (128, 256, 400), (48, 16, 656)])
+def test_gemm_block_bias_is_added_before_the_one_rounding(mnk, dims, out, device):
+    """The BIAS epilogue of the blockwise GEMM: on the CPU, the bits of the float32 GEMM plus the
+    bias in one fp32 add, rounded once to out (gemm.h's order); on CUDA (cuBLASLt) the same
+    within the GEMM's tolerance."""
+    m, n, k = mnk
+    qa, qb = _operands(m, n, k, *dims)
+    bias = (torch.randn(n) * 4).to(out)
+    args = (
+        [t.to(device) for t in (qa.data, qa.scale_inv)],
+        [t.to(device) for t in (qb.data, qb.scale_inv)],
+    )
+    (a, sa), (b, sb) = args
+    d = K.gemm_block(a, sa, dims[0], b, sb, dims[1], out, None, 1.0, 0.0, bias.to(device))
+    f32 = K.gemm_block(qa.data, qa.scale_inv, dims[0], qb.data, qb.scale_inv, dims[1],
+                       torch.float32, None, 1.0, 0.0)  # fmt: skip
+    want = (f32 + bias.float()).to(out)
+    if device == "cpu":
+        assert torch.equal(d, want)
+    else:
+        ref = qa.dequantize().double() @ qb.dequantize().double().t() + bias.double()
+        tol = 2e-2 * ref.abs().max().item()
+        assert (d.cpu().double() - ref).abs().max().item() <= tol
+        # One rounding, not two: never further from the exact value than the unfused pair's.
+        two = K.gemm_block(a, sa, dims[0], b, sb, dims[1], out, None, 1.0, 0.0) + bias.to(device)
+        assert (d.cpu().double() - ref).abs().mean() <= (
+            two.cpu().double() - ref
+        ).abs().mean() * 1.05
+
+
+def test_gemm_block_bias_bad_input_names_the_argument():
+    qa, qb = _operands(16, 32, 48, 1, 2)
+    call = lambda bias, out=torch.bfloat16: K.gemm_block(  # noqa: E731
+        qa.data, qa.scale_inv, 1, qb.data, qb.scale_inv, 2, out, None, 1.0, 0.0, bias
+    )
+    with pytest.raises(ValueError, match=r"gemm_block.*'bias' has shape \(31,\), expected \(32,\)"):
+        call(torch.zeros(31, dtype=torch.bfloat16))
+    with pytest.raises((TypeError, ValueError), match=r"gemm_block.*'bias'"):
+        call(torch.zeros(32, dtype=torch.float16))  # not out_dtype
+    with pytest.raises((TypeError, ValueError), match=r"gemm_block.*'bias'"):
+        call(torch.zeros(32), torch.float32)  # a float32 output: no 16-bit bias epilogue
+
+
 def test_gemm_rules_block_rows_match_gemm_block():
     """GEMM_RULES' blockwise rows (read from the core library) agree with what gemm_block
     accepts on the CPU: every pair of block shapes, every output dtype."""
     rules = K.GEMM_RULES
-    assert rules.block_epilogues == ("none",)
+    assert rules.block_epilogues == ("none", "bias")
     for (da, db), out in itertools.product(
         itertools.product((1, 2), (1, 2)), K.HIGH_PRECISION_DTYPES + K.FP8_DTYPES
     ):
@@ -457,6 +504,10 @@ def test_fused_kernels_write_blockwise_output_bit_for_bit(
 
     phase = ["fwd"]
     monkeypatch.setattr(K, "quantize_fp8_block", counting)
+    # The fused Linear + Bias adds a 16-bit bias in the blockwise GEMM's epilogue (one rounding;
+    # tested by test_gemm_block_bias_is_added_before_the_one_rounding), the unfused Bias op after
+    # it (two): here both add it after, so the hand-offs under test see the same bits.
+    monkeypatch.setattr(C, "_BLOCK_BIAS_DTYPES", ())
     for name, model, handed in _fused_models(h, f, dtype):
         model = model.to(device)
         twin = copy.deepcopy(model)
@@ -695,7 +746,6 @@ def test_cuda_gemm_block_vs_dequantized_reference(dims, mnk, out):
 def test_blockwise_fuses_into_norm_and_activation_kernels_on_cpu_only():
     """_compute.fused_quant_args: the norm / activation kernels write blockwise output on CPU; on
     CUDA their output is cast by the standalone blockwise quantize (faster there)."""
-    from fusible.ops import _compute as C
 
     for block_dim in (1, 2):
         q = Float8BlockQuantizer(torch.float8_e4m3fn, block_dim=block_dim)
