@@ -26,7 +26,15 @@ _NO_RECIPE: Any = object()  # explain(): no recipe argument given
 _MAX_PLANS = 32  # per container
 
 
-@torch._dynamo.assume_constant_result
+def _assume_constant_result(fn: Any) -> Any:
+    """``torch._dynamo.assume_constant_result(fn)`` without importing dynamo when fusible is
+    imported (``torch._dynamo`` takes about a second to import, and eager users never need it):
+    the same mark that function sets (test_import checks that it is the mark dynamo sets)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _traced_activate(seq_uid: str, recipe_key: str | None) -> int:
     """Make the recipe states of the Sequential ``seq_uid``'s ops those of the recipe with key
     ``recipe_key`` (see :meth:`Sequential._activate`). Under ``torch.compile`` this runs at
@@ -49,7 +57,7 @@ def _traced_activate(seq_uid: str, recipe_key: str | None) -> int:
     return 0
 
 
-@torch._dynamo.assume_constant_result
+@_assume_constant_result
 def _traced_plan_id(seq_uid: str, key: tuple[Any, ...], recipe_key: str | None) -> int:
     """The id of the plan for ``key`` (see :meth:`Sequential._traced_key`), built on first use.
     Under ``torch.compile`` this runs at trace time and its result is a constant of the graph:
