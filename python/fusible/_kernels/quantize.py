@@ -2,10 +2,14 @@
 
 Per-tensor FP8
 --------------
-``quantize_fp8(x, scale, fp8_dtype, rowwise, columnwise) -> (data, data_t, scale_inv, amax)``
+``quantize_fp8(x, scale, fp8_dtype, rowwise, columnwise, amax_into=None)
+-> (data, data_t, scale_inv, amax)``
     Cast with a given per-tensor ``scale`` (delayed scaling), one pass: ``data`` has ``x``'s shape,
     ``data_t`` is the transposed matrix ``[k, rows]`` (empty unless ``columnwise``),
-    ``scale_inv = 1/scale`` and ``amax = max|x|`` are float32 of shape ``(1,)``.
+    ``scale_inv = 1/scale`` and ``amax = max|x|`` are float32 of shape ``(1,)``. With
+    ``amax_into`` (float32, one value, mutated: a delayed-scaling history slot) the kernel
+    max-combines ``max|x|`` into it instead (``amax_into = max(amax_into, max|x|)`` on the float
+    bits, NaN wins: ``fus_quantized.amax_accumulate``) and the returned ``amax`` is empty.
 ``quantize_fp8_current(x, fp8_dtype, margin, rowwise, columnwise)
 -> (data, data_t, scale, scale_inv, amax)``
     Current scaling: amax pass, ``scale = fp8_max / amax / 2**margin``, cast pass.
@@ -49,7 +53,9 @@ Grouped (MoE experts; fus_quantize_grouped)
     ``quantize_fp8_current`` (``scales`` None, with ``margin``) makes for that group: lists
     ``data`` (the group's shape), ``data_t`` (``[k, rows_g]``) and ``scale_inv`` (``(1,)`` each);
     ``amax`` float32 ``[G]``; ``scale`` ``[G]`` (current scaling; empty for delayed). On CUDA a
-    constant number of launches for all groups.
+    constant number of launches for all groups. ``amax_into`` (delayed scaling only; float32
+    ``(G,)`` of any positive stride, mutated): each group's amax max-combined into its element,
+    as ``quantize_fp8``'s, and ``amax`` returned empty.
 """
 
 from __future__ import annotations
@@ -135,9 +141,12 @@ def _dequantize_fake(op: str, scale_name: str) -> Any:
 
 
 @_fake("quantize_fp8")
-def _quantize_fp8_fake(x, scale, fp8_dtype, rowwise, columnwise):
+def _quantize_fp8_fake(x, scale, fp8_dtype, rowwise, columnwise, amax_into=None):
     _check_same_device("quantize_fp8", "scale", scale, x.device)
     data, data_t = _fp8_outputs("quantize_fp8", x, fp8_dtype, rowwise, columnwise)
+    if amax_into is not None:  # accumulated into amax_into: the returned amax is empty
+        _check_same_device("quantize_fp8", "amax_into", amax_into, x.device)
+        return data, data_t, scale.new_empty(1), scale.new_empty(0)
     return data, data_t, scale.new_empty(1), scale.new_empty(1)
 
 
@@ -182,12 +191,20 @@ _dequantize_fp8_block_fake = _dequantize_fake("dequantize_fp8_block", "scale_inv
 
 
 @_fake("grouped_quantize_fp8")
-def _grouped_quantize_fp8_fake(x, m_splits, scales, fp8_dtype, margin, rowwise, columnwise):
+def _grouped_quantize_fp8_fake(x, m_splits, scales, fp8_dtype, margin, rowwise, columnwise,
+                               amax_into=None):  # fmt: skip
     op = "grouped_quantize_fp8"
     mats = _group_mats(op, "x", x, m_splits)
     dev = x[0].device
     if scales is not None:
         _check_same_device(op, "scales", scales, dev)
+    if amax_into is not None:
+        if scales is None:
+            raise ValueError(
+                f"fusible.{op}: argument 'amax_into' needs 'scales' (delayed scaling); current "
+                "scaling scales each group by its own amax"
+            )
+        _check_same_device(op, "amax_into", amax_into, dev)
     if fp8_dtype not in FP8_DTYPES:
         raise TypeError(
             f"fusible.{op}: argument 'fp8_dtype' must be torch.float8_e4m3fn or "
@@ -205,6 +222,6 @@ def _grouped_quantize_fp8_fake(x, m_splits, scales, fp8_dtype, margin, rowwise, 
         data_t.append(dt)
         scale_inv.append(torch.empty(1, dtype=torch.float32, device=dev))
     f32 = torch.float32
-    amax = torch.empty(g, dtype=f32, device=dev)
+    amax = torch.empty(0 if amax_into is not None else g, dtype=f32, device=dev)
     scale = torch.empty(g if scales is None else 0, dtype=f32, device=dev)
     return data, data_t, scale_inv, amax, scale
