@@ -263,8 +263,10 @@ Tensor dequantize_fp8_block(const Tensor& data, const Tensor& scale_inv, int64_t
 
 std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor>
 grouped_quantize_fp8(at::TensorList x, at::IntArrayRef m_splits, const OptTensor& scales,
-                     at::ScalarType fp8_dtype, int64_t margin, bool rowwise, bool columnwise,
-                     const OptTensor& amax_into) {
+                     at::ScalarType fp8_dtype, int64_t margin, bool rowwise, bool columnwise) {
+  // No amax_into here (the groups' amaxes are returned and folded by the caller): torch's
+  // functionalization (auto_functionalized) takes no mutable operator returning Tensor[].
+  // The C API accumulates for grouped casts too (fus_quantized.amax_accumulate).
   const char* op = "grouped_quantize_fp8";
   Groups g = split_groups(op, "x", x, m_splits, high_precision());
   check_fp8_dtype(op, fp8_dtype);
@@ -280,24 +282,6 @@ grouped_quantize_fp8(at::TensorList x, at::IntArrayRef m_splits, const OptTensor
                     ",) (one delayed-scaling scale per group), got shape ",
                     shape_str(scales->sizes()));
   }
-  const bool acc = amax_into.has_value();
-  if (acc) {
-    // One running amax per group: a 1-D float32 view of any stride (the groups' history slots,
-    // evenly spaced in one state's row).
-    FUS_VALUE_CHECK(!current, op,
-                    "argument 'amax_into' needs 'scales' (delayed scaling); current scaling "
-                    "scales each group by its own amax");
-    const Tensor& a = *amax_into;
-    FUS_TYPE_CHECK(a.scalar_type() == at::kFloat, op,
-                   "argument 'amax_into' must have dtype torch.float32, got ",
-                   dtype_name(a.scalar_type()));
-    FUS_VALUE_CHECK(a.device() == like.device(), op, "argument 'amax_into' is on ",
-                    a.device().str(), ", expected the input's device ", like.device().str());
-    FUS_VALUE_CHECK(a.dim() == 1 && a.size(0) == count && a.stride(0) >= 1, op,
-                    "argument 'amax_into' must be float32 of shape (", count,
-                    ",) with a positive stride (one running amax per group), got shape ",
-                    shape_str(a.sizes()), ", stride ", shape_str(a.strides()));
-  }
   std::vector<Tensor> data, data_t, scale_inv;
   data.reserve(count);
   data_t.reserve(count);
@@ -312,14 +296,13 @@ grouped_quantize_fp8(at::TensorList x, at::IntArrayRef m_splits, const OptTensor
     data_t.push_back(columnwise ? empty({cols, rows}, fp8_dtype, like) : nothing(fp8_dtype, like));
     scale_inv.push_back(empty({1}, at::kFloat, like));
   }
-  Tensor amax = acc ? nothing(at::kFloat, like) : empty({count}, at::kFloat, like);
+  Tensor amax = empty({count}, at::kFloat, like);
   Tensor scale = current ? empty({count}, at::kFloat, like) : nothing(at::kFloat, like);
   if (shapes_only(like)) return {data, data_t, scale_inv, amax, scale};
 
   std::vector<fus_tensor> in(count);
   std::vector<fus_quantized> out(count);
-  float* amax_p = acc ? fptr(*amax_into) : fptr(amax);
-  const int64_t amax_step = acc ? amax_into->stride(0) : 1;
+  float* amax_p = fptr(amax);
   float* scale_p = current ? fptr(scale) : fptr(*scales);
   for (int64_t i = 0; i < count; ++i) {
     const Tensor& m = g.mats[i];
@@ -334,10 +317,10 @@ grouped_quantize_fp8(at::TensorList x, at::IntArrayRef m_splits, const OptTensor
                            ptr(scale_inv[i]),
                            nullptr,
                            scale_p ? scale_p + i : nullptr,
-                           amax_p ? amax_p + i * amax_step : nullptr,
+                           amax_p ? amax_p + i : nullptr,
                            0,
                            0.0f,
-                           acc ? 1 : 0};
+                           0};
   }
   const fus_context ctx = context_of(like);
   check_status(op, fus_quantize_grouped(in.data(), out.data(), count, current ? 1 : 0,
@@ -362,7 +345,7 @@ const char* const kSchemas[] = {
     "dequantize_fp8_block(Tensor data, Tensor scale_inv, SymInt block_dim, ScalarType out_dtype)"
     " -> Tensor",
     "grouped_quantize_fp8(Tensor[] x, SymInt[] m_splits, Tensor? scales, ScalarType fp8_dtype,"
-    " SymInt margin, bool rowwise, bool columnwise, Tensor(a!)? amax_into=None)"
+    " SymInt margin, bool rowwise, bool columnwise)"
     " -> (Tensor[], Tensor[], Tensor[], Tensor, Tensor)",
 };
 

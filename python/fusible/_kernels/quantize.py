@@ -53,9 +53,9 @@ Grouped (MoE experts; fus_quantize_grouped)
     ``quantize_fp8_current`` (``scales`` None, with ``margin``) makes for that group: lists
     ``data`` (the group's shape), ``data_t`` (``[k, rows_g]``) and ``scale_inv`` (``(1,)`` each);
     ``amax`` float32 ``[G]``; ``scale`` ``[G]`` (current scaling; empty for delayed). On CUDA a
-    constant number of launches for all groups. ``amax_into`` (delayed scaling only; float32
-    ``(G,)`` of any positive stride, mutated): each group's amax max-combined into its element,
-    as ``quantize_fp8``'s, and ``amax`` returned empty.
+    constant number of launches for all groups. (No ``amax_into``: torch's functionalization
+    takes no mutating operator that returns lists, so the caller folds ``amax`` into the history
+    with one strided maximum; the C API can accumulate, ``fus_quantized.amax_accumulate``.)
 """
 
 from __future__ import annotations
@@ -191,20 +191,12 @@ _dequantize_fp8_block_fake = _dequantize_fake("dequantize_fp8_block", "scale_inv
 
 
 @_fake("grouped_quantize_fp8")
-def _grouped_quantize_fp8_fake(x, m_splits, scales, fp8_dtype, margin, rowwise, columnwise,
-                               amax_into=None):  # fmt: skip
+def _grouped_quantize_fp8_fake(x, m_splits, scales, fp8_dtype, margin, rowwise, columnwise):
     op = "grouped_quantize_fp8"
     mats = _group_mats(op, "x", x, m_splits)
     dev = x[0].device
     if scales is not None:
         _check_same_device(op, "scales", scales, dev)
-    if amax_into is not None:
-        if scales is None:
-            raise ValueError(
-                f"fusible.{op}: argument 'amax_into' needs 'scales' (delayed scaling); current "
-                "scaling scales each group by its own amax"
-            )
-        _check_same_device(op, "amax_into", amax_into, dev)
     if fp8_dtype not in FP8_DTYPES:
         raise TypeError(
             f"fusible.{op}: argument 'fp8_dtype' must be torch.float8_e4m3fn or "
@@ -222,6 +214,6 @@ def _grouped_quantize_fp8_fake(x, m_splits, scales, fp8_dtype, margin, rowwise, 
         data_t.append(dt)
         scale_inv.append(torch.empty(1, dtype=torch.float32, device=dev))
     f32 = torch.float32
-    amax = torch.empty(0 if amax_into is not None else g, dtype=f32, device=dev)
+    amax = torch.empty(g, dtype=f32, device=dev)
     scale = torch.empty(g if scales is None else 0, dtype=f32, device=dev)
     return data, data_t, scale_inv, amax, scale
