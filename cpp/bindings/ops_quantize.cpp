@@ -166,8 +166,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mxfp8(const Tensor& x, at::S
   Tensor col_scale =
       columnwise ? empty({ceil_div(rows, FUS_MXFP8_BLOCK), cols}, u8, x) : nothing(u8, x);
   if (!shapes_only(x)) {
-    fus_quantized q{FUS_SCALING_MXFP8, code_of(fp8_dtype), rows,    cols,    ptr(data), ptr(col),
-                    ptr(scale),        ptr(col_scale),     nullptr, nullptr, 0,         0.0f,
+    fus_quantized q{FUS_SCALING_MXFP8,
+                    code_of(fp8_dtype),
+                    rows,
+                    cols,
+                    ptr(data),
+                    ptr(col),
+                    ptr(scale),
+                    ptr(col_scale),
+                    nullptr,
+                    nullptr,
+                    0,
+                    0.0f,
                     0};
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);

@@ -853,8 +853,7 @@ void norm_forward_cuda(const NormFwdArgs& a, const fus_context& ctx) {
   float* scale_inv = per_tensor ? static_cast<float*>(q->rowwise_scale_inv) : nullptr;
   float* amax = q ? q->amax : nullptr;
   // Accumulating (q->amax_accumulate): the blocks' atomicMax combines into the caller's value.
-  if (amax && !q->amax_accumulate)
-    FUS_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  if (amax && !q->amax_accumulate) FUS_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
   if (rows == 0) {
     if (scale_inv) {
       fused::scale_inv_kernel<<<1, 1, 0, stream>>>(q->scale, scale_inv);

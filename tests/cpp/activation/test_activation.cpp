@@ -852,8 +852,19 @@ TEST(ActAmaxAccumulate, ForwardAndBackwardMaxCombineIntoPresetValue) {
   const fus_context ctx = cpu_ctx();
   for (int bwd = 0; bwd < 2; ++bwd) {
     auto run = [&](float* amax, int acc) {
-      fus_quantized q{FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, rows, cols, data.data(), nullptr,
-                      &scale_inv, nullptr, &scale, amax, 0, 0.0f, acc};
+      fus_quantized q{FUS_SCALING_PER_TENSOR,
+                      FUS_FLOAT8_E4M3,
+                      rows,
+                      cols,
+                      data.data(),
+                      nullptr,
+                      &scale_inv,
+                      nullptr,
+                      &scale,
+                      amax,
+                      0,
+                      0.0f,
+                      acc};
       if (bwd)
         return fus_activation_backward(FUS_ACT_GELU, &gm, &xm, nullptr, &q, nullptr, nullptr, 0,
                                        &ctx);

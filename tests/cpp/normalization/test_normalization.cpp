@@ -843,8 +843,19 @@ TEST(NormAmaxAccumulate, MaxCombinesIntoPresetValue) {
   const fus_tensor xm{x.data(), FUS_FLOAT32, rows, cols}, gm{gamma.data(), FUS_FLOAT32, 1, cols};
   const fus_context ctx = cpu_ctx();
   auto run = [&](float* amax, int acc) {
-    fus_quantized q{FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, rows, cols, data.data(), nullptr,
-                    &scale_inv, nullptr, &scale, amax, 0, 0.0f, acc};
+    fus_quantized q{FUS_SCALING_PER_TENSOR,
+                    FUS_FLOAT8_E4M3,
+                    rows,
+                    cols,
+                    data.data(),
+                    nullptr,
+                    &scale_inv,
+                    nullptr,
+                    &scale,
+                    amax,
+                    0,
+                    0.0f,
+                    acc};
     return fus_norm_forward(FUS_NORM_RMSNORM, &xm, &gm, nullptr, 1e-5f, 0, nullptr, &q, nullptr,
                             rstd.data(), &ctx);
   };

@@ -2143,8 +2143,19 @@ fus_status accumulate_cast(const std::vector<float>& x, int64_t rows, int64_t co
   float scale = 1.0f;
   bytes->assign(static_cast<size_t>(rows * cols), 0);
   const fus_tensor in{x.empty() ? nullptr : const_cast<float*>(x.data()), FUS_FLOAT32, rows, cols};
-  fus_quantized q{mode,    FUS_FLOAT8_E4M3, rows,  cols,  bytes->empty() ? nullptr : bytes->data(),
-                  nullptr, scales.data(),   nullptr, &scale, amax, 0, 0.0f, accumulate};
+  fus_quantized q{mode,
+                  FUS_FLOAT8_E4M3,
+                  rows,
+                  cols,
+                  bytes->empty() ? nullptr : bytes->data(),
+                  nullptr,
+                  scales.data(),
+                  nullptr,
+                  &scale,
+                  amax,
+                  0,
+                  0.0f,
+                  accumulate};
   const fus_context ctx = cpu_ctx();
   return fus_quantize(&in, &q, &ctx);
 }
@@ -2155,8 +2166,8 @@ TEST(AmaxAccumulate, MaxCombinesIntoPresetValueOnTheBitsInEveryMode) {
   const int64_t rows = 7, cols = 33;
   std::vector<float> x(static_cast<size_t>(rows * cols));
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(static_cast<int>(i % 13) - 6) / 4;
-  for (fus_scaling_mode mode : {FUS_SCALING_PER_TENSOR, FUS_SCALING_MXFP8, FUS_SCALING_BLOCK_1D,
-                                FUS_SCALING_BLOCK_2D}) {
+  for (fus_scaling_mode mode :
+       {FUS_SCALING_PER_TENSOR, FUS_SCALING_MXFP8, FUS_SCALING_BLOCK_1D, FUS_SCALING_BLOCK_2D}) {
     float own = -1.0f;
     std::vector<uint8_t> ref, got;
     ASSERT_EQ(accumulate_cast(x, rows, cols, mode, &own, 0, &ref), FUS_SUCCESS) << fus_last_error();
@@ -2179,11 +2190,13 @@ TEST(AmaxAccumulate, MaxCombinesIntoPresetValueOnTheBitsInEveryMode) {
   // Two casts accumulate (micro-batches of one step): the max over both.
   std::vector<float> small(x.size(), 0.25f);
   amax = 0.0f;
-  ASSERT_EQ(accumulate_cast(small, rows, cols, FUS_SCALING_PER_TENSOR, &amax, 1, &got), FUS_SUCCESS);
+  ASSERT_EQ(accumulate_cast(small, rows, cols, FUS_SCALING_PER_TENSOR, &amax, 1, &got),
+            FUS_SUCCESS);
   x[5] = 2.0f;
   ASSERT_EQ(accumulate_cast(x, rows, cols, FUS_SCALING_PER_TENSOR, &amax, 1, &got), FUS_SUCCESS);
   EXPECT_EQ(amax, 2.0f);
-  ASSERT_EQ(accumulate_cast(small, rows, cols, FUS_SCALING_PER_TENSOR, &amax, 1, &got), FUS_SUCCESS);
+  ASSERT_EQ(accumulate_cast(small, rows, cols, FUS_SCALING_PER_TENSOR, &amax, 1, &got),
+            FUS_SUCCESS);
   EXPECT_EQ(amax, 2.0f);
 }
 
@@ -2212,8 +2225,19 @@ TEST(AmaxAccumulate, BadFlagNullAmaxAndCurrentScalingAreRejected) {
   float scale = 1.0f, scale_inv = 0.0f;
   std::vector<uint8_t> data(16);
   const fus_tensor in{x.data(), FUS_FLOAT32, 4, 4};
-  fus_quantized q{FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, 4, 4, data.data(), nullptr, &scale_inv,
-                  nullptr, &scale, &amax, 0, 0.0f, 1};
+  fus_quantized q{FUS_SCALING_PER_TENSOR,
+                  FUS_FLOAT8_E4M3,
+                  4,
+                  4,
+                  data.data(),
+                  nullptr,
+                  &scale_inv,
+                  nullptr,
+                  &scale,
+                  &amax,
+                  0,
+                  0.0f,
+                  1};
   const fus_context ctx = cpu_ctx();
   EXPECT_EQ(fus_quantize_current_scaling(&in, &q, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(fus_last_error()).find("amax_accumulate must be 0"), std::string::npos);
@@ -2226,12 +2250,12 @@ TEST(AmaxAccumulate, GroupedDelayedCastsAccumulatePerGroup) {
   std::vector<uint8_t> da(rows * cols), db(rows * cols);
   float scale[2] = {1.0f, 1.0f}, scale_inv[2] = {0.0f, 0.0f};
   float hist[4] = {1.0f, -7.0f, 2.0f, -7.0f};  // groups' slots at a stride of 2
-  const fus_tensor in[2] = {{a.data(), FUS_FLOAT32, rows, cols}, {b.data(), FUS_FLOAT32, rows, cols}};
-  fus_quantized q[2] = {
-      {FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, rows, cols, da.data(), nullptr, &scale_inv[0],
-       nullptr, &scale[0], &hist[0], 0, 0.0f, 1},
-      {FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, rows, cols, db.data(), nullptr, &scale_inv[1],
-       nullptr, &scale[1], &hist[2], 0, 0.0f, 1}};
+  const fus_tensor in[2] = {{a.data(), FUS_FLOAT32, rows, cols},
+                            {b.data(), FUS_FLOAT32, rows, cols}};
+  fus_quantized q[2] = {{FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, rows, cols, da.data(), nullptr,
+                         &scale_inv[0], nullptr, &scale[0], &hist[0], 0, 0.0f, 1},
+                        {FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, rows, cols, db.data(), nullptr,
+                         &scale_inv[1], nullptr, &scale[1], &hist[2], 0, 0.0f, 1}};
   const fus_context ctx = cpu_ctx();
   ASSERT_EQ(fus_quantize_grouped(in, q, 2, 0, 0, &ctx), FUS_SUCCESS) << fus_last_error();
   EXPECT_EQ(hist[0], 1.0f);  // max(1, 0.5)
