@@ -35,7 +35,7 @@ std::vector<int64_t> out_shape(const char* op, const Tensor& x, int kind,
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_fwd(
     const Tensor& x, c10::string_view kind_name, std::optional<at::ScalarType> out_dtype,
     c10::string_view quant_name, at::ScalarType fp8_dtype, const OptTensor& scale, bool rowwise,
-    bool columnwise, bool power_2_scale, double amax_epsilon) {
+    bool columnwise, bool power_2_scale, double amax_epsilon, const OptTensor& amax_into) {
   const char* op = "act_fwd";
   check_tensor(op, "x", x, high_precision());
   const int kind = check_choice(op, "kind", kind_name, kActivations);
@@ -43,6 +43,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_fwd(
   check_opt_out_dtype(op, out_dtype);
   const int quant = check_quant_args(op, quant_name, fp8_dtype, scale, rowwise, columnwise,
                                      amax_epsilon, x.device());
+  check_amax_into(op, amax_into, quant, x.device());
   FUS_VALUE_CHECK(out_dtype.has_value() || quant != kQuantNone, op,
                   "nothing to compute: out_dtype is None and quant='none'");
   FUS_VALUE_CHECK(x.size(-1) != 0, op, "argument 'x' must have a non-empty last dimension");
@@ -50,9 +51,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_fwd(
   const int64_t h = shape.back();
   Tensor y = out_dtype.has_value() ? empty(shape, *out_dtype, x) : nothing(x.scalar_type(), x);
   std::vector<Tensor> q = quant_outputs(shape, x, quant, fp8_dtype, rowwise, columnwise);
+  std::optional<fus_quantized> qv;
+  if (!shapes_only(x))
+    qv = quantized_view(quant, fp8_dtype, rows, h, q, 0, scale, power_2_scale, amax_epsilon);
+  accumulate_into(qv, q, 0, amax_into, x);
   if (!shapes_only(x)) {
-    std::optional<fus_quantized> qv =
-        quantized_view(quant, fp8_dtype, rows, h, q, 0, scale, power_2_scale, amax_epsilon);
     const fus_tensor xm = mat(x, rows, k);
     fus_tensor ym = out_dtype.has_value() ? mat(y, rows, h) : kAbsent;
     const fus_context ctx = context_of(x);
@@ -67,7 +70,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_bwd(
     const Tensor& grad, const Tensor& x, c10::string_view kind_name,
     std::optional<at::ScalarType> out_dtype, c10::string_view quant_name, at::ScalarType fp8_dtype,
     const OptTensor& scale, bool rowwise, bool columnwise, bool with_dbias, bool power_2_scale,
-    double amax_epsilon) {
+    double amax_epsilon, const OptTensor& amax_into) {
   const char* op = "act_bwd";
   check_tensor(op, "grad", grad, high_precision());
   const c10::Device dev = grad.device();
@@ -81,6 +84,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_bwd(
   check_opt_out_dtype(op, out_dtype);
   const int quant =
       check_quant_args(op, quant_name, fp8_dtype, scale, rowwise, columnwise, amax_epsilon, dev);
+  check_amax_into(op, amax_into, quant, dev);
   FUS_VALUE_CHECK(out_dtype.has_value() || quant != kQuantNone || with_dbias, op,
                   "nothing to compute: out_dtype is None, quant='none' and with_dbias is False");
   FUS_VALUE_CHECK(x.size(-1) != 0, op, "argument 'x' must have a non-empty last dimension");
@@ -91,9 +95,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_bwd(
       out_dtype.has_value() ? empty(x.sizes(), *out_dtype, x) : nothing(grad.scalar_type(), x);
   std::vector<Tensor> q = quant_outputs(x.sizes(), x, quant, fp8_dtype, rowwise, columnwise);
   Tensor dbias = empty({with_dbias ? k : 0}, dt, x);
+  std::optional<fus_quantized> qv;
+  if (!shapes_only(grad))
+    qv = quantized_view(quant, fp8_dtype, rows, k, q, 0, scale, power_2_scale, amax_epsilon);
+  accumulate_into(qv, q, 0, amax_into, x);
   if (!shapes_only(grad)) {
-    std::optional<fus_quantized> qv =
-        quantized_view(quant, fp8_dtype, rows, k, q, 0, scale, power_2_scale, amax_epsilon);
     const fus_context ctx = context_of(grad);
     size_t ws_bytes = 0;
     if (with_dbias)
@@ -115,10 +121,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> act_bwd(
 const char* const kSchemas[] = {
     "act_fwd(Tensor x, str kind, ScalarType? out_dtype, str quant, ScalarType fp8_dtype,"
     " Tensor? scale, bool rowwise, bool columnwise, bool power_2_scale=True,"
-    " float amax_epsilon=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    " float amax_epsilon=0.0, Tensor(a!)? amax_into=None)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     "act_bwd(Tensor grad, Tensor x, str kind, ScalarType? out_dtype, str quant,"
     " ScalarType fp8_dtype, Tensor? scale, bool rowwise, bool columnwise, bool with_dbias,"
-    " bool power_2_scale=True, float amax_epsilon=0.0)"
+    " bool power_2_scale=True, float amax_epsilon=0.0, Tensor(a!)? amax_into=None)"
     " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 };
 

@@ -36,7 +36,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_
     const Tensor& x, const Tensor& gamma, const OptTensor& beta, double eps,
     c10::string_view kind_name, bool zero_centered_gamma, std::optional<at::ScalarType> out_dtype,
     c10::string_view quant_name, at::ScalarType fp8_dtype, const OptTensor& scale, bool rowwise,
-    bool columnwise, bool power_2_scale, double amax_epsilon) {
+    bool columnwise, bool power_2_scale, double amax_epsilon, const OptTensor& amax_into) {
   const char* op = "norm_fwd";
   check_tensor(op, "x", x, high_precision());
   auto [rows, cols] = matrix_shape(op, x);
@@ -54,14 +54,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_
   check_opt_out_dtype(op, out_dtype);
   const int quant =
       check_quant_args(op, quant_name, fp8_dtype, scale, rowwise, columnwise, amax_epsilon, dev);
+  check_amax_into(op, amax_into, quant, dev);
 
   Tensor y = out_dtype.has_value() ? empty(x.sizes(), *out_dtype, x) : nothing(x.scalar_type(), x);
   std::vector<Tensor> q = quant_outputs(x.sizes(), x, quant, fp8_dtype, rowwise, columnwise);
   Tensor mean = empty({kind == FUS_NORM_LAYERNORM ? rows : 0}, at::kFloat, x);
   Tensor rstd = empty({rows}, at::kFloat, x);
+  std::optional<fus_quantized> qv;
+  if (!shapes_only(x))
+    qv = quantized_view(quant, fp8_dtype, rows, cols, q, 0, scale, power_2_scale, amax_epsilon);
+  accumulate_into(qv, q, 0, amax_into, x);
   if (!shapes_only(x)) {
-    std::optional<fus_quantized> qv =
-        quantized_view(quant, fp8_dtype, rows, cols, q, 0, scale, power_2_scale, amax_epsilon);
     const fus_tensor xm = mat(x, rows, cols);
     const fus_tensor gm = mat(gamma, 1, cols);
     const fus_tensor bm = beta.has_value() ? mat(*beta, 1, cols) : kAbsent;
@@ -124,7 +127,8 @@ const char* const kSchemas[] = {
     "norm_fwd(Tensor x, Tensor gamma, Tensor? beta, float eps, str kind,"
     " bool zero_centered_gamma, ScalarType? out_dtype, str quant, ScalarType fp8_dtype,"
     " Tensor? scale, bool rowwise, bool columnwise, bool power_2_scale=True,"
-    " float amax_epsilon=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    " float amax_epsilon=0.0, Tensor(a!)? amax_into=None)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     "norm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor gamma, str kind,"
     " bool zero_centered_gamma) -> (Tensor, Tensor, Tensor)",
 };

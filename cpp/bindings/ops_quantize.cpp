@@ -21,7 +21,7 @@ std::pair<Tensor, Tensor> fp8_outputs(const Tensor& x, int64_t rows, int64_t col
 // The fus_quantized view of a per-tensor FP8 cast's outputs.
 fus_quantized per_tensor_view(at::ScalarType fp8_dtype, int64_t rows, int64_t cols,
                               const Tensor& data, const Tensor& data_t, const Tensor& scale_inv,
-                              const Tensor& scale, const Tensor& amax) {
+                              const Tensor& scale, const Tensor& amax, bool accumulate = false) {
   return fus_quantized{FUS_SCALING_PER_TENSOR,
                        code_of(fp8_dtype),
                        rows,
@@ -33,23 +33,29 @@ fus_quantized per_tensor_view(at::ScalarType fp8_dtype, int64_t rows, int64_t co
                        fptr(scale),
                        fptr(amax),
                        0,
-                       0.0f};
+                       0.0f,
+                       accumulate ? 1 : 0};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, const Tensor& scale,
                                                         at::ScalarType fp8_dtype, bool rowwise,
-                                                        bool columnwise) {
+                                                        bool columnwise,
+                                                        const OptTensor& amax_into) {
   const char* op = "quantize_fp8";
   check_tensor(op, "x", x, high_precision());
   check_scalar(op, "scale", scale, x.device());
   check_fp8_dtype(op, fp8_dtype);
   require_a_copy(op, rowwise, columnwise);
+  check_amax_into(op, amax_into, kQuant_PER_TENSOR, x.device());
   auto [rows, cols] = matrix_shape(op, x);
   auto [data, data_t] = fp8_outputs(x, rows, cols, fp8_dtype, rowwise, columnwise);
   Tensor scale_inv = empty({1}, at::kFloat, x);
-  Tensor amax = empty({1}, at::kFloat, x);
+  // Accumulating: the amax goes into amax_into, and the returned one is empty.
+  const bool acc = amax_into.has_value();
+  Tensor amax = acc ? nothing(at::kFloat, x) : empty({1}, at::kFloat, x);
   if (!shapes_only(x)) {
-    fus_quantized q = per_tensor_view(fp8_dtype, rows, cols, data, data_t, scale_inv, scale, amax);
+    fus_quantized q = per_tensor_view(fp8_dtype, rows, cols, data, data_t, scale_inv, scale,
+                                      acc ? *amax_into : amax, acc);
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize(&in, &q, &ctx));
@@ -99,7 +105,8 @@ Tensor dequantize_copy(const char* op, fus_scaling_mode mode, const Tensor& data
                           nullptr,
                           nullptr,
                           0,
-                          0.0f};
+                          0.0f,
+                          0};
     fus_tensor o = mat(out, rows, cols);
     const fus_context ctx = context_of(data);
     check_status(op, fus_dequantize(&q, columnwise ? 1 : 0, &o, &ctx));
@@ -159,8 +166,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mxfp8(const Tensor& x, at::S
   Tensor col_scale =
       columnwise ? empty({ceil_div(rows, FUS_MXFP8_BLOCK), cols}, u8, x) : nothing(u8, x);
   if (!shapes_only(x)) {
-    fus_quantized q{FUS_SCALING_MXFP8, code_of(fp8_dtype), rows,    cols,    ptr(data), ptr(col),
-                    ptr(scale),        ptr(col_scale),     nullptr, nullptr, 0,         0.0f};
+    fus_quantized q{FUS_SCALING_MXFP8,
+                    code_of(fp8_dtype),
+                    rows,
+                    cols,
+                    ptr(data),
+                    ptr(col),
+                    ptr(scale),
+                    ptr(col_scale),
+                    nullptr,
+                    nullptr,
+                    0,
+                    0.0f,
+                    0};
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize(&in, &q, &ctx));
@@ -223,7 +241,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8_block(const Tensor& x,
                     nullptr,
                     nullptr,
                     0,
-                    0.0f};
+                    0.0f,
+                    0};
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize_blockwise(&in, &q, power_2_scale ? 1 : 0,
@@ -255,6 +274,9 @@ Tensor dequantize_fp8_block(const Tensor& data, const Tensor& scale_inv, int64_t
 std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor>
 grouped_quantize_fp8(at::TensorList x, at::IntArrayRef m_splits, const OptTensor& scales,
                      at::ScalarType fp8_dtype, int64_t margin, bool rowwise, bool columnwise) {
+  // No amax_into here (the groups' amaxes are returned and folded by the caller): torch's
+  // functionalization (auto_functionalized) takes no mutable operator returning Tensor[].
+  // The C API accumulates for grouped casts too (fus_quantized.amax_accumulate).
   const char* op = "grouped_quantize_fp8";
   Groups g = split_groups(op, "x", x, m_splits, high_precision());
   check_fp8_dtype(op, fp8_dtype);
@@ -307,7 +329,8 @@ grouped_quantize_fp8(at::TensorList x, at::IntArrayRef m_splits, const OptTensor
                            scale_p ? scale_p + i : nullptr,
                            amax_p ? amax_p + i : nullptr,
                            0,
-                           0.0f};
+                           0.0f,
+                           0};
   }
   const fus_context ctx = context_of(like);
   check_status(op, fus_quantize_grouped(in.data(), out.data(), count, current ? 1 : 0,
@@ -317,8 +340,8 @@ grouped_quantize_fp8(at::TensorList x, at::IntArrayRef m_splits, const OptTensor
 
 // Operator schemas (docs in python/fusible/_kernels/; the C contract in fusible/quantize.h).
 const char* const kSchemas[] = {
-    "quantize_fp8(Tensor x, Tensor scale, ScalarType fp8_dtype, bool rowwise, bool columnwise)"
-    " -> (Tensor, Tensor, Tensor, Tensor)",
+    "quantize_fp8(Tensor x, Tensor scale, ScalarType fp8_dtype, bool rowwise, bool columnwise,"
+    " Tensor(a!)? amax_into=None) -> (Tensor, Tensor, Tensor, Tensor)",
     "quantize_fp8_current(Tensor x, ScalarType fp8_dtype, SymInt margin, bool rowwise,"
     " bool columnwise) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     "dequantize_fp8(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor",

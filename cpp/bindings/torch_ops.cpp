@@ -205,6 +205,23 @@ int check_quant_args(const char* op, std::string_view quant, at::ScalarType fp8_
   return mode;
 }
 
+void check_amax_into(const char* op, const OptTensor& amax_into, int quant, c10::Device device) {
+  if (!amax_into.has_value()) return;
+  FUS_VALUE_CHECK(quant != kQuantNone, op,
+                  "argument 'amax_into' must be None for quant='none' (no cast, no amax)");
+  check_scalar(op, "amax_into", *amax_into, device);
+}
+
+void accumulate_into(std::optional<fus_quantized>& qv, std::vector<Tensor>& outs, size_t first,
+                     const OptTensor& amax_into, const Tensor& like) {
+  if (!amax_into.has_value()) return;
+  outs[first + 4] = nothing(at::kFloat, like);
+  if (qv) {
+    qv->amax = fptr(*amax_into);
+    qv->amax_accumulate = 1;
+  }
+}
+
 std::vector<Tensor> quant_outputs(at::IntArrayRef shape, const Tensor& like, int quant,
                                   at::ScalarType fp8_dtype, bool rowwise, bool columnwise) {
   int64_t rows = 1;
@@ -251,7 +268,8 @@ std::optional<fus_quantized> quantized_view(int quant, at::ScalarType fp8_dtype,
                        mode == FUS_SCALING_PER_TENSOR ? fptr(scale) : nullptr,
                        fptr(outs[first + 4]),
                        power_2_scale ? 1 : 0,
-                       static_cast<float>(amax_epsilon)};
+                       static_cast<float>(amax_epsilon),
+                       0};
 }
 
 std::string nth(const char* name, size_t i) {

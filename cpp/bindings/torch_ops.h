@@ -113,6 +113,15 @@ enum QuantMode {
 inline fus_scaling_mode scaling_mode_of(int quant) {
   return static_cast<fus_scaling_mode>(quant - kQuant_PER_TENSOR);
 }
+// The accumulate target of a cast, argument 'amax_into' (a delayed-scaling history slot): float32
+// of one value on `device` (a (1,) view at any offset of a larger buffer). The cast then
+// max-combines its amax into it (fus_quantized.amax_accumulate) and returns an empty amax; `quant`
+// must not be "none" (kQuantNone: nothing is cast).
+void check_amax_into(const char* op, const OptTensor& amax_into, int quant, c10::Device device);
+// quantized_view's result pointed at amax_into (accumulating) when given, and quant_outputs' amax
+// (outs[first + 4]) replaced by an empty tensor.
+void accumulate_into(std::optional<fus_quantized>& qv, std::vector<Tensor>& outs, size_t first,
+                     const OptTensor& amax_into, const Tensor& like);
 int check_quant_args(const char* op, std::string_view quant, at::ScalarType fp8_dtype,
                      const OptTensor& scale, bool rowwise, bool columnwise, double amax_epsilon,
                      c10::Device device);

@@ -132,6 +132,15 @@ fus_status fus_scaling_mode_layout(fus_scaling_mode mode, int64_t* block_rows, i
  *   power_2_scale         0 or 1, amax_epsilon finite and >= 0: the parameters of the cast's
  *                         scale rule (quantize.h); read only in these two modes
  * amax (optional, all modes): float[1], receives max |x| over X (NaN if X holds a NaN).
+ * amax_accumulate       0 or 1 (all modes; 1 needs amax): 0 overwrites *amax with max |x|; 1
+ *                     max-combines into it, *amax = max(*amax, max |x|), for a running amax (a
+ *                     delayed-scaling history slot: a float[1] that may lie at any offset in a
+ *                     larger buffer; casts of one step accumulate). The max is taken on the float
+ *                     bits as uint32 (abs_bits, as the CUDA backend's atomicMax): with *amax an
+ *                     amax (+0 .. +inf, or a NaN with the sign bit clear) a NaN in either wins,
+ *                     and an empty X leaves *amax unchanged. Not for current scaling, whose amax
+ *                     is the tensor's own (fus_quantize_current_scaling and the grouped current
+ *                     cast reject it).
  */
 typedef struct fus_quantized {
   fus_scaling_mode mode;
@@ -144,8 +153,9 @@ typedef struct fus_quantized {
   void* columnwise_scale_inv;
   float* scale;
   float* amax;
-  int power_2_scale;  /* blockwise modes: scales rounded down to powers of two (0 or 1) */
-  float amax_epsilon; /* blockwise modes: floor on each block's amax (finite, >= 0) */
+  int power_2_scale;   /* blockwise modes: scales rounded down to powers of two (0 or 1) */
+  float amax_epsilon;  /* blockwise modes: floor on each block's amax (finite, >= 0) */
+  int amax_accumulate; /* 0: *amax = max |x|; 1: *amax = max(*amax, max |x|) (see above) */
 } fus_quantized;
 
 /* Message of the last failed call on this thread ("" if none). */

@@ -327,7 +327,8 @@ void act_launch(const ActArgs& a, const fus_context& ctx, bool bwd) {
   const bool per_tensor = q && q->mode == FUS_SCALING_PER_TENSOR;
   float* scale_inv = per_tensor ? static_cast<float*>(q->rowwise_scale_inv) : nullptr;
   float* amax = q ? q->amax : nullptr;
-  if (amax) FUS_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  // Accumulating (q->amax_accumulate): the blocks' atomicMax combines into the caller's value.
+  if (amax && !q->amax_accumulate) FUS_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
 
   if (rows == 0) {
     if (scale_inv) {

@@ -24,6 +24,15 @@
 namespace fusible {
 namespace {
 
+// out.amax (when given) receives the amax whose bits are `bits` (abs_bits), or with
+// out.amax_accumulate the larger of those bits and *out.amax's, compared as uint32: the CUDA
+// backend's atomicMax on the same bits (NaN wins; common.h).
+void store_amax(const fus_quantized& out, uint32_t bits) {
+  if (out.amax == nullptr) return;
+  if (out.amax_accumulate) bits = std::max(bits, float_as_bits(*out.amax));
+  *out.amax = bits_as_float(bits);
+}
+
 constexpr int64_t kTile = 64;  // transpose tile, keeps both copies' writes cache-friendly
 // q[j] = fp8(scale_element(v[j], scale)); returns max(amax, max_j |v[j]|) (ordered bits).
 template <Fp8Format F>
@@ -77,7 +86,7 @@ void quantize_per_tensor(const fus_tensor& in, const fus_quantized& out) {
     tm.at(t0) = amax;
   });
   static_cast<float*>(out.rowwise_scale_inv)[0] = 1.0f / scale;
-  if (out.amax) *out.amax = bits_as_float(tm.max());
+  store_amax(out, tm.max());
 }
 
 template <Fp8Format F>
@@ -149,7 +158,7 @@ void quantize_mxfp8(const fus_tensor& in, const fus_quantized& out) {
     });
     tm.at(b0) = amax;
   });
-  if (out.amax) *out.amax = bits_as_float(tm.max());
+  store_amax(out, tm.max());
 }
 
 // Row r of the input as fp32 (the matrix itself for fp32, else widened into buf).
@@ -245,7 +254,7 @@ void quantize_band(const fus_tensor& in, const fus_quantized& out, int64_t band,
 void cast_cpu(const fus_tensor& input, const fus_quantized& out) {
   const bool blockwise = out.mode == FUS_SCALING_BLOCK_1D || out.mode == FUS_SCALING_BLOCK_2D;
   if (input.rows * input.cols == 0) {
-    if (out.amax) *out.amax = 0.0f;
+    store_amax(out, 0u);
     if (out.mode == FUS_SCALING_PER_TENSOR && out.scale && out.rowwise_scale_inv)
       static_cast<float*>(out.rowwise_scale_inv)[0] = 1.0f / *out.scale;
     return;
@@ -263,7 +272,7 @@ void cast_cpu(const fus_tensor& input, const fus_quantized& out) {
       parallel_for(bands, [&](int64_t b) {
         quantize_band<F>(input, out, b, &amax[static_cast<size_t>(b)]);
       });
-      if (out.amax) *out.amax = bits_as_float(*std::max_element(amax.begin(), amax.end()));
+      store_amax(out, *std::max_element(amax.begin(), amax.end()));
     }
   });
 }

@@ -90,8 +90,9 @@ __device__ __forceinline__ uint32_t amax16_bits(uint32_t m) {
 // ---- amax
 // -----------------------------------------------------------------------------------------
 
-// Max of v over the block, then one atomicMax into *amax (zeroed beforehand on the stream). Every
-// thread of the block must call it; blockDim.x <= 1024.
+// Max of v over the block, then one atomicMax into *amax (zeroed beforehand on the stream, or a
+// running amax the cast accumulates into: fus_quantized.amax_accumulate). Every thread of the
+// block must call it; blockDim.x <= 1024.
 __device__ __forceinline__ void block_amax(uint32_t v, float* amax) {
   __shared__ uint32_t warp_max[32];
 #pragma unroll

@@ -80,6 +80,14 @@ void check_quantized(const char* fn, const char* arg, const fus_quantized* q, in
           FUS_ERROR_INVALID_ARGUMENT,
           where + "->amax_epsilon must be finite and >= 0, got " + std::to_string(q->amax_epsilon));
   }
+  if (q->amax_accumulate != 0 && q->amax_accumulate != 1)
+    throw Error(FUS_ERROR_INVALID_ARGUMENT, where + "->amax_accumulate must be 0 or 1, got " +
+                                                std::to_string(q->amax_accumulate));
+  if (q->amax_accumulate && q->amax == nullptr)
+    throw Error(FUS_ERROR_INVALID_ARGUMENT,
+                where +
+                    "->amax_accumulate is 1 but amax is NULL; expected the float[1] to "
+                    "max-combine into");
   const bool empty = rows * cols == 0;
   if (empty) return;
   if (q->rowwise_data == nullptr && q->columnwise_data == nullptr)

@@ -20,7 +20,8 @@
 // (The FP8 byte transpose, which the normalization family uses too, is common/cast.cu; the
 // tile loads and transposed stores both share are common/tile_io.cuh.)
 // amax is a max over abs_bits (uint32), so NaN propagates; blocks combine with one atomicMax on
-// the bits of a float zeroed by cudaMemsetAsync on the same stream.
+// the bits of a float zeroed by cudaMemsetAsync on the same stream -- or, with amax_accumulate,
+// on the caller's running amax as it is (no reset), the same max over one more value.
 #include <climits>
 
 #include "common/cuda_utils.h"
@@ -539,9 +540,12 @@ void quantize_cuda(const fus_tensor& input, const fus_quantized& out, const fus_
   const cudaStream_t stream = stream_of(ctx);
   const int64_t rows = input.rows, cols = input.cols;
   const bool per_tensor = out.mode == FUS_SCALING_PER_TENSOR;
-  if (out.amax) FUS_CUDA_CHECK(cudaMemsetAsync(out.amax, 0, sizeof(float), stream));
+  // Accumulating (out.amax_accumulate): the blocks' atomicMax combines into the caller's value.
+  if (out.amax && !out.amax_accumulate)
+    FUS_CUDA_CHECK(cudaMemsetAsync(out.amax, 0, sizeof(float), stream));
   if (rows * cols == 0) {
-    // As the CPU backend: amax 0 (above) and, per tensor, scale_inv = 1 / scale.
+    // As the CPU backend: amax 0 (above; unchanged when accumulating) and, per tensor,
+    // scale_inv = 1 / scale.
     if (per_tensor && out.scale && out.rowwise_scale_inv) {
       fused::scale_inv_kernel<<<1, 1, 0, stream>>>(out.scale,
                                                    static_cast<float*>(out.rowwise_scale_inv));
@@ -606,8 +610,9 @@ void quantize_group_chunk(const fus_tensor* inputs, const fus_quantized* outs, i
   z.count = static_cast<int>(count);
   bool any_amax = false;
   for (int64_t g = 0; g < count; ++g) {
-    z.amax[g] = outs[g].amax;
-    any_amax = any_amax || outs[g].amax != nullptr;
+    // An accumulating group's amax is not reset: the cast max-combines into it.
+    z.amax[g] = outs[g].amax_accumulate ? nullptr : outs[g].amax;
+    any_amax = any_amax || z.amax[g] != nullptr;
   }
   if (any_amax) {
     zero_amax_kernel<<<1, kMaxGroups, 0, stream>>>(z);

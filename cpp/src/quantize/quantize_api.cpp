@@ -109,6 +109,8 @@ fus_status fus_quantize_current_scaling(const fus_tensor* input, fus_quantized* 
             "out->mode must be FUS_SCALING_PER_TENSOR (current scaling is per tensor)");
     require(out->amax != nullptr && out->scale != nullptr, fn,
             "out->amax and out->scale must both be float[1]");
+    require(out->amax_accumulate == 0, fn,
+            "out->amax_accumulate must be 0 (current scaling scales by the tensor's own amax)");
     require(out->rowwise_scale_inv != nullptr, fn, "out->rowwise_scale_inv is NULL");
     // Pass 1: amax. Then the scale (one scalar). Pass 2: the cast, which need not re-reduce amax.
     fus_status st = fus_compute_amax(input, out->amax, ctx);
@@ -149,6 +151,9 @@ fus_status fus_quantize_grouped(const fus_tensor* inputs, fus_quantized* outs, i
       if (current_scaling) {
         require(out->amax != nullptr && out->scale != nullptr, fn,
                 out_name + ".amax and " + out_name + ".scale must both be float[1]");
+        require(out->amax_accumulate == 0, fn,
+                out_name +
+                    ".amax_accumulate must be 0 (current scaling scales by the tensor's own amax)");
       } else {
         require(out->scale != nullptr, fn,
                 out_name + ".scale is NULL; delayed scaling casts with a given float[1] scale");

@@ -308,6 +308,21 @@ def _fused_outputs(
     return (y, *_quant_outputs(shape, device, quant, fp8_dtype, rowwise, columnwise))
 
 
+def _accumulated(
+    op: str, outs: tuple[torch.Tensor, ...], at: int, quant: str, amax_into: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """``outs`` of a fused kernel whose amax is ``outs[at]``, as the kernel returns them when it
+    max-combines its amax into ``amax_into`` (float32, one value): that amax empty."""
+    if amax_into is None:
+        return outs
+    if quant == "none":
+        raise ValueError(
+            f"fusible.{op}: argument 'amax_into' must be None for quant='none' (no cast, no amax)"
+        )
+    empty = torch.empty(0, dtype=torch.float32, device=outs[at].device)
+    return (*outs[:at], empty, *outs[at + 1 :])
+
+
 # The quant of a blockwise copy by ``block_dim`` (1: 1x128 blocks, 2: 128x128 blocks).
 _BLOCK_QUANT = {1: "block1d", 2: "block2d"}
 

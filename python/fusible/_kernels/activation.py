@@ -20,6 +20,7 @@ import torch
 
 from fusible._kernels._common import (
     _LIBRARY,
+    _accumulated,
     _c_names,
     _check_devices,
     _check_fused_choices,
@@ -96,17 +97,19 @@ def _act_bwd_outputs(
 
 @_fake("act_fwd")
 def _act_fwd_fake(x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise,
-                  power_2_scale=True, amax_epsilon=0.0):  # fmt: skip
-    _check_devices("act_fwd", x.device, (("scale", scale),))
+                  power_2_scale=True, amax_epsilon=0.0, amax_into=None):  # fmt: skip
+    _check_devices("act_fwd", x.device, (("scale", scale), ("amax_into", amax_into)))
     _check_fused_choices("act_fwd", kind, ACTIVATIONS, quant)
-    return _act_fwd_outputs(x, kind, out_dtype, quant, fp8_dtype, rowwise, columnwise)
+    outs = _act_fwd_outputs(x, kind, out_dtype, quant, fp8_dtype, rowwise, columnwise)
+    return _accumulated("act_fwd", outs, 5, quant, amax_into)
 
 
 @_fake("act_bwd")
 def _act_bwd_fake(
     grad, x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise, with_dbias,
-    power_2_scale=True, amax_epsilon=0.0,
+    power_2_scale=True, amax_epsilon=0.0, amax_into=None,
 ):  # fmt: skip
-    _check_devices("act_bwd", grad.device, (("x", x), ("scale", scale)))
+    _check_devices("act_bwd", grad.device, (("x", x), ("scale", scale), ("amax_into", amax_into)))
     _check_fused_choices("act_bwd", kind, ACTIVATIONS, quant)
-    return _act_bwd_outputs(grad, x, out_dtype, quant, fp8_dtype, rowwise, columnwise, with_dbias)
+    outs = _act_bwd_outputs(grad, x, out_dtype, quant, fp8_dtype, rowwise, columnwise, with_dbias)
+    return _accumulated("act_bwd", outs, 5, quant, amax_into)

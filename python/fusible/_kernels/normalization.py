@@ -17,6 +17,7 @@ import torch
 
 from fusible._kernels._common import (
     _LIBRARY,
+    _accumulated,
     _c_names,
     _check_choice,
     _check_devices,
@@ -85,10 +86,13 @@ def _norm_fwd_fake(
     columnwise,
     power_2_scale=True,
     amax_epsilon=0.0,
+    amax_into=None,
 ):
-    _check_devices("norm_fwd", x.device, (("gamma", gamma), ("beta", beta), ("scale", scale)))
+    _check_devices("norm_fwd", x.device, (("gamma", gamma), ("beta", beta), ("scale", scale),
+                                          ("amax_into", amax_into)))  # fmt: skip
     _check_fused_choices("norm_fwd", kind, NORM_KINDS, quant)
-    return _norm_fwd_outputs(x, kind, out_dtype, quant, fp8_dtype, rowwise, columnwise)
+    outs = _norm_fwd_outputs(x, kind, out_dtype, quant, fp8_dtype, rowwise, columnwise)
+    return _accumulated("norm_fwd", outs, 5, quant, amax_into)
 
 
 @_fake("norm_bwd")

@@ -2,10 +2,14 @@
 
 Per-tensor FP8
 --------------
-``quantize_fp8(x, scale, fp8_dtype, rowwise, columnwise) -> (data, data_t, scale_inv, amax)``
+``quantize_fp8(x, scale, fp8_dtype, rowwise, columnwise, amax_into=None)
+-> (data, data_t, scale_inv, amax)``
     Cast with a given per-tensor ``scale`` (delayed scaling), one pass: ``data`` has ``x``'s shape,
     ``data_t`` is the transposed matrix ``[k, rows]`` (empty unless ``columnwise``),
-    ``scale_inv = 1/scale`` and ``amax = max|x|`` are float32 of shape ``(1,)``.
+    ``scale_inv = 1/scale`` and ``amax = max|x|`` are float32 of shape ``(1,)``. With
+    ``amax_into`` (float32, one value, mutated: a delayed-scaling history slot) the kernel
+    max-combines ``max|x|`` into it instead (``amax_into = max(amax_into, max|x|)`` on the float
+    bits, NaN wins: ``fus_quantized.amax_accumulate``) and the returned ``amax`` is empty.
 ``quantize_fp8_current(x, fp8_dtype, margin, rowwise, columnwise)
 -> (data, data_t, scale, scale_inv, amax)``
     Current scaling: amax pass, ``scale = fp8_max / amax / 2**margin``, cast pass.
@@ -49,7 +53,9 @@ Grouped (MoE experts; fus_quantize_grouped)
     ``quantize_fp8_current`` (``scales`` None, with ``margin``) makes for that group: lists
     ``data`` (the group's shape), ``data_t`` (``[k, rows_g]``) and ``scale_inv`` (``(1,)`` each);
     ``amax`` float32 ``[G]``; ``scale`` ``[G]`` (current scaling; empty for delayed). On CUDA a
-    constant number of launches for all groups.
+    constant number of launches for all groups. (No ``amax_into``: torch's functionalization
+    takes no mutating operator that returns lists, so the caller folds ``amax`` into the history
+    with one strided maximum; the C API can accumulate, ``fus_quantized.amax_accumulate``.)
 """
 
 from __future__ import annotations
@@ -135,9 +141,12 @@ def _dequantize_fake(op: str, scale_name: str) -> Any:
 
 
 @_fake("quantize_fp8")
-def _quantize_fp8_fake(x, scale, fp8_dtype, rowwise, columnwise):
+def _quantize_fp8_fake(x, scale, fp8_dtype, rowwise, columnwise, amax_into=None):
     _check_same_device("quantize_fp8", "scale", scale, x.device)
     data, data_t = _fp8_outputs("quantize_fp8", x, fp8_dtype, rowwise, columnwise)
+    if amax_into is not None:  # accumulated into amax_into: the returned amax is empty
+        _check_same_device("quantize_fp8", "amax_into", amax_into, x.device)
+        return data, data_t, scale.new_empty(1), scale.new_empty(0)
     return data, data_t, scale.new_empty(1), scale.new_empty(1)
 
 

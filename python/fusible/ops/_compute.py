@@ -121,17 +121,20 @@ def handoff_after(q: Quantizer | None, y: torch.Tensor) -> torch.Tensor | HandOf
 
 
 def record_amax(q: Quantizer, amax: torch.Tensor) -> None:
-    """A delayed-scaling quantizer's running amax, for casts done by fused kernels."""
-    if isinstance(q, Float8Quantizer):
+    """A delayed-scaling quantizer's running amax, for an amax a kernel returned (an empty one:
+    the kernel accumulated it into the quantizer's slot, ``amax_into``, already)."""
+    if isinstance(q, Float8Quantizer) and amax.numel():
         q.record_amax(amax)
 
 
-FusedQuant = tuple[str, torch.dtype, torch.Tensor | None, bool, float]
+FusedQuant = tuple[str, torch.dtype, torch.Tensor | None, bool, float, torch.Tensor | None]
 
 
 def fused_quant_args(q: Quantizer | None, device: torch.device) -> FusedQuant | None:
-    """Arguments ``(quant, fp8_dtype, scale, power_2_scale, amax_epsilon)`` with which a
-    norm/activation kernel on ``device`` writes its output quantized by ``q``, or None if that
+    """Arguments ``(quant, fp8_dtype, scale, power_2_scale, amax_epsilon, amax_into)`` with which
+    a norm/activation kernel on ``device`` writes its output quantized by ``q`` (``amax_into``:
+    a delayed-scaling quantizer's history slot, which the kernel max-combines its amax into,
+    :meth:`Float8Quantizer.amax_into`; else None), or None if that
     quantizer is not fused into the kernel there, and the output is cast by a separate pass
     (:func:`handoff_after`: the same bits). Not fused:
     - current scaling: it needs the amax of the whole output before the first cast;
@@ -141,12 +144,12 @@ def fused_quant_args(q: Quantizer | None, device: torch.device) -> FusedQuant | 
       the standalone blockwise cast run at 0.55-0.8 and 0.81-0.89 (benchmarks/results/
       ops_kernels_NVIDIA_H200.json, kernels_NVIDIA_H200.json). The CPU backend fuses them."""
     if isinstance(q, Float8Quantizer):
-        return "fp8", q.dtype, q.scale, True, 0.0
+        return "fp8", q.dtype, q.scale, True, 0.0, q.amax_into()
     if isinstance(q, MXFP8Quantizer):
-        return "mxfp8", q.dtype, None, True, 0.0
+        return "mxfp8", q.dtype, None, True, 0.0, None
     if isinstance(q, Float8BlockQuantizer) and device.type != "cuda":
         quant = "block1d" if q.block_dim == 1 else "block2d"
-        return quant, q.dtype, None, q.power_2_scale, q.amax_epsilon
+        return quant, q.dtype, None, q.power_2_scale, q.amax_epsilon, None
     return None
 
 
@@ -154,7 +157,8 @@ def wrap_quantized(
     q: Quantizer, outs: tuple[torch.Tensor, ...], shape: torch.Size, dtype: torch.dtype
 ) -> HandOff:
     """Hand-off of a kernel's quantized outputs ``(data, data_t|col, scale_inv|scale, col_scale,
-    amax)`` (layouts of ``_kernels.quantize_fp8`` / ``quantize_mxfp8`` / ``quantize_fp8_block``)."""
+    amax)`` (layouts of ``_kernels.quantize_fp8`` / ``quantize_mxfp8`` / ``quantize_fp8_block``;
+    ``amax`` empty when the kernel accumulated it into the quantizer's slot)."""
     data, second, third, col_scale, amax = outs
 
     def opt(t: torch.Tensor) -> torch.Tensor | None:

@@ -182,7 +182,8 @@ class Float8Quantizer(Quantizer):
 
     Casts with ``buffers.scale[slot]`` (the scale computed at the last update) and records the
     tensor's amax into ``buffers.amax_history[0, slot]`` as a running max (so a quantizer used
-    several times before an update records the largest amax; NaN propagates). ``buffers`` is
+    several times before an update records the largest amax; NaN propagates): the cast kernel
+    max-combines it into that slot itself (:meth:`amax_into`). ``buffers`` is
     read at every call, so moving or reloading the state is seen by its quantizers.
     """
 
@@ -249,15 +250,12 @@ class Float8Quantizer(Quantizer):
         x = self._check_input(x)
         r, c = self._usage(rowwise, columnwise)
         if _log_stack:
-            scale, seen = self.scale, None  # through the checkpoint's scale log
+            scale, seen = self.scale, self.amax_into()  # through the checkpoint's scale log
         else:
             scale, seen = self._pair()
-        data, data_t, scale_inv, amax = _ops.quantize_fp8(x, scale, self.dtype, r, c)
-        if not (_log_stack and replaying_scales()):
-            # The kernel's amax: float32 (1,) on the state's device (record_amax's fast case).
-            if seen is None:
-                seen = self._pair()[1]
-            torch.maximum(seen, amax, out=seen)
+        # The kernel max-combines the amax into this step's slot itself (amax_into; None in a
+        # recomputation, which records nothing): no scratch amax, no maximum.
+        data, data_t, scale_inv, _ = _ops.quantize_fp8(x, scale, self.dtype, r, c, seen)
         return Float8Data._trusted(
             data if r else None, data_t if c else None, scale_inv, self.dtype, x.shape
         )
@@ -276,10 +274,19 @@ class Float8Quantizer(Quantizer):
             x.shape,
         )  # fmt: skip
 
+    def amax_into(self) -> torch.Tensor | None:
+        """The slot a cast with :attr:`scale` max-combines its amax into (the kernels'
+        ``amax_into``): this step's running max ``amax_history[0, slot]``, a float32 ``(1,)``
+        view; None inside a checkpoint recomputation, which records nothing (its forward did)."""
+        if _log_stack and replaying_scales():
+            return None
+        return self._pair()[1]
+
     def record_amax(self, amax: torch.Tensor) -> None:
         """Fold ``amax`` (float32, one element) into this step's running max,
-        ``amax_history[0, slot]`` -- for casts done by fused kernels with :attr:`scale`. A
-        checkpoint recomputation records nothing (its forward did)."""
+        ``amax_history[0, slot]`` -- for an amax a kernel returned (one combined across ranks
+        first; the casts themselves accumulate through :meth:`amax_into`). A checkpoint
+        recomputation records nothing (its forward did)."""
         if _log_stack and replaying_scales():
             return
         seen = self._pair()[1]

@@ -2130,3 +2130,136 @@ TEST(CudaVsCpu, TransposeOnNonDefaultStream) {
 INSTANTIATE_TEST_SUITE_P(Fp8, Fp8FormatTest, ::testing::ValuesIn(kFormats), FormatName);
 
 }  // namespace
+
+// ---- amax_accumulate ---------------------------------------------------------------------------
+
+namespace {
+
+// A cast of x [rows, cols] in `mode` (rowwise copy; scale 1) writing or accumulating into *amax.
+fus_status accumulate_cast(const std::vector<float>& x, int64_t rows, int64_t cols,
+                           fus_scaling_mode mode, float* amax, int accumulate,
+                           std::vector<uint8_t>* bytes) {
+  static std::vector<float> scales(4096);
+  float scale = 1.0f;
+  bytes->assign(static_cast<size_t>(rows * cols), 0);
+  const fus_tensor in{x.empty() ? nullptr : const_cast<float*>(x.data()), FUS_FLOAT32, rows, cols};
+  fus_quantized q{mode,
+                  FUS_FLOAT8_E4M3,
+                  rows,
+                  cols,
+                  bytes->empty() ? nullptr : bytes->data(),
+                  nullptr,
+                  scales.data(),
+                  nullptr,
+                  &scale,
+                  amax,
+                  0,
+                  0.0f,
+                  accumulate};
+  const fus_context ctx = cpu_ctx();
+  return fus_quantize(&in, &q, &ctx);
+}
+
+}  // namespace
+
+TEST(AmaxAccumulate, MaxCombinesIntoPresetValueOnTheBitsInEveryMode) {
+  const int64_t rows = 7, cols = 33;
+  std::vector<float> x(static_cast<size_t>(rows * cols));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(static_cast<int>(i % 13) - 6) / 4;
+  for (fus_scaling_mode mode :
+       {FUS_SCALING_PER_TENSOR, FUS_SCALING_MXFP8, FUS_SCALING_BLOCK_1D, FUS_SCALING_BLOCK_2D}) {
+    float own = -1.0f;
+    std::vector<uint8_t> ref, got;
+    ASSERT_EQ(accumulate_cast(x, rows, cols, mode, &own, 0, &ref), FUS_SUCCESS) << fus_last_error();
+    EXPECT_EQ(own, 1.5f);
+    // Smaller, larger, NaN (either sign bit clear), inf and zero presets.
+    for (float preset : {0.0f, 0.5f, 1.5f, 4.0f, inf(), qnan(), u2f(0x7fa00001u)}) {
+      float amax = preset;
+      ASSERT_EQ(accumulate_cast(x, rows, cols, mode, &amax, 1, &got), FUS_SUCCESS)
+          << fus_last_error();
+      EXPECT_EQ(f2u(amax), std::max(f2u(preset), f2u(own))) << mode << " " << preset;
+      EXPECT_EQ(got, ref);  // the cast itself is unchanged
+    }
+  }
+  // A NaN in x wins over any finite preset, as the reset-then-max path's.
+  x[5] = -qnan();
+  float amax = 3.0f;
+  std::vector<uint8_t> got;
+  ASSERT_EQ(accumulate_cast(x, rows, cols, FUS_SCALING_PER_TENSOR, &amax, 1, &got), FUS_SUCCESS);
+  EXPECT_EQ(f2u(amax), 0x7fc00000u);
+  // Two casts accumulate (micro-batches of one step): the max over both.
+  std::vector<float> small(x.size(), 0.25f);
+  amax = 0.0f;
+  ASSERT_EQ(accumulate_cast(small, rows, cols, FUS_SCALING_PER_TENSOR, &amax, 1, &got),
+            FUS_SUCCESS);
+  x[5] = 2.0f;
+  ASSERT_EQ(accumulate_cast(x, rows, cols, FUS_SCALING_PER_TENSOR, &amax, 1, &got), FUS_SUCCESS);
+  EXPECT_EQ(amax, 2.0f);
+  ASSERT_EQ(accumulate_cast(small, rows, cols, FUS_SCALING_PER_TENSOR, &amax, 1, &got),
+            FUS_SUCCESS);
+  EXPECT_EQ(amax, 2.0f);
+}
+
+TEST(AmaxAccumulate, EmptyInputLeavesThePresetAndOverwriteWritesZero) {
+  std::vector<float> none;
+  std::vector<uint8_t> got;
+  float amax = 0.75f;
+  ASSERT_EQ(accumulate_cast(none, 0, 8, FUS_SCALING_PER_TENSOR, &amax, 1, &got), FUS_SUCCESS);
+  EXPECT_EQ(amax, 0.75f);
+  ASSERT_EQ(accumulate_cast(none, 0, 8, FUS_SCALING_PER_TENSOR, &amax, 0, &got), FUS_SUCCESS);
+  EXPECT_EQ(amax, 0.0f);
+}
+
+TEST(AmaxAccumulate, BadFlagNullAmaxAndCurrentScalingAreRejected) {
+  std::vector<float> x(16, 1.0f);
+  std::vector<uint8_t> got;
+  float amax = 0.0f;
+  EXPECT_EQ(accumulate_cast(x, 4, 4, FUS_SCALING_PER_TENSOR, &amax, 2, &got),
+            FUS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fus_last_error()).find("amax_accumulate must be 0 or 1"),
+            std::string::npos);
+  EXPECT_EQ(accumulate_cast(x, 4, 4, FUS_SCALING_PER_TENSOR, nullptr, 1, &got),
+            FUS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fus_last_error()).find("amax is NULL"), std::string::npos);
+
+  float scale = 1.0f, scale_inv = 0.0f;
+  std::vector<uint8_t> data(16);
+  const fus_tensor in{x.data(), FUS_FLOAT32, 4, 4};
+  fus_quantized q{FUS_SCALING_PER_TENSOR,
+                  FUS_FLOAT8_E4M3,
+                  4,
+                  4,
+                  data.data(),
+                  nullptr,
+                  &scale_inv,
+                  nullptr,
+                  &scale,
+                  &amax,
+                  0,
+                  0.0f,
+                  1};
+  const fus_context ctx = cpu_ctx();
+  EXPECT_EQ(fus_quantize_current_scaling(&in, &q, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fus_last_error()).find("amax_accumulate must be 0"), std::string::npos);
+  EXPECT_EQ(fus_quantize_grouped(&in, &q, 1, 1, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT);
+}
+
+TEST(AmaxAccumulate, GroupedDelayedCastsAccumulatePerGroup) {
+  const int64_t rows = 5, cols = 16;
+  std::vector<float> a(rows * cols, 0.5f), b(rows * cols, -3.0f);
+  std::vector<uint8_t> da(rows * cols), db(rows * cols);
+  float scale[2] = {1.0f, 1.0f}, scale_inv[2] = {0.0f, 0.0f};
+  float hist[4] = {1.0f, -7.0f, 2.0f, -7.0f};  // groups' slots at a stride of 2
+  const fus_tensor in[2] = {{a.data(), FUS_FLOAT32, rows, cols},
+                            {b.data(), FUS_FLOAT32, rows, cols}};
+  fus_quantized q[2] = {{FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, rows, cols, da.data(), nullptr,
+                         &scale_inv[0], nullptr, &scale[0], &hist[0], 0, 0.0f, 1},
+                        {FUS_SCALING_PER_TENSOR, FUS_FLOAT8_E4M3, rows, cols, db.data(), nullptr,
+                         &scale_inv[1], nullptr, &scale[1], &hist[2], 0, 0.0f, 1}};
+  const fus_context ctx = cpu_ctx();
+  ASSERT_EQ(fus_quantize_grouped(in, q, 2, 0, 0, &ctx), FUS_SUCCESS) << fus_last_error();
+  EXPECT_EQ(hist[0], 1.0f);  // max(1, 0.5)
+  EXPECT_EQ(hist[2], 3.0f);  // max(2, 3)
+  EXPECT_EQ(hist[1], -7.0f);
+  EXPECT_EQ(hist[3], -7.0f);
+}

@@ -81,7 +81,10 @@ def test_parameter_dtype_change_builds_a_new_plan():
 # <= 2x torch eager, is met. With the forward's and backward's shared fallback check
 # (replay._blocked, one call each) 86, 135, 96, 96. With the compiled Python loop instead
 # (FUSIBLE_REPLAY_CPP=0, one call per operator): 113, 177, 134, 143 (111, 175, 132, 141 before
-# _blocked). Before the replay executor, counted so: 274, 571, 471, 590
+# _blocked); with the delayed-scaling casts accumulating into the history slot themselves
+# (amax_into, no torch.maximum) 171 for delayed -- the C++ loop's 135 is unchanged (the six
+# maximum calls ran inside the loop, not in Python). Before the replay executor, counted so:
+# 274, 571, 471, 590
 # (by total_calls then: 270, 552, 452, 563; with the kernels as C++ torch operators
 # (cpp/bindings/) 404, 771, 656, 719, then with the peak-memory work of issue 13 407, 797, 687,
 # 743; at 7b8f1fd 407, 841, 689, 745; with session 7's trims 408, 813, 677, 741, and after

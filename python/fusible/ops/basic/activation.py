@@ -36,10 +36,10 @@ def _act(x: torch.Tensor, kind: str, glu: bool, q: Quantizer | None) -> torch.Te
         y, *_ = K.act_fwd(x, kind, x.dtype, "none", torch.float8_e4m3fn, None, True, False)
         return y if q is None else C.handoff_after(q, y)
     assert q is not None
-    quant, fp8_dtype, scale, pow2, eps = fused
+    quant, fp8_dtype, scale, pow2, eps, into = fused
     colwise = q.columnwise
     _, d, d2, s, s2, amax = K.act_fwd(x, kind, None, quant, fp8_dtype, scale, True, colwise, pow2,
-                                      eps)  # fmt: skip
+                                      eps, into)  # fmt: skip
     shape = torch.Size((*x.shape[:-1], x.shape[-1] // 2 if glu else x.shape[-1]))
     return C.wrap_quantized(q, (d, d2, s, s2, amax), shape, x.dtype)
 
@@ -77,12 +77,12 @@ def activation_backward(
         del x
         return (dx if q is None else C.handoff_after(q, dx)), (dbias if with_dbias else None)
     assert q is not None
-    quant, fp8_dtype, scale, pow2, eps = fused
+    quant, fp8_dtype, scale, pow2, eps, into = fused
     colwise = q.columnwise
     late_t = colwise and quant == "fp8"  # the transposed copy after the kernel, from the rowwise
     _, d, d2, s, s2, amax, dbias = K.act_bwd(dy, x, kind, None, quant, fp8_dtype, scale, True,
                                              colwise and not late_t, with_dbias, pow2,
-                                             eps)  # fmt: skip
+                                             eps, into)  # fmt: skip
     del x, dy
     if late_t:
         d2 = K.transpose_fp8(C.as_2d(d))

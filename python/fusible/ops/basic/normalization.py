@@ -76,12 +76,12 @@ class _Norm(BasicOperation):
             out = y if q is None else C.handoff_after(q, y)
         else:
             # Norm + quantize: the kernel writes the next op's FP8 input directly.
-            quant, fp8_dtype, scale, pow2, eps = fused
+            quant, fp8_dtype, scale, pow2, eps, into = fused
             assert next_input_quantizer is not None
             colwise = next_input_quantizer.columnwise
             y, d, d2, s, s2, amax, mean, rstd = K.norm_fwd(
                 x, gamma, beta, self.eps, self.kind, self.zero_centered_gamma, None, quant,
-                fp8_dtype, scale, True, colwise, pow2, eps,
+                fp8_dtype, scale, True, colwise, pow2, eps, into,
             )  # fmt: skip
             out = C.wrap_quantized(next_input_quantizer, (d, d2, s, s2, amax), x.shape, x.dtype)
         # What backward reads -- nothing when no gradient reaches here (it does not run).
