@@ -3,8 +3,7 @@
 Per-tensor FP8 at M = N = K = each size and at the MLP block's GEMM shapes
 (``--mlp tokens,hidden,ffn``); then blockwise FP8 (Float8BlockScaling: 1x128 x 128x128 block
 scales, ``fusible.gemm_block``) at the same shapes, against torch._scaled_mm with blockwise
-scales where the installed torch accepts them (else that column says so). With
-FUSIBLE_GEMM_TUNING=N set, fusible times N cuBLASLt candidates per shape (see gemm.cu).
+scales where the installed torch accepts them (else that column says so).
 
 python benchmarks/gemm.py [--sizes 8192,4096] [--mlp 16384,4096,16384] [--out DIR]
 """

@@ -41,8 +41,6 @@
 // allocation is not part of the graph and outlives it).
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -179,126 +177,6 @@ struct Preference {
     FUS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
   }
 };
-
-// ---- algorithm choice -------------------------------------------------------------------------
-// By default the heuristic's first algorithm, as cuBLAS, torch and TransformerEngine do: the same
-// algorithm, so the same bits, in every process. FUSIBLE_GEMM_TUNING=N (2..16) asks the heuristic
-// for N candidates and times them once per problem key on the caller's stream (a warm-up run, then
-// three timed runs each, cudaEvent), keeping the fastest: faster where the heuristic's first is a
-// poor pick, but the choice can differ between processes (timing noise), and each new key costs a
-// host sync and 4N GEMMs, so it suits static shapes. FUSIBLE_GEMM_TUNING_LOG=1 prints the timings.
-int tuning_candidates() {
-  static const int n = [] {
-    const char* e = std::getenv("FUSIBLE_GEMM_TUNING");
-    if (e == nullptr || *e == '\0') return 1;
-    char* end = nullptr;
-    const long v = std::strtol(e, &end, 10);
-    if (*end != '\0' || v < 0 || v > 16)
-      throw Error(FUS_ERROR_INVALID_ARGUMENT,
-                  std::string("fus_gemm: FUSIBLE_GEMM_TUNING must be an integer from 0 to 16 (the "
-                              "number of cuBLASLt candidates to time; 0 or 1: the heuristic's "
-                              "first), got '") +
-                      e + "'");
-    return v < 1 ? 1 : static_cast<int>(v);
-  }();
-  return n;
-}
-
-// One cublasLtMatmul call's arguments, for timing candidates.
-struct TimedLaunch {
-  cublasLtHandle_t handle;
-  cublasLtMatmulDesc_t desc;
-  const void* a;
-  cublasLtMatrixLayout_t a_layout;
-  const void* b;
-  cublasLtMatrixLayout_t b_layout;
-  const void* c;
-  cublasLtMatrixLayout_t c_layout;
-  void* d;
-  cublasLtMatrixLayout_t d_layout;
-  float alpha, beta;
-  void* workspace;
-  cudaStream_t stream;
-  size_t d_bytes;
-  int64_t m, n, k;
-
-  cublasStatus_t run(const cublasLtMatmulAlgo_t& algo, void* d_out) const {
-    return cublasLtMatmul(handle, desc, &alpha, a, a_layout, b, b_layout, &beta, c, c_layout, d_out,
-                          d_layout, &algo, workspace, kWorkspaceBytes, stream);
-  }
-};
-
-struct Event {
-  cudaEvent_t e = nullptr;
-  Event() { FUS_CUDA_CHECK(cudaEventCreate(&e)); }
-  ~Event() {
-    if (e) (void)cudaEventDestroy(e);
-  }
-};
-
-// The fastest of the heuristic's candidates (their order when they tie). *settled is false when
-// the stream is capturing a graph: nothing can be timed then, so the first is returned uncached.
-// Timed runs write D, aux, the bias gradient and amax, which the real call then overwrites; a D
-// that is also the accumulated C (beta != 0) is timed into a scratch buffer instead.
-cublasLtMatmulAlgo_t pick_algo(const std::vector<cublasLtMatmulHeuristicResult_t>& results,
-                               const TimedLaunch& l, bool* settled) {
-  *settled = true;
-  if (results.size() == 1) return results[0].algo;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  FUS_CUDA_CHECK(cudaStreamIsCapturing(l.stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) {
-    *settled = false;
-    return results[0].algo;
-  }
-  static const bool log = [] {
-    const char* e = std::getenv("FUSIBLE_GEMM_TUNING_LOG");
-    return e != nullptr && *e != '\0' && std::string(e) != "0";
-  }();
-  void* out = l.d;
-  void* scratch = nullptr;
-  if (l.beta != 0.0f && l.c == l.d) {
-    if (cudaMalloc(&scratch, l.d_bytes) != cudaSuccess) {
-      (void)cudaGetLastError();  // no room to time in: keep the heuristic's first
-      return results[0].algo;
-    }
-    out = scratch;
-  }
-  Event start, stop;
-  constexpr int kRuns = 3;
-  size_t best = 0;
-  float best_ms = -1.0f;
-  std::string report;
-  for (size_t i = 0; i < results.size(); ++i) {
-    float ms = -1.0f;
-    if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= kWorkspaceBytes &&
-        l.run(results[i].algo, out) == CUBLAS_STATUS_SUCCESS) {
-      FUS_CUDA_CHECK(cudaEventRecord(start.e, l.stream));
-      bool ok = true;
-      for (int r = 0; r < kRuns && ok; ++r)
-        ok = l.run(results[i].algo, out) == CUBLAS_STATUS_SUCCESS;
-      FUS_CUDA_CHECK(cudaEventRecord(stop.e, l.stream));
-      FUS_CUDA_CHECK(cudaEventSynchronize(stop.e));
-      if (ok) {
-        FUS_CUDA_CHECK(cudaEventElapsedTime(&ms, start.e, stop.e));
-        ms /= kRuns;
-      }
-    }
-    if (ms >= 0.0f && (best_ms < 0.0f || ms < best_ms)) {
-      best_ms = ms;
-      best = i;
-    }
-    if (log) report += " " + std::to_string(static_cast<int>(ms * 1000.0f)) + "us";
-  }
-  if (scratch != nullptr) {
-    FUS_CUDA_CHECK(cudaStreamSynchronize(l.stream));
-    FUS_CUDA_CHECK(cudaFree(scratch));
-  }
-  if (log)
-    std::fprintf(stderr, "fusible gemm tuning M=%lld N=%lld K=%lld:%s -> candidate %zu\n",
-                 static_cast<long long>(l.m), static_cast<long long>(l.n),
-                 static_cast<long long>(l.k), report.c_str(), best);
-  return results[best].algo;
-}
 
 cudaDataType_t cuda_type(fus_dtype d) {
   switch (d) {
@@ -585,13 +463,12 @@ void gemm_cuda(const fus_gemm_args& args, const GemmShape& s, const fus_context&
       pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
       pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
       pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
-      const int want = tuning_candidates();
-      std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(want));
-      std::memset(results.data(), 0, results.size() * sizeof(results[0]));
+      cublasLtMatmulHeuristicResult_t result;
+      std::memset(&result, 0, sizeof(result));
       int count = 0;
       const cublasStatus_t hs =
           cublasLtMatmulAlgoGetHeuristic(handle, desc.d, a_layout.l, b_layout.l, c_layout.l,
-                                         d_layout.l, pref.p, want, results.data(), &count);
+                                         d_layout.l, pref.p, 1, &result, &count);
       if (hs == CUBLAS_STATUS_NOT_SUPPORTED || (hs == CUBLAS_STATUS_SUCCESS && count == 0)) {
         throw Error(FUS_ERROR_UNSUPPORTED,
                     std::string("fus_gemm: cuBLASLt has no algorithm for this GEMM on this device "
@@ -604,23 +481,11 @@ void gemm_cuda(const fus_gemm_args& args, const GemmShape& s, const fus_context&
                                      : "); FP8 GEMMs need compute capability 8.9 or newer"));
       }
       FUS_CUBLAS_CHECK(hs);
-      results.resize(static_cast<size_t>(count));
-      const TimedLaunch launch{
-          handle,     desc.d,      args.b.data,
-          a_layout.l, args.a.data, b_layout.l,
-          c_ptr,      c_layout.l,  args.d.data,
-          d_layout.l, alpha,       beta,
-          workspace,  stream,      static_cast<size_t>(s.m * s.n) * fus_dtype_size(args.d.dtype),
-          s.m,        s.n,         s.k};
-      bool settled = true;
-      algo = pick_algo(results, launch, &settled);
-      // Under stream capture the candidates cannot be timed: the heuristic's first is used and
-      // not cached, so the next call outside a capture times them.
-      if (settled) st.algos.emplace(key, algo);
-    } else {
-      algo = it->second;
+      it = st.algos.emplace(key, result.algo).first;
     }
+    algo = it->second;
   }
+
   FUS_CUBLAS_CHECK(cublasLtMatmul(handle, desc.d, &alpha, args.b.data, a_layout.l, args.a.data,
                                   b_layout.l, &beta, c_ptr, c_layout.l, args.d.data, d_layout.l,
                                   &algo, workspace, kWorkspaceBytes, stream));
