@@ -9,11 +9,14 @@ the cache (no weight quantization kernel runs) unless it is invalid; ``None`` ne
 A cache is invalid when the weight was modified in place (its version counter moved), replaced
 (another tensor, or new storage through ``.data =``), or the quantizer changed (recipe kind,
 format, or the state was rebuilt). Under ``torch.compile`` in-place updates cannot be seen (see
-``WorkspaceCache.key_for``): pass ``True`` after changing weights there.
+``WorkspaceCache.key_for``): pass ``True`` after changing weights there. A weight that is FSDP2's
+unsharded parameter (``fully_shard``) is keyed by its sharded parameter instead (see
+``fsdp_param_of``): FSDP2's all-gathers write it without moving its version.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +34,7 @@ from fusible.quantization.quantizers import (
 __all__ = [
     "WorkspaceCache",
     "flatten_workspace",
+    "fsdp_param_of",
     "quantize_weight",
     "unflatten_workspace",
     "workspace_len",
@@ -102,16 +106,50 @@ def unflatten_workspace(tensors: list[torch.Tensor | None], meta: Any) -> Quanti
     return MXFP8Data(data, scale, col_data, col_scale, fp8_dtype, torch.Size(shape))
 
 
+def fsdp_param_of(weight: torch.Tensor) -> Any:
+    """FSDP2's ``FSDPParam`` whose unsharded parameter ``weight`` is, else None.
+
+    FSDP2 writes each all-gather into the unsharded parameter under
+    ``torch.autograd._unsafe_preserve_version_counter`` and, resharded, into storage allocated
+    again each time, so neither its version nor its address tells whether the weight changed.
+    Its sharded parameter does: the optimizer updates that in place (moving the version of its
+    local tensor, a view of FSDP2's padded shard). Found by scanning the FSDP2 states alive
+    (torch's registry of composable states); without FSDP2 imported, nothing is scanned. The
+    unsharded parameter is one object from the first all-gather on, so this runs again only
+    when the weight is another tensor (``WorkspaceCache.store``)."""
+    if "torch.distributed.fsdp._fully_shard._fsdp_param" not in sys.modules:
+        return None
+    from torch.distributed import _composable_state
+
+    for ref in list(_composable_state._module_state_mapping.values()):
+        state = ref()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # older torch: one group, or none
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        for group in groups:
+            for fp in getattr(group, "fsdp_params", ()):
+                if fp.__dict__.get("_unsharded_param") is weight:
+                    return fp
+    return None
+
+
 @dataclass
 class WorkspaceCache:
     """One op's cached workspace and what it was made from."""
 
     workspace: QuantizedData | None = None
     key: Any = None
+    # The FSDP2 FSDPParam of the weight last stored (None: not FSDP2's), and that weight's id.
+    fsdp: Any = None
+    fsdp_for: int | None = None
 
     @staticmethod
     def key_for(
-        weight: torch.Tensor, quantizer: Quantizer, source_dtype: torch.dtype | None = None
+        weight: torch.Tensor,
+        quantizer: Quantizer,
+        source_dtype: torch.dtype | None = None,
+        fsdp: Any = None,
     ) -> Any:
         # Eager: the version counter (in-place updates) and the storage address (``.data =``
         # reassignment, e.g. ``module.to(dtype)``, which keeps the version). Under
@@ -121,7 +159,17 @@ class WorkspaceCache:
         # ``is_first_microbatch=False`` trusts the cache, as in Transformer Engine; pass True
         # after changing weights. Writes through ``weight.data`` (an alias with its own version
         # counter) are invisible to both.
-        state = None if torch.compiler.is_compiling() else (weight._version, weight.data_ptr())
+        # ``fsdp``: the weight is FSDP2's unsharded parameter (``fsdp_param_of``): the address
+        # (allocated again at every all-gather when resharded) is left out and the sharded
+        # parameter's local tensor's version and address stand for the all-gathered data.
+        if torch.compiler.is_compiling():
+            state: Any = None
+        elif fsdp is None:
+            state = (weight._version, weight.data_ptr())
+        else:
+            sharded = fsdp.sharded_param
+            local = getattr(sharded, "_local_tensor", sharded)
+            state = (weight._version, sharded._version, local._version, local.data_ptr())
         # source_dtype: the dtype the workspace was quantized from (a torch.autocast cast of the
         # weight differs from the weight itself).
         return (id(weight), state, weight.device, id(quantizer), type(quantizer),
@@ -134,7 +182,7 @@ class WorkspaceCache:
         (under torch.compile the weight's version is not compared, see ``key_for``)."""
         if self.workspace is None or self.key is None:
             return None
-        key = self.key_for(weight, quantizer, source_dtype)
+        key = self.key_for(weight, quantizer, source_dtype, self.fsdp)
         if torch.compiler.is_compiling():
             key, stored = key[:1] + key[2:], self.key[:1] + self.key[2:]
         else:
@@ -149,7 +197,13 @@ class WorkspaceCache:
         source_dtype: torch.dtype | None = None,
     ) -> None:
         self.workspace = ws
-        self.key = None if ws is None else self.key_for(weight, quantizer, source_dtype)
+        if ws is None:
+            self.key = None
+            return
+        if self.fsdp_for != id(weight) and not torch.compiler.is_compiling():
+            # (A held FSDPParam keeps its unsharded parameter alive: its id is not reused.)
+            self.fsdp, self.fsdp_for = fsdp_param_of(weight), id(weight)
+        self.key = self.key_for(weight, quantizer, source_dtype, self.fsdp)
 
     def clear(self) -> None:
         self.workspace, self.key = None, None

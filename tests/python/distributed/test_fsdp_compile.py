@@ -15,7 +15,7 @@ CASES = [
     *(f"compile_{k}_{r}" for k in ("linear", "lnmlp") for r in (*_RECIPES, "current_inductor")),
     "compile_root_of_sharded_layers",
     "qinit_linear_current", "qinit_lnmlp_current", "qinit_linear_mxfp8",
-    "cache_current", "cache_mxfp8",
+    "cache_delayed", "cache_current", "cache_mxfp8",
     *(f"cache_{r}_kept_unsharded" for r in ("delayed", "current", "mxfp8")),
 ]  # fmt: skip
 
