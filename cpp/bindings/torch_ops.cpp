@@ -1,8 +1,12 @@
 // Helpers shared by the torch operator layer (torch_ops.h).
 #include "torch_ops.h"
 
+#include <ATen/Context.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -171,7 +175,27 @@ void check_status(const char* op, fus_status st) {
 }
 
 Tensor empty(at::IntArrayRef shape, at::ScalarType dtype, const Tensor& like) {
-  return at::empty(shape, at::TensorOptions().dtype(dtype).device(like.device()));
+  // The operators allocate 4-8 outputs each (about 90 a step of a small FP8 block), so on CPU
+  // and CUDA this calls the allocator directly, as aten's own empty kernels do below their
+  // dispatch (BackendSelect, then the backend's kernel): the same allocator, stream and device,
+  // less the dispatcher's work for each call. Other devices (meta under fake tensors), and
+  // deterministic mode's fill of fresh memory, take at::empty.
+  const c10::Device device = like.device();
+  const bool direct = (device.is_cpu() || device.is_cuda()) &&
+                      !c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Meta) &&
+                      !(at::globalContext().deterministicAlgorithms() &&
+                        at::globalContext().deterministicFillUninitializedMemory());
+  if (!direct) return at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
+  if (device.is_cpu()) {
+    return at::detail::empty_generic(shape, c10::GetCPUAllocator(),
+                                     c10::DispatchKeySet(c10::DispatchKey::CPU), dtype,
+                                     std::nullopt);
+  }
+  // The CUDA caching allocator allocates on the current device, with the current stream.
+  const c10::DeviceGuard guard(device);
+  return at::detail::empty_generic(shape, c10::GetAllocator(c10::kCUDA),
+                                   c10::DispatchKeySet(c10::DispatchKey::CUDA), dtype,
+                                   std::nullopt);
 }
 
 std::vector<int64_t> block_scale_shape(int64_t block_dim, int64_t R, int64_t C) {

@@ -226,6 +226,17 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const CastPara
   cast_transpose_body<T, F>(p, *p.scale);
 }
 
+// Current scaling: every block derives the scale from the amax of the amax pass before it with
+// the shared numerics (compute_scale, fallback 1, as scale_from_amax_kernel) and block 0 writes it
+// out, so the scale costs no launch of its own; the bits are those of the two-kernel sequence.
+template <typename T, Fp8Format F>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_current_kernel(const CastParams p, CurrentScale c) {
+  const float scale = compute_scale(*c.amax, c.fp8_max, c.margin, 1.0f);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *c.scale = scale;
+  cast_transpose_body<T, F>(p, scale);
+}
+
 // ---- grouped per-tensor casts (fus_quantize_grouped) ---------------------------------------------
 // One launch casts up to kMaxGroups tensors: blockIdx.y is the group, whose blocks walk its tiles
 // with a stride of gridDim.x (a block past its group's tiles only writes its share of nothing). For
@@ -535,7 +546,8 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DqParams p) 
 
 }  // namespace
 
-void quantize_cuda(const fus_tensor& input, const fus_quantized& out, const fus_context& ctx) {
+void quantize_cuda(const fus_tensor& input, const fus_quantized& out, const fus_context& ctx,
+                   const CurrentScale* current) {
   CudaDeviceGuard guard(ctx.device_index);
   const cudaStream_t stream = stream_of(ctx);
   const int64_t rows = input.rows, cols = input.cols;
@@ -585,6 +597,12 @@ void quantize_cuda(const fus_tensor& input, const fus_quantized& out, const fus_
         per_tensor ? rows % 16 == 0 && is_aligned(p.col, 16) : cols_vec && is_aligned(p.col, N);
     dispatch_fp8(out.dtype, [&](auto f) {
       constexpr Fp8Format F = decltype(f)::value;
+      if (current != nullptr) {
+        const auto kernel = cast_transpose_current_kernel<T, F>;
+        kernel<<<persistent_blocks(kernel, kThreads, tiles), kThreads, 0, stream>>>(p, *current);
+        FUS_CUDA_CHECK_LAUNCH("cast_transpose_current_kernel");
+        return;
+      }
       const auto kernel = per_tensor ? cast_transpose_kernel<T, F> : mxfp8_kernel<T, F>;
       kernel<<<persistent_blocks(kernel, kThreads, tiles), kThreads, 0, stream>>>(p);
       FUS_CUDA_CHECK_LAUNCH(per_tensor ? "cast_transpose_kernel" : "mxfp8_kernel");

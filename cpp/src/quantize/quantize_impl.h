@@ -14,8 +14,19 @@ void dequantize_cpu(const fus_quantized& in, bool columnwise, const fus_tensor& 
 void dequantize_blockwise_cpu(const fus_quantized& in, bool columnwise, const fus_tensor& output);
 
 #if defined(FUSIBLE_WITH_CUDA)
-// Per-tensor and MXFP8 casts.
-void quantize_cuda(const fus_tensor& input, const fus_quantized& out, const fus_context& ctx);
+// The current-scaling scale rule applied inside a per-tensor cast: scale = compute_scale(*amax,
+// fp8_max, margin) (the reduced amax of the input), written to *scale.
+struct CurrentScale {
+  const float* amax;
+  float* scale;
+  float fp8_max;
+  int margin;
+};
+
+// Per-tensor and MXFP8 casts; with `current` (per tensor, non-empty input, out.amax null) the
+// cast derives out.scale from current->amax first (one launch instead of two).
+void quantize_cuda(const fus_tensor& input, const fus_quantized& out, const fus_context& ctx,
+                   const CurrentScale* current = nullptr);
 // Blockwise casts (out.power_2_scale, out.amax_epsilon).
 void quantize_blockwise_cuda(const fus_tensor& input, const fus_quantized& out,
                              const fus_context& ctx);

@@ -79,9 +79,7 @@ void delayed_scaling_update_cuda(const fus_delayed_scaling_group* groups, int nu
                                  fus_amax_algo algo, int margin, const fus_context& ctx) {
   CudaDeviceGuard guard(ctx.device_index);
   const cudaStream_t stream = stream_of(ctx);
-  int device = 0, max_grid = 0;
-  FUS_CUDA_CHECK(cudaGetDevice(&device));
-  FUS_CUDA_CHECK(cudaDeviceGetAttribute(&max_grid, cudaDevAttrMaxGridDimX, device));
+  const int max_grid = device_attribute(cudaDevAttrMaxGridDimX, current_device());
   const bool most_recent = algo == FUS_AMAX_MOST_RECENT;
   UpdateBatch b;
   int g = 0;

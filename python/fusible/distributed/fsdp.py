@@ -375,4 +375,28 @@ def fully_shard_fp8(
         spec = _recipe_spec(recipe, where, m, w.device)
         wrapped = Float8AllGatherWeight(w.detach(), spec)
         m.weight = torch.nn.Parameter(wrapped, requires_grad=w.requires_grad)
+        m.register_state_dict_post_hook(_master_state_dict)
     return fully_shard(module, mesh=mesh, **kwargs)
+
+
+def _master_state_dict(
+    module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """``state_dict()`` of a converted Linear holds its weight as plain FSDP2 would: a sharded
+    ``DTensor`` whose local tensor is the high-precision master shard (a view of it, so
+    ``torch.distributed.checkpoint.load`` into the state dict writes the master in place), not the
+    ``Float8AllGatherWeight`` wrapper. A checkpoint of ``fully_shard_fp8`` is then the checkpoint
+    of ``fully_shard``: it loads into either, at any world size, or into one process through its
+    full tensors. ``keep_vars=True`` (parameters themselves) is left as it is."""
+    from torch.distributed.tensor import DTensor
+
+    key = prefix + "weight"
+    v = state_dict.get(key)
+    if isinstance(v, torch.nn.Parameter) or not isinstance(v, DTensor):
+        return
+    local = v.to_local()
+    if isinstance(local, Float8AllGatherWeight):
+        state_dict[key] = DTensor.from_local(
+            local.master, v.device_mesh, v.placements, run_check=False, shape=v.shape,
+            stride=v.stride(),
+        )  # fmt: skip

@@ -207,7 +207,9 @@ def tp_bad_shapes() -> None:
 # ---- FSDP2: torch.distributed.checkpoint --------------------------------------------------------
 
 
-def fsdp_model() -> torch.nn.ModuleDict:
+def fsdp_model(fp8: bool = False) -> torch.nn.ModuleDict:
+    """The two modules, each ``fully_shard``-ed (``fp8``: ``fully_shard_fp8``, the weights
+    all-gathered in FP8 with current scaling)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -215,19 +217,29 @@ def fsdp_model() -> torch.nn.ModuleDict:
     m = torch.nn.ModuleDict({"lin": fusible.Linear(H, F), "mlp": fusible.LayerNormMLP(H, F)})
     mesh = init_device_mesh("cpu", (WORLD,))
     for sub in m.values():
-        fully_shard(sub, mesh=mesh)
+        if fp8:
+            fusible.distributed.fully_shard_fp8(sub, mesh=mesh)
+        else:
+            fully_shard(sub, mesh=mesh)
     return m
 
 
 # Linear under current scaling (stateless), LayerNormMLP under delayed scaling with the amaxes
-# reduced over the ranks (its state is then the same on every rank: DCP saves it once).
+# reduced over the ranks (its state is then the same on every rank: DCP saves it once). With the
+# FP8 all-gather both run current scaling, the gather's own recipe: each GEMM then takes the
+# gathered FP8 weight as it is, which is the single process's quantized weight (the scale comes
+# from the whole weight's amax), so the outputs compare bit for bit with one process.
 _FSDP_RECIPES = {"lin": R.Float8CurrentScaling(), "mlp": DELAYED}
+_FSDP8_RECIPES = {"lin": R.Float8CurrentScaling(), "mlp": R.Float8CurrentScaling()}
 
 
-def fsdp_run(m: torch.nn.ModuleDict, x: torch.Tensor, train: bool) -> dict[str, torch.Tensor]:
+def fsdp_run(
+    m: torch.nn.ModuleDict, x: torch.Tensor, train: bool, fp8: bool = False
+) -> dict[str, torch.Tensor]:
     outs = {}
+    recipes = _FSDP8_RECIPES if fp8 else _FSDP_RECIPES
     for name, sub in m.items():
-        with fusible.autocast(recipe=_FSDP_RECIPES[name], amax_reduction_group=dist.group.WORLD):
+        with fusible.autocast(recipe=recipes[name], amax_reduction_group=dist.group.WORLD):
             y = sub(x)
         if train:
             y.float().pow(2).mean().backward()
@@ -248,30 +260,39 @@ def _plain(sd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def fsdp_save() -> None:
+def fsdp_save(fp8: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
 
-    m = fsdp_model()
+    tag = "fsdp8" if fp8 else "fsdp"
+    m = fsdp_model(fp8)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     for s in (0, 1):  # two training steps: weights moved off the initialisation, a delayed state
-        fsdp_run(m, rand(S // WORLD * WORLD, H, seed=50 + 10 * s + RANK), True)
+        fsdp_run(m, rand(S // WORLD * WORLD, H, seed=50 + 10 * s + RANK), True, fp8)
         opt.step()
         opt.zero_grad()
     sd = m.state_dict()
-    dcp.save(sd, checkpoint_id=str(CKPT / f"fsdp_w{WORLD}"))
+    if fp8:  # the shards DCP writes are the high-precision master shards
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor) and type(v.to_local()) is not torch.Tensor:
+                raise AssertionError(f"{k}: state_dict holds a {type(v.to_local()).__name__}")
+    dcp.save(sd, checkpoint_id=str(CKPT / f"{tag}_w{WORLD}"))
     ref = _plain(sd)
     if RANK == 0:
-        torch.save(ref, CKPT / f"fsdp_w{WORLD}_ref.pt")
+        torch.save(ref, CKPT / f"{tag}_w{WORLD}_ref.pt")
 
 
-def fsdp_load(src: int) -> None:
+def fsdp_load(src: int, fp8: bool = False, into_fp8: bool | None = None) -> None:
+    """Load world ``src``'s checkpoint (``fp8``: the fully_shard_fp8 one) into a model sharded
+    by fully_shard (``into_fp8`` False) or fully_shard_fp8 (True; default: as saved)."""
     import torch.distributed.checkpoint as dcp
 
-    ref = torch.load(CKPT / f"fsdp_w{src}_ref.pt", weights_only=True)
-    m = fsdp_model()
-    init_recipe_state(m["mlp"], DELAYED)  # entries for DCP to fill (a fresh module has none)
+    tag = "fsdp8" if fp8 else "fsdp"
+    ref = torch.load(CKPT / f"{tag}_w{src}_ref.pt", weights_only=True)
+    m = fsdp_model(fp8 if into_fp8 is None else into_fp8)
+    if not fp8:
+        init_recipe_state(m["mlp"], DELAYED)  # entries for DCP to fill (a fresh module has none)
     sd = m.state_dict()
-    dcp.load(sd, checkpoint_id=str(CKPT / f"fsdp_w{src}"))
+    dcp.load(sd, checkpoint_id=str(CKPT / f"{tag}_w{src}"))
     m.load_state_dict(sd)
     for name, sub in m.items():
         local = sub.state_dict()["weight" if name == "lin" else "fc1_weight"].to_local()
@@ -283,7 +304,7 @@ def fsdp_load(src: int) -> None:
     single = torch.nn.ModuleDict({"lin": fusible.Linear(H, F), "mlp": fusible.LayerNormMLP(H, F)})
     single.load_state_dict(ref)
     x = rand(S, H, seed=60)
-    got, want = fsdp_run(m, x, False), fsdp_run(single, x, False)
+    got, want = fsdp_run(m, x, False, fp8), fsdp_run(single, x, False, fp8)
     for name in got:
         exact(f"{name} output after load from world {src}", got[name], want[name])
 
@@ -291,8 +312,12 @@ def fsdp_load(src: int) -> None:
 for _n in (1, 2, 3):
     case(f"tp_load_w{_n}")(lambda n=_n: tp_load(n))
     case(f"fsdp_load_w{_n}")(lambda n=_n: fsdp_load(n))
+    case(f"fsdp8_load_w{_n}")(lambda n=_n: fsdp_load(n, fp8=True))
+    # fully_shard_fp8's checkpoint is plain FSDP2's: it loads into a fully_shard model.
+    case(f"fsdp_from8_w{_n}")(lambda n=_n: fsdp_load(n, fp8=True, into_fp8=False))
 case("tp_save")(tp_save)
 case("fsdp_save")(fsdp_save)
+case("fsdp8_save")(lambda: fsdp_save(fp8=True))
 case("tp_merge_unreduced")(tp_merge_unreduced)
 case("tp_bad_shapes")(tp_bad_shapes)
 

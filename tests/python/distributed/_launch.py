@@ -80,11 +80,18 @@ def check_case(results: list[dict[str, str]], name: str) -> None:
 
 
 def two_rank_suite(
-    worker: Path, cases: list[str], timeout_s: float, what: str, tag: str
+    worker: Path,
+    cases: list[str],
+    timeout_s: float,
+    what: str,
+    tag: str,
+    skip: dict[str, str] | None = None,
 ) -> tuple[Any, Callable[..., None]]:
     """A test module's ``results`` fixture (``worker`` run once for the module on ``WORLD``
     ranks, in a temporary folder named after ``tag``) and its ``test_case`` test, one per name
-    of ``cases``: bind both at module level, ``results, test_case = two_rank_suite(...)``."""
+    of ``cases``: bind both at module level, ``results, test_case = two_rank_suite(...)``.
+    ``skip``: case name -> reason, for cases this installation cannot pass (reported skipped)."""
+    skips = dict(skip or {})
 
     @pytest.fixture(scope="module")
     def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
@@ -92,6 +99,8 @@ def two_rank_suite(
 
     @pytest.mark.parametrize("name", cases)
     def test_case(results: list[dict[str, str]], name: str) -> None:
+        if name in skips:
+            pytest.skip(skips[name])
         check_case(results, name)
 
     return results, test_case

@@ -1,6 +1,8 @@
 """Checkpoints across a change of world size (gloo, CPU): tensor-parallel modules through
 ``fusible.distributed.tp_full_state_dict`` / ``tp_load_full_state_dict`` (a full state dict,
-``torch.save``), FSDP2 ``fully_shard``-ed modules through ``torch.distributed.checkpoint``.
+``torch.save``), FSDP2 ``fully_shard``-ed and ``fully_shard_fp8``-ed modules through
+``torch.distributed.checkpoint`` (the FP8 all-gather's checkpoint holds the master shards, as
+plain FSDP2's: it also loads into a ``fully_shard`` model).
 Four runs of ``_ckpt_worker.py``, sharing one checkpoint folder: world 2 saves; world 3 loads
 world 2's and saves; world 1 loads world 2's and 3's and saves; world 2 loads world 3's and 1's.
 Every process has a timeout."""
@@ -14,13 +16,20 @@ from _launch import check_case, run_workers
 
 TIMEOUT_S = 90
 _WORKER = Path(__file__).with_name("_ckpt_worker.py")
-_SAVE = ["tp_save", "fsdp_save"]
-# (world size, cases): the runs in order, each loading what the earlier ones saved.
+_SAVE = ["tp_save", "fsdp_save", "fsdp8_save"]
+
+
+def _loads(w: int) -> list[str]:
+    return [f"tp_load_w{w}", f"fsdp_load_w{w}", f"fsdp8_load_w{w}"]
+
+
+# (world size, cases): the runs in order, each loading what the earlier ones saved. fsdp8: the
+# modules under fully_shard_fp8 (FP8 weight all-gather).
 RUNS: list[tuple[int, list[str]]] = [
     (2, [*_SAVE, "tp_merge_unreduced", "tp_bad_shapes"]),
-    (3, ["tp_load_w2", "fsdp_load_w2", *_SAVE, "tp_merge_unreduced", "tp_bad_shapes"]),
-    (1, ["tp_load_w2", "fsdp_load_w2", "tp_load_w3", "fsdp_load_w3", *_SAVE]),
-    (2, ["tp_load_w3", "fsdp_load_w3", "tp_load_w1", "fsdp_load_w1"]),
+    (3, [*_loads(2), *_SAVE, "tp_merge_unreduced", "tp_bad_shapes"]),
+    (1, [*_loads(2), *_loads(3), "fsdp_from8_w2", *_SAVE]),
+    (2, [*_loads(3), *_loads(1), "fsdp_from8_w3"]),
 ]
 CASES = [(i, name) for i, (_, names) in enumerate(RUNS) for name in names]
 

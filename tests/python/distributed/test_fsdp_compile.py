@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from _launch import two_rank_suite
 
 _WORKER = Path(__file__).with_name("_fsdpc_worker.py")
@@ -19,7 +20,14 @@ CASES = [
     *(f"cache_{r}_kept_unsharded" for r in ("delayed", "current", "mxfp8")),
 ]  # fmt: skip
 
-results, test_case = two_rank_suite(_WORKER, CASES, 240, "FSDP2 compile", "fsdpc")
+# torch 2.11's dynamo (the H200's) fails an internal assertion tracing fusible's autograd Function
+# in a frame that the children's FSDP2 hooks broke; torch 2.13 traces it (CI).
+_SKIP = (
+    {"compile_root_of_sharded_layers": "needs torch >= 2.13 (2.11's dynamo asserts in this frame)"}
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+    else {}
+)
+results, test_case = two_rank_suite(_WORKER, CASES, 240, "FSDP2 compile", "fsdpc", skip=_SKIP)
 
 
 def test_every_case_listed(results: list[dict[str, str]]) -> None:
