@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from fusible.ops import AllGather, AllReduce, ReduceScatter
+from fusible.ops.grad_reduction import reduce_grad_over
 from fusible.ops.op import BasicOperation
 
 __all__ = ["TensorParallel", "reduce_grad_over"]
@@ -107,21 +106,3 @@ class TensorParallel:
         if not self.active:
             return []
         return [ReduceScatter(self.group) if self.sequence_parallel else AllReduce(self.group)]
-
-
-def reduce_grad_over(param: torch.nn.Parameter, group: Any) -> None:
-    """Sum ``param``'s gradient over ``group`` as autograd produces it (a tensor hook, so it
-    runs once per backward, before accumulation into ``.grad``: gradient accumulation stays
-    right). For parameters applied to a sequence-parallel (split) activation while replicated
-    on every rank -- a norm's weight and bias, a row-parallel bias -- whose gradient on each
-    rank covers only its tokens. (TransformerEngine leaves this to Megatron-LM; here the module
-    does it, so gradients equal the single-process run's.)"""
-
-    def hook(g: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        out = g.contiguous().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out
-
-    param.register_hook(hook)

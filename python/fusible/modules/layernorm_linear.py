@@ -61,8 +61,8 @@ class LayerNormLinear(NormFirst):
         if bias:
             ops.append(Bias(n, device=device, dtype=dtype))
         if tp.sequence_parallel:
-            for p in norm.parameters():
-                reduce_grad_over(p, tp.group)  # the norm saw this rank's tokens only
+            for pname, _ in norm.named_parameters(recurse=False):
+                reduce_grad_over(norm, pname, tp.group)  # the norm saw this rank's tokens only
         super().__init__(*ops)
         self.in_features, self.out_features = in_features, out_features
         self.tp = tp

@@ -79,9 +79,9 @@ class LayerNormMLP(NormFirst):
             ops.append(Bias(hidden_size, device=device, dtype=dtype))
         if tp.sequence_parallel:
             # Replicated parameters applied to this rank's tokens only.
-            sp_params = [*norm.parameters(), *(ops[-1].parameters() if bias else ())]
-            for p in sp_params:
-                reduce_grad_over(p, tp.group)
+            for owner in (norm, ops[-1]) if bias else (norm,):
+                for pname, _ in owner.named_parameters(recurse=False):
+                    reduce_grad_over(owner, pname, tp.group)
         super().__init__(*ops)
         self.tp = tp
         self.tp_size, self.sequence_parallel = tp.size, sequence_parallel

@@ -72,7 +72,7 @@ class Linear(_OpsLinear):
             if bias:
                 b = Bias(n, device=device, dtype=dtype, name=name)
                 if not col and tp.sequence_parallel:
-                    reduce_grad_over(b.bias, tp.group)  # added to this rank's tokens only
+                    reduce_grad_over(b, "bias", tp.group)  # added to this rank's tokens only
                 ops.append(b)
             Sequential.__init__(self, *ops)
             self.in_features, self.out_features = in_features, out_features

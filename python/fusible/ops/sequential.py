@@ -11,6 +11,7 @@ import torch
 
 from fusible.ops import fuser, registry
 from fusible.ops.basic.linear import _COMPILE_UNSUPPORTED
+from fusible.ops.grad_reduction import ensure_grad_reductions
 from fusible.ops.op import ACTIVE_EPOCH, BasicOperation
 from fusible.quantization import autocast as _autocast
 from fusible.quantization.quantizers import QuantizedTensor
@@ -104,6 +105,9 @@ class Sequential(torch.nn.Module):
         self._plan_ids: list[int] = []
         weakref.finalize(self, fuser.release_plans, self._plan_ids)
         self._runs_cache: tuple[tuple[Any, ...], list[Any]] | None = None
+        # Children whose parameters' gradients are summed over a group (sequence-parallel
+        # replicated parameters, modules/_tp.py reduce_grad_over); set with the runs.
+        self._grad_reduce_ops: tuple[Any, ...] = ()
         self._token: Any = None  # (recipe key, ACTIVE_EPOCH) the ops' states were set for
         self._last_run: tuple[Any, torch.dtype, torch.device] | None = None
 
@@ -220,6 +224,7 @@ class Sequential(torch.nn.Module):
                 self._drop_plans()
                 self._token = None
             self._runs_cache = (mods, runs)
+            self._grad_reduce_ops = tuple(m for m in mods if getattr(m, "_reduce_grad_over", None))
         return runs
 
     def _drop_plans(self, keep: int = 0) -> None:
@@ -334,6 +339,8 @@ class Sequential(torch.nn.Module):
             runs = self._runs()  # first: changed children reset the token
             if self._token != (rkey, ACTIVE_EPOCH[0]):
                 self._activate(recipe)
+            if self._grad_reduce_ops:  # FSDP2 may have put new parameter objects in place
+                ensure_grad_reductions(self._grad_reduce_ops)
         if call_kwargs:
             self._check_call_kwargs(call_kwargs)
         cast = _torch_autocast_dtype(x) if _any_autocast() else None

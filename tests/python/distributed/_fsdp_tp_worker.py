@@ -1,0 +1,101 @@
+"""One rank of the FSDP2 + tensor parallelism (2-D) tests (test_fsdp_tp.py): four processes, a
+``(dp=2, tp=2)`` mesh. Each module is tensor-parallel over the mesh's ``tp`` group (fusible's
+``tp_group``: local weight shards, TransformerEngine's layout) and ``fully_shard``-ed over its
+``dp`` dimension, so FSDP2 shards the TP shards again and all-gathers them over ``dp`` before
+each use. Compared, on every rank, with the same TP module without FSDP2 (the same local
+weights, the same input): outputs and input gradients bit for bit (the gathered weights are the
+TP shards exactly); weight gradients against the TP module's averaged over ``dp`` (FSDP2's
+reduce-scatter: two ranks, so bit for bit); parameters after two SGD steps bit for bit. Same
+harness as _tp_worker.py: ``python _fsdp_tp_worker.py RANK WORLD PORT OUT_DIR [CASES]``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import _tp_worker as base
+import torch
+import torch.distributed as dist
+from _tp_worker import RECIPES, exact, rand
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import fusible
+
+S, H, F = base.S, base.H, base.F
+DP = TP = 2
+LR = 0.5
+CASES: list[Any] = []
+case = base.case_adder(CASES)
+
+MAKERS: dict[str, Callable[[Any, bool], torch.nn.Module]] = {
+    "column": lambda g, sp: fusible.Linear(H, F, tp_group=g, parallel_mode="column",
+                                           sequence_parallel=sp),
+    "row": lambda g, sp: fusible.Linear(F, H, tp_group=g, parallel_mode="row",
+                                        sequence_parallel=sp),
+    "lnlinear": lambda g, sp: fusible.LayerNormLinear(H, F, tp_group=g, parallel_mode="column",
+                                                      sequence_parallel=sp),
+    "lnmlp": lambda g, sp: fusible.LayerNormMLP(H, F, tp_group=g, sequence_parallel=sp),
+}  # fmt: skip
+# (input features, output features) as each rank sees them, before sequence parallelism.
+DIMS = {"column": (H, F // TP), "row": (F // TP, H), "lnlinear": (H, F // TP), "lnmlp": (H, H)}
+
+
+def mesh2d() -> Any:
+    return init_device_mesh(base.DEVICE, (DP, TP), mesh_dim_names=("dp", "tp"))
+
+
+def two_d(kind: str, rec_name: str, sp: bool) -> None:
+    if base.WORLD != DP * TP:
+        raise AssertionError(f"needs {DP * TP} ranks, got {base.WORLD}")
+    rec = RECIPES[rec_name]
+    mesh = mesh2d()
+    tp_group, dp_group = mesh["tp"].get_group(), mesh["dp"].get_group()
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    torch.manual_seed(1234 + tp_rank)  # the TP shards differ by tp rank, agree over dp
+    ref = MAKERS[kind](tp_group, sp)
+    m = MAKERS[kind](tp_group, sp)
+    m.load_state_dict(ref.state_dict())
+    fully_shard(m, mesh=mesh["dp"])
+    names = [n for n, _ in ref.named_parameters()]
+    for n, p in m.named_parameters():
+        if p.device_mesh.mesh_dim_names != ("dp",):
+            raise AssertionError(f"{n}: sharded over {p.device_mesh}, expected the dp dimension")
+    opts = [torch.optim.SGD(mod.parameters(), lr=LR) for mod in (ref, m)]
+    d_in, d_out = DIMS[kind]
+    tokens = S // TP if sp else S
+    for k in range(2):
+        tag = f"{kind} {rec_name}{' sp' if sp else ''} step {k}"
+        # Each dp rank its own batch; the tp ranks of a dp group the same one (SP: its slice).
+        # Features split over tp: a row-parallel input, a column-parallel output (and its dy).
+        x_split, dy_split = kind == "row", kind in ("column", "lnlinear")
+        x = rand(S, d_in, seed=100 * k + 10 * dp_rank + (tp_rank if x_split else 0))
+        dy = rand(S, d_out, seed=100 * k + 10 * dp_rank + 5 + (tp_rank if dy_split else 0))
+        if sp:  # tokens split over tp: the input of a column side, the output of a row side
+            rows = slice(tp_rank * tokens, (tp_rank + 1) * tokens)
+            x = x if kind == "row" else x[rows]
+            dy = dy[rows] if kind in ("row", "lnmlp") else dy
+        y_ref, dx_ref = base.run(ref, x, dy, rec)
+        y, dx = base.run(m, x, dy, rec)
+        exact(f"{tag} output", y, y_ref)
+        exact(f"{tag} dx", dx, dx_ref)
+        for n, p in zip(names, m.parameters(), strict=True):
+            want = ref.get_parameter(n).grad.clone()
+            dist.all_reduce(want, group=dp_group)
+            exact(f"{tag} grad {n} (mean over dp)", p.grad.full_tensor(), want / DP)
+            ref.get_parameter(n).grad.copy_(p.grad.full_tensor())  # the same update both sides
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        for n, p in zip(names, m.parameters(), strict=True):
+            exact(f"{tag} {n} after the step", p.full_tensor(), ref.get_parameter(n))
+
+
+for _kind in MAKERS:
+    for _rec in RECIPES:
+        case(f"{_kind}_{_rec}")(lambda k=_kind, r=_rec: two_d(k, r, False))
+    case(f"{_kind}_current_sp")(lambda k=_kind: two_d(k, "current", True))
+
+
+if __name__ == "__main__":
+    base.main(CASES, timeout_s=120.0)

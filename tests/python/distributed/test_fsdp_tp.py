@@ -1,0 +1,35 @@
+"""FSDP2 + tensor parallelism (2-D): four processes (gloo, CPU) on a (dp=2, tp=2) mesh run
+``_fsdp_tp_worker.py`` once for the module: ``Linear`` (column, row), ``LayerNormLinear`` and
+``LayerNormMLP`` tensor-parallel over ``tp`` and ``fully_shard``-ed over ``dp``, under every
+recipe (and sequence parallelism under current scaling), against the same TP modules without
+FSDP2. Every process has a timeout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _launch import check_case, run_workers
+
+TIMEOUT_S = 240
+_WORKER = Path(__file__).with_name("_fsdp_tp_worker.py")
+_RECIPES = ("none", "delayed", "current", "mxfp8")
+CASES = [
+    *(f"{k}_{r}" for k in ("column", "row", "lnlinear", "lnmlp") for r in _RECIPES),
+    *(f"{k}_current_sp" for k in ("column", "row", "lnlinear", "lnmlp")),
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    out = tmp_path_factory.mktemp("fsdp_tp")
+    return run_workers(_WORKER, out, TIMEOUT_S, "FSDP2 + TP", world=4)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_case(results: list[dict[str, str]], name: str) -> None:
+    check_case(results, name)
+
+
+def test_every_case_listed(results: list[dict[str, str]]) -> None:
+    assert sorted(results[0]) == sorted(CASES)
