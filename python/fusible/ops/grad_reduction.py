@@ -35,7 +35,7 @@ def ensure_grad_reductions(ops: tuple[torch.nn.Module, ...]) -> None:
         groups: dict[str, Any] = op.__dict__["_reduce_grad_over"]
         for name, group in groups.items():
             p = op._parameters.get(name)
-            if p is not None and getattr(p, "_fusible_grad_group", None) is None:
+            if p is not None and getattr(p, "_fusible_grad_hooked", None) != id(p):
                 _hook(p, group)
 
 
@@ -51,4 +51,6 @@ def _hook(param: torch.Tensor | None, group: Any) -> None:
         return out
 
     param.register_hook(hook)
-    param._fusible_grad_group = group  # type: ignore[attr-defined]
+    # The mark is the tensor's own id: a copy that kept the attribute (pickle keeps a
+    # parameter's __dict__, not its hooks) is hooked again.
+    param._fusible_grad_hooked = id(param)  # type: ignore[attr-defined]
