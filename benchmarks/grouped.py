@@ -299,13 +299,18 @@ def gemm_rows(
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def add_shape_arguments(ap: argparse.ArgumentParser) -> None:
+    """The expert MLP's shape and token split (issue 15's), shared with grouped_profile.py."""
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--ffn", type=int, default=14336)
     ap.add_argument("--imbalance", type=float, default=0.5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    add_shape_arguments(ap)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny sizes, few iterations")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

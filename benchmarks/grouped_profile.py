@@ -14,17 +14,13 @@ from torch.profiler import ProfilerActivity, profile
 
 import fusible
 from fusible import ops
-from grouped import RECIPES, make_splits
+from grouped import RECIPES, add_shape_arguments, make_splits
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--recipe", default="delayed", choices=["delayed", "current", "mxfp8", "none"])
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--ffn", type=int, default=14336)
-    ap.add_argument("--imbalance", type=float, default=0.5)
+    add_shape_arguments(ap)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -181,8 +181,7 @@ Tensor empty(at::IntArrayRef shape, at::ScalarType dtype, const Tensor& like) {
   // less the dispatcher's work for each call. Other devices (meta under fake tensors), and
   // deterministic mode's fill of fresh memory, take at::empty.
   const c10::Device device = like.device();
-  const bool direct = (device.is_cpu() || device.is_cuda()) &&
-                      !c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Meta) &&
+  const bool direct = (device.is_cpu() || device.is_cuda()) && !shapes_only(like) &&
                       !(at::globalContext().deterministicAlgorithms() &&
                         at::globalContext().deterministicFillUninitializedMemory());
   if (!direct) return at::empty(shape, at::TensorOptions().dtype(dtype).device(device));

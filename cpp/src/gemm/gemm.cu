@@ -425,9 +425,7 @@ void gemm_cuda(const fus_gemm_args& args, const GemmShape& s, const fus_context&
   cublasLtHandle_t handle = nullptr;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    int device = 0;
-    FUS_CUDA_CHECK(cudaGetDevice(&device));
-    DeviceState& st = device_state(device, stream, &workspace);
+    DeviceState& st = device_state(current_device(), stream, &workspace);
     handle = st.handle;
     // Everything the heuristic sees: shapes, types, ops, epilogue and which optional pointers are
     // set, and the alignments of every pointer it inspects.
