@@ -290,7 +290,8 @@ def profile(
     fullgraph: bool, out_dir: str,
 ) -> int:  # fmt: skip
     """A torch.profiler trace (chrome JSON) of 3 steps per variant and mode, after 3 warm-up
-    steps, and the ops table by self CPU time. Returns the number of failures."""
+    steps, and the ops tables by self CPU time and (CUDA) by self CUDA time. Returns the
+    number of failures."""
     from torch.profiler import ProfilerActivity, record_function
 
     out = Path(out_dir)
@@ -324,8 +325,9 @@ def profile(
             path = out / f"gpt_{variant}_{mode}.json"
             prof.export_chrome_trace(str(path))
             print(f"== profile {variant} {mode} (3 steps), trace {path}")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
-                                            max_name_column_width=70))  # fmt: skip
+            for key in ("self_cpu_time_total",) + (("self_cuda_time_total",) if cuda else ()):
+                print(prof.key_averages().table(sort_by=key, row_limit=30,
+                                                max_name_column_width=70))  # fmt: skip
     return failures
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import fusible._kernels as K
+from kernel_testing import assert_bits_equal
 
 ops = torch.ops.fusible
 
@@ -533,6 +534,47 @@ def test_gemm_epilogue_supported_matches_the_op():
 def test_empty_problems(devices, m, n, k, epilogue):
     case = Case(devices, m, n, k, torch.bfloat16, epilogue=epilogue)
     case.check(case.run(), cuda=devices == "cuda")
+
+
+# FP8 operands on CUDA need 16-byte rows of D; high-precision ones take any N, so their fills
+# also have elements before and after the whole 16-byte stores.
+EMPTY_K_FILLS = [(E4M3, out, m, n) for out in HP + FP8 for m, n in [(1, 16), (13, 1024)]] + [
+    (hp, hp, m, n) for hp in HP for m, n in [(1, 1), (7, 3), (31, 127), (5, 1024)]
+]
+
+
+@pytest.mark.parametrize("a_dtype,out_dtype,m,n", EMPTY_K_FILLS, ids=str)
+@pytest.mark.parametrize("scale", [0.5, -2.0, math.nan])
+def test_empty_k_fill(devices, a_dtype, out_dtype, m, n, scale):
+    """K = 0 with nothing read per element (an expert's wgrad without tokens): every element of D
+    is alpha * scales * 0 -- 0, -0 for a negative scale, NaN for a NaN one; on CUDA the bits are
+    the CPU's, an FP8 D's amax included."""
+    fp8_out = out_dtype in FP8
+
+    def run(device: str):
+        b_dtype = E5M2 if out_dtype == E5M2 else a_dtype  # an E5M2 D needs an E5M2 operand
+        alpha = 1.0 if a_dtype in FP8 else scale
+        case = Case(device, m, n, 0, a_dtype, b_dtype, out_dtype, transb=True, alpha=alpha,
+                    want_amax=fp8_out)  # fmt: skip
+        if a_dtype in FP8:
+            case.a_scale_inv = torch.tensor([scale], device=device)  # b_scale_inv is 1/3
+        return case.run()[::3]
+
+    d, amax = run(devices)
+    got = d.cpu().float()
+    if math.isnan(scale):
+        assert got.isnan().all() and (not fp8_out or amax.isnan().all())
+    else:
+        factor = scale / 3 if a_dtype in FP8 else scale  # alpha * a_scale_inv * b_scale_inv
+        d_scale = 1 / 16 if fp8_out else 1.0  # Case's out_scale
+        v = torch.tensor(factor, dtype=torch.float32) * 0.0 * d_scale
+        want = v.to(out_dtype).float().expand_as(got)
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+        assert not fp8_out or amax.item() == 0
+    if devices == "cuda":
+        cd, camax = run("cpu")
+        assert_bits_equal(d, cd, "d")
+        assert_bits_equal(amax, camax, "amax")
 
 
 # ---- fake tensors, opcheck, torch.compile -------------------------------------------------------

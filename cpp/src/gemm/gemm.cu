@@ -34,12 +34,13 @@
 // Resources, per device: one cuBLASLt handle, created on the first GEMM on that device; per
 // (device, stream): one 32 MiB workspace, allocated with cudaMalloc on the first GEMM on that
 // stream (two streams never share a workspace, since cuBLASLt kernels running concurrently on
-// different streams would race on it). Both live until the process exits. Heuristic results are
-// cached per device by problem key. After the first call on a stream nothing is allocated, so GEMMs
+// different streams would race on it). Both live until the process exits. Per device and problem
+// key, the descriptor, layouts and heuristic result are built once (LtPlan). After the first call on a stream nothing is allocated, so GEMMs
 // can be captured in CUDA graphs; if the first call itself happens inside a capture, the
 // allocation runs with the thread's capture mode switched to cudaStreamCaptureModeRelaxed (the
 // allocation is not part of the graph and outlives it).
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -83,13 +84,80 @@ void cublas_check(cublasStatus_t st, const char* what, const char* file, int lin
 }
 #define FUS_CUBLAS_CHECK(expr) cublas_check((expr), #expr, __FILE__, __LINE__)
 
+// ---- descriptors (RAII) -----------------------------------------------------------------------
+
+struct MatmulDesc {
+  cublasLtMatmulDesc_t d = nullptr;
+  MatmulDesc(cublasComputeType_t compute, cudaDataType_t scale) {
+    FUS_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d, compute, scale));
+  }
+  ~MatmulDesc() {
+    if (d) (void)cublasLtMatmulDescDestroy(d);
+  }
+  MatmulDesc(const MatmulDesc&) = delete;
+  MatmulDesc& operator=(const MatmulDesc&) = delete;
+  template <typename T>
+  void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
+    FUS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
+  }
+};
+
+struct Layout {
+  cublasLtMatrixLayout_t l = nullptr;
+  Layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld) {
+    FUS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, static_cast<uint64_t>(rows),
+                                                static_cast<uint64_t>(cols), ld));
+  }
+  ~Layout() {
+    if (l) (void)cublasLtMatrixLayoutDestroy(l);
+  }
+  Layout(const Layout&) = delete;
+  Layout& operator=(const Layout&) = delete;
+};
+
+struct Preference {
+  cublasLtMatmulPreference_t p = nullptr;
+  Preference() { FUS_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&p)); }
+  ~Preference() {
+    if (p) (void)cublasLtMatmulPreferenceDestroy(p);
+  }
+  template <typename T>
+  void set(cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
+    FUS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
+  }
+};
+
 // ---- per-device state -----------------------------------------------------------------------
+
+// What cuBLASLt needs for one problem, built on its first call: the descriptor (every attribute
+// the key decides; the pointers are set per call), the column-major layouts of the stored
+// row-major matrices (see the top of this file) and the heuristic's algorithm. A step's GEMMs then
+// cost one map lookup, a few pointer attributes and the launch.
+struct LtPlan {
+  MatmulDesc desc;
+  Layout a, b, c, d;
+  cublasLtMatmulAlgo_t algo{};
+  LtPlan(cublasComputeType_t compute, cudaDataType_t a_type, cudaDataType_t b_type,
+         cudaDataType_t c_type, cudaDataType_t d_type, const fus_gemm_args& args,
+         const GemmShape& s)
+      : desc(compute, CUDA_R_32F),
+        a(a_type, args.b.cols, args.b.rows, args.b.cols),  // cuBLAS A = our B
+        b(b_type, args.a.cols, args.a.rows, args.a.cols),  // cuBLAS B = our A
+        c(c_type, s.n, s.m, s.n),
+        d(d_type, s.n, s.m, s.n) {}
+};
+
+using PlanKey = std::array<int64_t, 23>;
 
 struct DeviceState {
   cublasLtHandle_t handle = nullptr;
-  std::map<uintptr_t, void*> workspaces;                       // by stream
-  std::map<std::vector<int64_t>, cublasLtMatmulAlgo_t> algos;  // heuristic cache
+  std::map<uintptr_t, void*> workspaces;              // by stream
+  std::map<PlanKey, std::unique_ptr<LtPlan> > plans;  // by problem (see kMaxPlans)
 };
+
+// MoE experts' token counts change every step, and each count is a problem of its own: past this
+// many plans a device's are dropped and rebuilt as they come, so the cache stays bounded.
+constexpr size_t kMaxPlans = 4096;
 
 std::mutex g_mutex;                                   // guards g_states and every DeviceState
 std::vector<std::unique_ptr<DeviceState> > g_states;  // by device ordinal; never destroyed
@@ -138,45 +206,6 @@ DeviceState& device_state(int device, cudaStream_t stream, void** workspace) {
   *workspace = it->second;
   return st;
 }
-
-// ---- descriptors (RAII) -----------------------------------------------------------------------
-
-struct MatmulDesc {
-  cublasLtMatmulDesc_t d = nullptr;
-  MatmulDesc(cublasComputeType_t compute, cudaDataType_t scale) {
-    FUS_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d, compute, scale));
-  }
-  ~MatmulDesc() {
-    if (d) (void)cublasLtMatmulDescDestroy(d);
-  }
-  template <typename T>
-  void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
-    FUS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
-  }
-};
-
-struct Layout {
-  cublasLtMatrixLayout_t l = nullptr;
-  Layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld) {
-    FUS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, static_cast<uint64_t>(rows),
-                                                static_cast<uint64_t>(cols), ld));
-  }
-  ~Layout() {
-    if (l) (void)cublasLtMatrixLayoutDestroy(l);
-  }
-};
-
-struct Preference {
-  cublasLtMatmulPreference_t p = nullptr;
-  Preference() { FUS_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&p)); }
-  ~Preference() {
-    if (p) (void)cublasLtMatmulPreferenceDestroy(p);
-  }
-  template <typename T>
-  void set(cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
-    FUS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
-  }
-};
 
 cudaDataType_t cuda_type(fus_dtype d) {
   switch (d) {
@@ -304,10 +333,65 @@ __global__ void empty_k_bgrad_kernel(fus_gemm_args args, GemmShape s) {
   store_elem(args.dbias.dtype, args.dbias.data, col, sum, 1.0f);
 }
 
+// The bits of D's element for the value v (as store_elem writes it).
+__device__ uint32_t elem_bits(fus_dtype dtype, float v, float fp8_scale) {
+  switch (dtype) {
+    case FUS_FLOAT16: return float_to_half(v);
+    case FUS_BFLOAT16: return float_to_bf16(v);
+    case FUS_FLOAT8_E4M3: return float_to_fp8<Fp8Format::kE4M3>(mul_like_host(v, fp8_scale));
+    case FUS_FLOAT8_E5M2: return float_to_fp8<Fp8Format::kE5M2>(mul_like_host(v, fp8_scale));
+    default: return float_as_bits(v);
+  }
+}
+
+// No C, bias or GELU: every element of D is the same value, alpha * s * 0 (0, -0 or NaN), so D is
+// a fill (16-byte stores; the wgrad GEMM of an expert that got no tokens writes all of dW this
+// way, at copy bandwidth instead of one scalar epilogue per element).
+__global__ void empty_k_fill_kernel(fus_gemm_args args, GemmShape s, int es, int64_t head,
+                                    int64_t vecs) {
+  const float r = f_mul(scale_ab_of(args, s), 0.0f);
+  uint32_t bits = elem_bits(args.d.dtype, r, args.d_scale ? *args.d_scale : 1.0f);
+  if (es == 1) bits *= 0x01010101u;
+  if (es == 2) bits |= bits << 16;
+  const uint4 pattern = make_uint4(bits, bits, bits, bits);
+  uint8_t* d = static_cast<uint8_t*>(args.d.data);
+  const int64_t total = s.m * s.n;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  uint4* body = reinterpret_cast<uint4*>(d + head * es);
+  for (int64_t i = tid; i < vecs; i += stride) body[i] = pattern;
+  // The elements before the first 16-byte boundary and after the last whole vector.
+  const int64_t tail = head + vecs * 16 / es;
+  for (int64_t i = tid; i < head + (total - tail); i += stride) {
+    const int64_t e = i < head ? i : tail + (i - head);
+    switch (es) {
+      case 1: d[e] = static_cast<uint8_t>(bits); break;
+      case 2: reinterpret_cast<uint16_t*>(d)[e] = static_cast<uint16_t>(bits); break;
+      default: reinterpret_cast<uint32_t*>(d)[e] = bits; break;
+    }
+  }
+  if (tid == 0 && args.d_amax != nullptr && abs_bits(r) != 0)
+    atomicMax(reinterpret_cast<unsigned int*>(args.d_amax), abs_bits(r));
+}
+
 void gemm_empty_k(const fus_gemm_args& args, const GemmShape& s, cudaStream_t stream) {
   constexpr int kThreads = 256;
   if (args.d_amax) FUS_CUDA_CHECK(cudaMemsetAsync(args.d_amax, 0, sizeof(float), stream));
   const int64_t total = s.m * s.n;
+  if (!s.has_c && !s.uses_bias && !s.gelu && !s.dgelu && !s.bgrad) {
+    const int64_t es = static_cast<int64_t>(fus_dtype_size(args.d.dtype));
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(args.d.data);
+    int64_t head = static_cast<int64_t>((16 - addr % 16) % 16) / es;
+    if (head > total) head = total;
+    const int64_t vecs = (total - head) * es / 16;
+    const int64_t want = (vecs + kThreads - 1) / kThreads + 1;
+    const int blocks = static_cast<int>(std::min<int64_t>(want, int64_t{8} * sm_count()));
+    // clang-format off
+    empty_k_fill_kernel<<<blocks, kThreads, 0, stream>>>(args, s, static_cast<int>(es), head, vecs);
+    // clang-format on
+    FUS_CUDA_CHECK_LAUNCH("empty_k_fill_kernel");
+    return;
+  }
   const int64_t want = (total + kThreads - 1) / kThreads;
   const int blocks = static_cast<int>(std::min<int64_t>(want, int64_t{8} * sm_count()));
   // clang-format off
@@ -360,25 +444,9 @@ void gemm_cuda(const fus_gemm_args& args, const GemmShape& s, const fus_context&
   const cublasComputeType_t compute =
       (fp32_operands && args.use_fast_accum) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
 
-  MatmulDesc desc(compute, CUDA_R_32F);
   const cublasOperation_t op_a = args.transb ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = args.transa ? CUBLAS_OP_T : CUBLAS_OP_N;
-  desc.set(CUBLASLT_MATMUL_DESC_TRANSA, op_a);
-  desc.set(CUBLASLT_MATMUL_DESC_TRANSB, op_b);
   const cublasLtEpilogue_t epilogue = lt_epilogue(args.epilogue);
-  desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
-  if (s.fp8) {
-    // Block scaling has no fast accumulation (torch's scaled_gemm refuses it there too).
-    const int8_t fast = (args.use_fast_accum && !s.blockwise) ? 1 : 0;
-    desc.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast);
-    desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, args.b_scale_inv);
-    desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, args.a_scale_inv);
-  }
-  if (s.blockwise) set_block_scale_modes(desc, args);
-  if (d_fp8) {
-    desc.set(CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, args.d_scale);
-    if (args.d_amax) desc.set(CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, args.d_amax);
-  }
   const void* vec_ptr = nullptr;  // bias (input) or bias gradient (output)
   fus_dtype vec_dtype = args.d.dtype;
   if (s.uses_bias) {
@@ -388,28 +456,7 @@ void gemm_cuda(const fus_gemm_args& args, const GemmShape& s, const fus_context&
     vec_ptr = args.dbias.data;
     vec_dtype = args.dbias.dtype;
   }
-  if (vec_ptr != nullptr) {
-    desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, vec_ptr);
-    if (s.fp8 || vec_dtype != args.d.dtype) {
-      const int32_t t = static_cast<int32_t>(cuda_type(vec_dtype));
-      desc.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, t);
-    }
-  }
-  if (s.writes_aux || s.dgelu) {
-    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<const void*>(args.aux.data));
-    const int64_t ld_aux = s.n;
-    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld_aux);
-    if (args.aux.dtype != args.d.dtype) {
-      const int32_t t = static_cast<int32_t>(cuda_type(args.aux.dtype));
-      desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, t);
-    }
-  }
-
-  // Column-major layouts of the stored row-major matrices (see the top of this file).
-  Layout a_layout(a_type, args.b.cols, args.b.rows, args.b.cols);
-  Layout b_layout(b_type, args.a.cols, args.a.rows, args.a.cols);
-  Layout c_layout(c_type, s.n, s.m, s.n);
-  Layout d_layout(d_type, s.n, s.m, s.n);
+  const bool aux = s.writes_aux || s.dgelu;
 
   // C: read only when beta != 0 (HP D). Otherwise D is passed as C (never read with beta = 0);
   // an FP8 D has no C at all.
@@ -420,73 +467,119 @@ void gemm_cuda(const fus_gemm_args& args, const GemmShape& s, const fus_context&
   const uint32_t align_a = alignment_of(args.b.data), align_b = alignment_of(args.a.data);
   const uint32_t align_c = alignment_of(c_ptr), align_d = alignment_of(args.d.data);
 
-  void* workspace = nullptr;
-  cublasLtMatmulAlgo_t algo;
-  cublasLtHandle_t handle = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    DeviceState& st = device_state(current_device(), stream, &workspace);
-    handle = st.handle;
-    // Everything the heuristic sees: shapes, types, ops, epilogue and which optional pointers are
-    // set, and the alignments of every pointer it inspects.
-    const std::vector<int64_t> key = {s.m,
-                                      s.n,
-                                      s.k,
-                                      static_cast<int64_t>(args.a.dtype),
-                                      static_cast<int64_t>(args.b.dtype),
-                                      static_cast<int64_t>(args.d.dtype),
-                                      static_cast<int64_t>(c_type),
-                                      args.transa,
-                                      args.transb,
-                                      static_cast<int64_t>(epilogue),
-                                      static_cast<int64_t>(vec_dtype),
-                                      static_cast<int64_t>(args.aux.dtype),
-                                      args.use_fast_accum,
-                                      s.has_c ? 1 : 0,
-                                      args.d_amax ? 1 : 0,
-                                      align_a,
-                                      align_b,
-                                      align_c,
-                                      align_d,
-                                      alignment_of(vec_ptr),
-                                      alignment_of(args.aux.data),
-                                      static_cast<int64_t>(s.blockwise ? args.a_scaling : 0),
-                                      static_cast<int64_t>(s.blockwise ? args.b_scaling : 0)};
-    auto it = st.algos.find(key);
-    if (it == st.algos.end()) {
-      Preference pref;
-      const uint64_t ws_bytes = kWorkspaceBytes;
-      pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws_bytes);
-      pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a);
-      pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
-      pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
-      pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
-      cublasLtMatmulHeuristicResult_t result;
-      std::memset(&result, 0, sizeof(result));
-      int count = 0;
-      const cublasStatus_t hs =
-          cublasLtMatmulAlgoGetHeuristic(handle, desc.d, a_layout.l, b_layout.l, c_layout.l,
-                                         d_layout.l, pref.p, 1, &result, &count);
-      if (hs == CUBLAS_STATUS_NOT_SUPPORTED || (hs == CUBLAS_STATUS_SUCCESS && count == 0)) {
-        throw Error(FUS_ERROR_UNSUPPORTED,
-                    std::string("fus_gemm: cuBLASLt has no algorithm for this GEMM on this device "
-                                "(M=") +
-                        std::to_string(s.m) + ", N=" + std::to_string(s.n) +
-                        ", K=" + std::to_string(s.k) + ", a " + dtype_name(args.a.dtype) + ", b " +
-                        dtype_name(args.b.dtype) + ", d " + dtype_name(args.d.dtype) +
-                        ", epilogue " + std::to_string(static_cast<int>(args.epilogue)) +
-                        (s.blockwise ? "); blockwise FP8 GEMMs need compute capability 9.0"
-                                     : "); FP8 GEMMs need compute capability 8.9 or newer"));
-      }
-      FUS_CUBLAS_CHECK(hs);
-      it = st.algos.emplace(key, result.algo).first;
-    }
-    algo = it->second;
-  }
+  // Everything the descriptor's attributes and the heuristic see: shapes, types, ops, epilogue,
+  // which optional pointers are set and the alignments of every pointer the heuristic inspects.
+  const PlanKey key = {s.m,
+                       s.n,
+                       s.k,
+                       static_cast<int64_t>(args.a.dtype),
+                       static_cast<int64_t>(args.b.dtype),
+                       static_cast<int64_t>(args.d.dtype),
+                       static_cast<int64_t>(c_type),
+                       args.transa,
+                       args.transb,
+                       static_cast<int64_t>(epilogue),
+                       static_cast<int64_t>(vec_dtype),
+                       static_cast<int64_t>(args.aux.dtype),
+                       args.use_fast_accum,
+                       s.has_c ? 1 : 0,
+                       args.d_amax ? 1 : 0,
+                       align_a,
+                       align_b,
+                       align_c,
+                       align_d,
+                       alignment_of(vec_ptr),
+                       alignment_of(args.aux.data),
+                       static_cast<int64_t>(s.blockwise ? args.a_scaling : 0),
+                       static_cast<int64_t>(s.blockwise ? args.b_scaling : 0)};
 
-  FUS_CUBLAS_CHECK(cublasLtMatmul(handle, desc.d, &alpha, args.b.data, a_layout.l, args.a.data,
-                                  b_layout.l, &beta, c_ptr, c_layout.l, args.d.data, d_layout.l,
-                                  &algo, workspace, kWorkspaceBytes, stream));
+  // The pointer attributes: the only ones that change between calls of one plan (whether each is
+  // set is in the key).
+  auto set_pointers = [&](MatmulDesc& desc) {
+    if (s.fp8) {
+      desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, args.b_scale_inv);
+      desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, args.a_scale_inv);
+    }
+    if (d_fp8) {
+      desc.set(CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, args.d_scale);
+      if (args.d_amax) desc.set(CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, args.d_amax);
+    }
+    if (vec_ptr != nullptr) desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, vec_ptr);
+    if (aux)
+      desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<const void*>(args.aux.data));
+  };
+
+  // Built once per key: the descriptor with every attribute the key decides, the column-major
+  // layouts of the stored row-major matrices (see the top of this file) and the heuristic's
+  // algorithm.
+  auto make_plan = [&](cublasLtHandle_t handle) {
+    auto p = std::make_unique<LtPlan>(compute, a_type, b_type, c_type, d_type, args, s);
+    MatmulDesc& desc = p->desc;
+    desc.set(CUBLASLT_MATMUL_DESC_TRANSA, op_a);
+    desc.set(CUBLASLT_MATMUL_DESC_TRANSB, op_b);
+    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
+    if (s.fp8) {
+      // Block scaling has no fast accumulation (torch's scaled_gemm refuses it there too).
+      const int8_t fast = (args.use_fast_accum && !s.blockwise) ? 1 : 0;
+      desc.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast);
+    }
+    if (s.blockwise) set_block_scale_modes(desc, args);
+    if (vec_ptr != nullptr && (s.fp8 || vec_dtype != args.d.dtype)) {
+      const int32_t t = static_cast<int32_t>(cuda_type(vec_dtype));
+      desc.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, t);
+    }
+    if (aux) {
+      const int64_t ld_aux = s.n;
+      desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld_aux);
+      if (args.aux.dtype != args.d.dtype) {
+        const int32_t t = static_cast<int32_t>(cuda_type(args.aux.dtype));
+        desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, t);
+      }
+    }
+    set_pointers(desc);  // the heuristic sees the descriptor as the first call has it
+    Preference pref;
+    const uint64_t ws_bytes = kWorkspaceBytes;
+    pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws_bytes);
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a);
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
+    cublasLtMatmulHeuristicResult_t result;
+    std::memset(&result, 0, sizeof(result));
+    int count = 0;
+    const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle, desc.d, p->a.l, p->b.l, p->c.l,
+                                                             p->d.l, pref.p, 1, &result, &count);
+    if (hs == CUBLAS_STATUS_NOT_SUPPORTED || (hs == CUBLAS_STATUS_SUCCESS && count == 0)) {
+      throw Error(FUS_ERROR_UNSUPPORTED,
+                  std::string("fus_gemm: cuBLASLt has no algorithm for this GEMM on this device "
+                              "(M=") +
+                      std::to_string(s.m) + ", N=" + std::to_string(s.n) +
+                      ", K=" + std::to_string(s.k) + ", a " + dtype_name(args.a.dtype) + ", b " +
+                      dtype_name(args.b.dtype) + ", d " + dtype_name(args.d.dtype) + ", epilogue " +
+                      std::to_string(static_cast<int>(args.epilogue)) +
+                      (s.blockwise ? "); blockwise FP8 GEMMs need compute capability 9.0"
+                                   : "); FP8 GEMMs need compute capability 8.9 or newer"));
+    }
+    FUS_CUBLAS_CHECK(hs);
+    p->algo = result.algo;
+    return p;
+  };
+
+  void* workspace = nullptr;
+  // Held through the launch: a plan's descriptor is shared, and its pointers are this call's.
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DeviceState& st = device_state(current_device(), stream, &workspace);
+  auto it = st.plans.find(key);
+  if (it == st.plans.end()) {
+    if (st.plans.size() >= kMaxPlans) st.plans.clear();
+    it = st.plans.emplace(key, make_plan(st.handle)).first;
+  } else {
+    set_pointers(it->second->desc);
+  }
+  LtPlan& p = *it->second;
+  FUS_CUBLAS_CHECK(cublasLtMatmul(st.handle, p.desc.d, &alpha, args.b.data, p.a.l, args.a.data,
+                                  p.b.l, &beta, c_ptr, p.c.l, args.d.data, p.d.l, &p.algo,
+                                  workspace, kWorkspaceBytes, stream));
 #if !defined(NDEBUG)
   FUS_CUDA_CHECK(cudaGetLastError());
 #endif
