@@ -1,13 +1,21 @@
 """Where the GPU time of the MoE expert MLP step goes (issue 15): ``torch.profiler``'s CUDA
 kernel table of forward + backward of GroupedLinear(E, H, F) -> GELU -> GroupedLinear(E, F, H)
-under one recipe, at the shape of ``benchmarks/grouped.py`` (its token split). CUDA only.
+under one recipe, at the shape of ``benchmarks/grouped.py`` (its token split), the table by self
+CPU time, and where the GPU waits: the idle time between consecutive kernels of the profiled steps
+(from the chrome trace; large gaps mean the host is behind), with the largest gaps and the kernels
+on either side. CUDA only.
 
     python benchmarks/grouped_profile.py [--recipe delayed|current|mxfp8|none] [--steps 3]
+                                         [--trace FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import tempfile
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -22,6 +30,7 @@ def main() -> None:
     ap.add_argument("--recipe", default="delayed", choices=["delayed", "current", "mxfp8", "none"])
     add_shape_arguments(ap)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--trace", default=None, help="keep the chrome trace here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("grouped_profile.py needs CUDA")
@@ -47,8 +56,37 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
     print(f"{args.recipe}: {args.steps} steps, splits {splits}")
-    print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=25,
-                                 max_name_column_width=70))  # fmt: skip
+    for key in ("self_cuda_time_total", "self_cpu_time_total"):
+        print(p.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.trace or str(Path(tmp) / "trace.json")
+        p.export_chrome_trace(path)
+        print_gpu_gaps(path, args.steps)
+
+
+def print_gpu_gaps(path: str, steps: int, top: int = 12) -> None:
+    """The GPU's idle time between kernels (and memsets / copies) in a chrome trace."""
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                 key=lambda e: e["ts"])  # fmt: skip
+    if not gpu:
+        print("no GPU events in the trace")
+        return
+    gaps = []
+    busy = 0.0
+    for prev, nxt in itertools.pairwise(gpu):
+        busy += prev["dur"]
+        gap = nxt["ts"] - (prev["ts"] + prev["dur"])
+        if gap > 0:
+            gaps.append((gap, prev["name"][:60], nxt["name"][:60]))
+    busy += gpu[-1]["dur"]
+    span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
+    idle = sum(g for g, _, _ in gaps)
+    print(f"GPU span {span / steps:.0f} us a step: busy {busy / steps:.0f} us, idle between "
+          f"kernels {idle / steps:.0f} us ({len(gaps) / steps:.0f} gaps a step)")  # fmt: skip
+    print("largest gaps (us; the kernel before -> the kernel after):")
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {gap:8.1f}  {before}  ->  {after}")
 
 
 if __name__ == "__main__":
