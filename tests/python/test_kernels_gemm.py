@@ -17,9 +17,9 @@ import math
 
 import pytest
 import torch
+from kernel_testing import assert_bits_equal
 
 import fusible._kernels as K
-from kernel_testing import assert_bits_equal
 
 ops = torch.ops.fusible
 
