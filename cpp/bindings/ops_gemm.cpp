@@ -4,6 +4,7 @@
 // loop of per-GEMM operators would dispatch once per expert; fus_gemm_grouped). Groups come as a
 // list of tensors or as one packed tensor split by m_splits (torch_ops.h split_groups); outputs
 // are one tensor per group, each its own allocation, except the packed GEMM output.
+#include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 
 #include <iterator>
@@ -400,27 +401,28 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
 
 // Column sums of each group of dy's rows, in float32, then rounded to out_dtype: per group exactly
 // torch's dy_i.sum(0, dtype=torch.float32).to(out_dtype) (ATen's own reduction, so the bits of the
-// per-expert path), zeros for an empty group; one operator call for all groups.
-std::vector<Tensor> grouped_bias_grad(const Tensor& dy, at::IntArrayRef m_splits,
-                                      at::ScalarType out_dtype) {
+// per-expert path), zeros for an empty group; one operator call for all groups. Returns them as
+// the rows of one [G, N] tensor: the float32 sums go into the rows of one buffer, rounded by one
+// conversion (G + 1 kernels instead of 2G; row views as separate outputs would alias each other,
+// which an operator's schema may not).
+Tensor grouped_bias_grad(const Tensor& dy, at::IntArrayRef m_splits, at::ScalarType out_dtype) {
   const char* op = "grouped_bias_grad";
   check_out_dtype(op, out_dtype);
   Groups g = split_groups(op, "dy", at::TensorList(dy), m_splits, high_precision());
   const int64_t n = dy.size(-1);
-  std::vector<Tensor> out;
-  out.reserve(g.mats.size());
-  if (shapes_only(dy)) {
-    for (size_t i = 0; i < g.mats.size(); ++i) out.push_back(empty({n}, out_dtype, dy));
-    return out;
+  const auto count = static_cast<int64_t>(g.mats.size());
+  if (shapes_only(dy)) return empty({count, n}, out_dtype, dy);
+  bool any_empty = false;
+  for (const Tensor& m : g.mats) any_empty = any_empty || m.size(0) == 0;
+  Tensor sums = any_empty ? at::zeros({count, n}, dy.options().dtype(at::kFloat))
+                          : empty({count, n}, at::kFloat, dy);
+  for (int64_t i = 0; i < count; ++i) {
+    const Tensor& m = g.mats[static_cast<size_t>(i)];
+    if (m.size(0) == 0) continue;
+    Tensor row = sums.select(0, i);
+    at::sum_out(row, m, {0}, false, at::kFloat);
   }
-  for (const Tensor& m : g.mats) {
-    if (m.size(0) == 0) {
-      out.push_back(at::zeros({n}, dy.options().dtype(out_dtype)));
-    } else {
-      out.push_back(m.sum({0}, false, at::kFloat).to(out_dtype));
-    }
-  }
-  return out;
+  return sums.to(out_dtype);
 }
 
 // Operator schemas (docs in python/fusible/_kernels/; the C contract in fusible/gemm.h).
@@ -435,7 +437,7 @@ const char* const kSchemas[] = {
     "grouped_gemm(Tensor[] a, Tensor[] b, SymInt[] m_splits, Tensor[]? a_scale_inv,"
     " Tensor[]? b_scale_inv, ScalarType out_dtype, Tensor[]? bias, bool fast_accum,"
     " bool packed_out) -> Tensor[]",
-    "grouped_bias_grad(Tensor dy, SymInt[] m_splits, ScalarType out_dtype) -> Tensor[]",
+    "grouped_bias_grad(Tensor dy, SymInt[] m_splits, ScalarType out_dtype) -> Tensor",
 };
 
 // The CPU / CUDA kernels of the family's operators.

@@ -35,9 +35,9 @@ Grouped (MoE experts; fus_gemm_grouped)
     ``packed_out``: one output ``[sum M_i, N]`` (the rows in group order); else one per group.
     A group with ``M_i == 0`` computes nothing; ``K_i == 0`` writes zeros. On CUDA: one cuBLASLt
     call per group on the current stream from one host call, no synchronisation.
-``grouped_bias_grad(dy, m_splits, out_dtype) -> list of dbias``
-    Per group ``dy_i.sum(0, dtype=torch.float32).to(out_dtype)`` (zeros for an empty group), the
-    bits of that torch expression.
+``grouped_bias_grad(dy, m_splits, out_dtype) -> dbias [G, N]``
+    Row ``i``: group ``i``'s ``dy_i.sum(0, dtype=torch.float32).to(out_dtype)`` (zeros for an
+    empty group), the bits of that torch expression; G + 1 kernels.
 """
 
 from __future__ import annotations
@@ -352,4 +352,4 @@ def _grouped_gemm_fake(
 @_fake("grouped_bias_grad")
 def _grouped_bias_grad_fake(dy, m_splits, out_dtype):
     mats = _group_mats("grouped_bias_grad", "dy", [dy], m_splits)
-    return [torch.empty(dy.shape[-1], dtype=out_dtype, device=dy.device) for _ in mats]
+    return torch.empty(len(mats), dy.shape[-1], dtype=out_dtype, device=dy.device)

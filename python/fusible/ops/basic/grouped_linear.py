@@ -631,7 +631,7 @@ class GroupedLinear(BasicOperation):
                 dws[i] = C.gemm_wgrad(gs[i], saved_x[i], w_dtype)[0].to(w_dtype)
         dbs: list[torch.Tensor | None] = [None] * n
         if need_bgrad and any(need_bgrad):
-            got = K.grouped_bias_grad(dy2, list(splits), b_dtypes[0])
+            got = K.grouped_bias_grad(dy2, list(splits), b_dtypes[0]).unbind(0)
             dbs = [db if need_bgrad[i] else None for i, db in enumerate(got)]
         return dx, dws + (dbs if self.use_bias else []), []
 
