@@ -573,7 +573,12 @@ def test_empty_k_fill(devices, a_dtype, out_dtype, m, n, scale):
         assert not fp8_out or amax.item() == 0
     if devices == "cuda":
         cd, camax = run("cpu")
-        assert_bits_equal(d, cd, "d")
+        if math.isnan(scale) and out_dtype == torch.float32:
+            # A float32 NaN's payload is unspecified: the GPU's multiply returns the canonical
+            # NaN, the CPU's keeps its operand's (measured on the H200).
+            assert d.cpu().isnan().all() and cd.isnan().all()
+        else:
+            assert_bits_equal(d, cd, "d")
         assert_bits_equal(amax, camax, "amax")
 
 
