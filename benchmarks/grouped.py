@@ -8,12 +8,19 @@ a recipe the forward GEMMs are grouped; MXFP8 runs one quantize + GEMM per exper
                                  [--imbalance 0.5] [--out DIR]      # CUDA (bf16)
     python benchmarks/grouped.py --tiny [--out DIR]                 # CPU smoke run (fp32)
 
-Three tables, in one run:
+Four tables, in one run:
 
 * **forward + backward** (JSON ``results``): the torch bf16 per-expert loop, fusible per recipe,
   and the same MLP on ``torch._grouped_mm`` (bf16, no bias: it takes none; backward through its
-  autograd formula), where the installed torch has it. ``time_vs_bf16_loop`` is ms over the
-  loop's ms (issue 15's target for the FP8 MLP: <= 0.65).
+  autograd formula), where the installed torch has it, each step starting with fresh gradients
+  (every ``.grad`` set to None first, as ``zero_grad(set_to_none=True)`` leaves them in a
+  training step: backward assigns the gradients). ``time_vs_bf16_loop`` is ms over the loop's
+  ms (issue 15's target for the FP8 MLP: <= 0.65).
+* **forward + backward, accumulating** (JSON ``results_accumulate``): the same rows with the
+  gradients left in place, so every step adds its gradients into ``.grad`` (autograd's
+  ``AccumulateGrad``: one read-modify-write of every weight's gradient, 1.4 ms of the H200's
+  step at the default shape, for every variant alike), as micro-batches of one optimizer step
+  do. (Until session 13 this was the only forward + backward table.)
 * **forward only** (JSON ``forward``, under ``torch.no_grad``): the loop, fusible per recipe,
   ``torch._grouped_mm`` bf16, and ``torch._scaled_grouped_mm`` FP8 rowwise (e4m3, dynamic
   per-row scales: the quantization of x and of the GELU output is timed, the weights' is not;
@@ -155,8 +162,9 @@ def cuda_only(name: str, dev: str) -> str | None:
 
 def mlp_rows(
     args: argparse.Namespace, splits: list[int], dev: str, dt: torch.dtype, iters: int
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The forward + backward table and the forward-only table."""
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The forward + backward tables (fresh gradients, then accumulating) and the forward-only
+    table."""
     e, h, f, n = args.experts, args.hidden, args.ffn, args.tokens
     x = torch.randn(n, h, device=dev, dtype=dt, requires_grad=True)
     dy = torch.randn(n, h, device=dev, dtype=dt)
@@ -183,15 +191,36 @@ def mlp_rows(
 
         return step
 
-    # forward + backward
+    # forward + backward, in both gradient modes
     loop = "torch eager (per-expert loop)"
-    rows = [timed_row(loop, lambda: ref(x, splits).backward(dy), flops, iters, None)]
-    eager_ms = rows[0]["ms"]
-    rows[0].update(time_vs_bf16_loop=1.0, speedup_vs_torch_eager=1.0)
-    for name, rec in RECIPES.items():
-        rows.append(timed_row(f"fusible {name}", fusible_step(rec, True), flops, iters, eager_ms))
-    gmm: Callable[[], Any] | str = gmm_why or (lambda: gmm_model(x, offs).backward(dy))
-    rows.append(timed_row(f"torch _grouped_mm {dtn} (no bias)", gmm, flops, iters, eager_ms))
+
+    def fwd_bwd(accumulate: bool) -> list[dict[str, Any]]:
+        def variant(fn: Callable[[], Any], module: torch.nn.Module) -> Callable[[], None]:
+            if accumulate:
+                return fn
+            params = [x, *module.parameters()]
+
+            def fresh() -> None:
+                for p in params:  # zero_grad(set_to_none=True): backward assigns, adds nothing
+                    p.grad = None
+                fn()
+
+            return fresh
+
+        got = [timed_row(loop, variant(lambda: ref(x, splits).backward(dy), ref), flops, iters,
+                         None)]  # fmt: skip
+        base = got[0]["ms"]
+        got[0].update(time_vs_bf16_loop=1.0, speedup_vs_torch_eager=1.0)
+        for name, rec in RECIPES.items():
+            step = variant(fusible_step(rec, True), model)
+            got.append(timed_row(f"fusible {name}", step, flops, iters, base))
+        gmm: Callable[[], Any] | str = gmm_why or variant(
+            lambda: gmm_model(x, offs).backward(dy), gmm_model
+        )
+        got.append(timed_row(f"torch _grouped_mm {dtn} (no bias)", gmm, flops, iters, base))
+        return got
+
+    rows, acc_rows = fwd_bwd(False), fwd_bwd(True)
 
     # forward only
     xs = x.detach()
@@ -202,13 +231,13 @@ def mlp_rows(
         for name, rec in RECIPES.items():
             step = fusible_step(rec, False)
             fwd.append(timed_row(f"fusible {name}, forward", step, fwd_flops, iters, loop_ms))
-        gmm = gmm_why or (lambda: gmm_model(xs, offs))
+        gmm: Callable[[], Any] | str = gmm_why or (lambda: gmm_model(xs, offs))
         fwd.append(timed_row(f"torch _grouped_mm {dtn} (no bias), forward", gmm, fwd_flops, iters,
                              loop_ms))  # fmt: skip
         fwd.append(timed_row("torch _scaled_grouped_mm FP8 rowwise (no bias), forward",
                              scaled_grouped_mlp(xs, offs, e, h, f, dev), fwd_flops, iters,
                              loop_ms))  # fmt: skip
-    return rows, fwd
+    return rows, acc_rows, fwd
 
 
 def scaled_grouped_mlp(
@@ -326,9 +355,11 @@ def main() -> None:
     e, h, f, n = args.experts, args.hidden, args.ffn, args.tokens
     splits = make_splits(n, e, args.imbalance)
     print(f"experts {e}, tokens {n}, hidden {h}, ffn {f}, m_splits {splits}, {dt}, {dev}")
-    rows, fwd = mlp_rows(args, splits, dev, dt, iters)
-    print("forward + backward")
+    rows, acc_rows, fwd = mlp_rows(args, splits, dev, dt, iters)
+    print("forward + backward (fresh gradients: .grad set to None before each step)")
     print_table(rows, COLUMNS)
+    print("forward + backward, accumulating into .grad (micro-batches of one optimizer step)")
+    print_table(acc_rows, COLUMNS)
     print("forward only (torch.no_grad)")
     print_table(fwd, COLUMNS)
     if dev == "cuda":
@@ -339,8 +370,8 @@ def main() -> None:
     if args.tiny and args.out is None:
         return
     shape = {**vars(args), "m_splits": splits}
-    payload = {"env": environment(), "shape": shape, "results": rows, "forward": fwd,
-               "gemm": gemm}  # fmt: skip
+    payload = {"env": environment(), "shape": shape, "results": rows,
+               "results_accumulate": acc_rows, "forward": fwd, "gemm": gemm}  # fmt: skip
     path = write_json("grouped", payload, args.out)
     print(f"wrote {path}")
 

@@ -6,7 +6,12 @@ CPU time, and where the GPU waits: the idle time between consecutive kernels of 
 on either side. CUDA only.
 
     python benchmarks/grouped_profile.py [--recipe delayed|current|mxfp8|none] [--steps 3]
-                                         [--trace FILE.json]
+                                         [--trace FILE.json] [--steady]
+
+``--steady`` prints, before the profile, whether a step is host- or GPU-bound away from the
+profiler: a step timed as ``grouped.py`` times it (CUDA events, steps issued back to back), its GPU
+time alone (CUDA-graph replay), and the host's time to issue one step onto an idle GPU, for the
+recipe and for the torch per-expert loop.
 """
 
 from __future__ import annotations
@@ -14,15 +19,20 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fusible
+from _common import device_ms, time_ms
 from fusible import ops
-from grouped import RECIPES, add_shape_arguments, make_splits
+from grouped import RECIPES, TorchExperts, add_shape_arguments, make_splits
 
 
 def main() -> None:
@@ -31,6 +41,7 @@ def main() -> None:
     add_shape_arguments(ap)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--trace", default=None, help="keep the chrome trace here")
+    ap.add_argument("--steady", action="store_true", help="eager vs graphed vs host time first")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("grouped_profile.py needs CUDA")
@@ -51,6 +62,10 @@ def main() -> None:
     for _ in range(5):
         step()
     torch.cuda.synchronize()
+    if args.steady:
+        ref = TorchExperts(e, h, f).to("cuda", torch.bfloat16)
+        print_steady(f"fusible {args.recipe}", step)
+        print_steady("torch per-expert loop", lambda: ref(x, splits).backward(dy))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         for _ in range(args.steps):
             step()
@@ -62,6 +77,29 @@ def main() -> None:
         path = args.trace or str(Path(tmp) / "trace.json")
         p.export_chrome_trace(path)
         print_gpu_gaps(path, args.steps)
+
+
+def host_ms(fn: Callable[[], Any], iters: int = 10) -> float:
+    """Median host time to issue one ``fn`` call onto an idle GPU (synchronized before each)."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def print_steady(name: str, fn: Callable[[], Any]) -> None:
+    """A step as ``grouped.py`` times it, its GPU time alone, and the host's time to issue it:
+    eager above graphed with host below both means the GPU waits on the host inside a step."""
+    eager, host = time_ms(fn), host_ms(fn)
+    graph = device_ms(fn, reps=3)
+    print(
+        f"{name}: eager {eager:.3f} ms a step, CUDA graph {graph:.3f} ms (GPU alone), host "
+        f"issue {host:.3f} ms (eager - graph {eager - graph:+.3f} ms)"
+    )
 
 
 def print_gpu_gaps(path: str, steps: int, top: int = 12) -> None:

@@ -274,17 +274,26 @@ __device__ float load_elem(fus_dtype dtype, const void* p, int64_t i) {
   }
 }
 
-__device__ void store_elem(fus_dtype dtype, void* p, int64_t i, float v, float fp8_scale) {
+// The bits of an element of `dtype` for the value v (FP8: v times fp8_scale, as on the host).
+__device__ uint32_t elem_bits(fus_dtype dtype, float v, float fp8_scale) {
   switch (dtype) {
-    case FUS_FLOAT16: static_cast<uint16_t*>(p)[i] = float_to_half(v); return;
-    case FUS_BFLOAT16: static_cast<uint16_t*>(p)[i] = float_to_bf16(v); return;
+    case FUS_FLOAT16: return float_to_half(v);
+    case FUS_BFLOAT16: return float_to_bf16(v);
+    case FUS_FLOAT8_E4M3: return float_to_fp8<Fp8Format::kE4M3>(mul_like_host(v, fp8_scale));
+    case FUS_FLOAT8_E5M2: return float_to_fp8<Fp8Format::kE5M2>(mul_like_host(v, fp8_scale));
+    default: return float_as_bits(v);
+  }
+}
+
+// Element i of p: elem_bits stored at the dtype's width.
+__device__ void store_elem(fus_dtype dtype, void* p, int64_t i, float v, float fp8_scale) {
+  const uint32_t bits = elem_bits(dtype, v, fp8_scale);
+  switch (dtype) {
     case FUS_FLOAT8_E4M3:
-      static_cast<uint8_t*>(p)[i] = float_to_fp8<Fp8Format::kE4M3>(mul_like_host(v, fp8_scale));
-      return;
-    case FUS_FLOAT8_E5M2:
-      static_cast<uint8_t*>(p)[i] = float_to_fp8<Fp8Format::kE5M2>(mul_like_host(v, fp8_scale));
-      return;
-    default: static_cast<float*>(p)[i] = v; return;
+    case FUS_FLOAT8_E5M2: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(bits); return;
+    case FUS_FLOAT16:
+    case FUS_BFLOAT16: static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(bits); return;
+    default: static_cast<uint32_t*>(p)[i] = bits; return;
   }
 }
 
@@ -331,17 +340,6 @@ __global__ void empty_k_bgrad_kernel(fus_gemm_args args, GemmShape s) {
     sum =
         f_add(sum, f_mul(t, dgelu_tanh(load_elem(args.aux.dtype, args.aux.data, row * s.n + col))));
   store_elem(args.dbias.dtype, args.dbias.data, col, sum, 1.0f);
-}
-
-// The bits of D's element for the value v (as store_elem writes it).
-__device__ uint32_t elem_bits(fus_dtype dtype, float v, float fp8_scale) {
-  switch (dtype) {
-    case FUS_FLOAT16: return float_to_half(v);
-    case FUS_BFLOAT16: return float_to_bf16(v);
-    case FUS_FLOAT8_E4M3: return float_to_fp8<Fp8Format::kE4M3>(mul_like_host(v, fp8_scale));
-    case FUS_FLOAT8_E5M2: return float_to_fp8<Fp8Format::kE5M2>(mul_like_host(v, fp8_scale));
-    default: return float_as_bits(v);
-  }
 }
 
 // No C, bias or GELU: every element of D is the same value, alpha * s * 0 (0, -0 or NaN), so D is
