@@ -5,6 +5,7 @@ subprocesses (PYTHONPATH kept)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -65,7 +66,10 @@ def test_grouped_tiny(tmp_path):
     out = _run("grouped.py", "--tiny", "--out", str(tmp_path))
     for variant in ("torch eager", "fusible bf16", "fusible delayed", "fusible mxfp8"):
         assert variant in out, out
-    assert list(tmp_path.glob("grouped_*.json"))
+    assert "fresh gradients" in out and "accumulating into .grad" in out, out
+    (path,) = tmp_path.glob("grouped_*.json")
+    got = json.loads(path.read_text())
+    assert len(got["results"]) == len(got["results_accumulate"]) >= 5, got
 
 
 def test_peak_memory_tiny(tmp_path):
