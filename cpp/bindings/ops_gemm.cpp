@@ -273,7 +273,8 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
                                  const std::optional<at::TensorList>& b_scale_inv,
                                  at::ScalarType out_dtype,
                                  const std::optional<at::TensorList>& bias, bool fast_accum,
-                                 bool packed_out) {
+                                 bool packed_out, c10::string_view epilogue_name,
+                                 const OptTensor& aux) {
   const char* op = "grouped_gemm";
   const std::vector<at::ScalarType> dtypes{at::kFloat, at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn,
                                            at::kFloat8_e5m2};
@@ -317,6 +318,44 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
                       b[i].size(0), ",)");
     }
   }
+  // The epilogue: "" is "bias" with a bias, else "none"; a named one must match the bias given
+  // and, reading aux, takes it packed [sum M_i, N] (rows split as a's groups). One that writes aux
+  // returns it packed, after the outputs. The bias gradient's epilogues are not offered (their
+  // dbias sums in cuBLASLt's order, not the per-expert reduction of grouped_bias_grad).
+  int epilogue = -1;
+  if (!epilogue_name.empty()) {
+    epilogue = check_choice(op, "epilogue", epilogue_name, kEpilogues);
+    FUS_VALUE_CHECK(!bgrad(epilogue), op, "argument 'epilogue' '",
+                    std::string(epilogue_name),
+                    "' is not offered for grouped GEMMs (none, bias, gelu, gelu_aux, bias_gelu, "
+                    "bias_gelu_aux, dgelu are)");
+    FUS_VALUE_CHECK(bias.has_value() == uses_bias(epilogue), op, "argument 'bias' is ",
+                    bias.has_value() ? "not used" : "required", " by epilogue '",
+                    std::string(epilogue_name), "'");
+  }
+  const bool aux_in = epilogue >= 0 && reads_aux(epilogue);
+  const bool aux_out = epilogue >= 0 && writes_aux(epilogue);
+  FUS_VALUE_CHECK(aux.has_value() == aux_in, op, "argument 'aux' is ",
+                  aux.has_value() ? "not used" : "required", " by epilogue '",
+                  std::string(epilogue_name), "'",
+                  aux_in ? " (the GELU input, packed [sum M_i, N])" : "");
+  int64_t total_rows = 0;
+  for (size_t i = 0; i < count; ++i) total_rows += ga.mats[i].size(0);
+  if (aux_in || aux_out) {
+    for (size_t i = 0; i < count; ++i)
+      FUS_VALUE_CHECK(b[i].size(0) == b[0].size(0), op, "epilogue '", std::string(epilogue_name),
+                      "' needs one N for every GEMM (aux is packed), got b[0] with ", b[0].size(0),
+                      " rows and ", nth("b", i), " with ", b[i].size(0));
+  }
+  const int64_t n_all = count ? b[0].size(0) : 0;
+  if (aux_in) {
+    check_tensor(op, "aux", *aux, {out_dtype}, dev);
+    FUS_VALUE_CHECK(aux->dim() == 2 && aux->size(0) == total_rows && aux->size(1) == n_all &&
+                        aux->is_contiguous(),
+                    op, "argument 'aux' has shape ", shape_str(aux->sizes()),
+                    ", expected a contiguous [", total_rows, ", ", n_all,
+                    "] (the groups' rows packed, N columns)");
+  }
   // Outputs.
   std::vector<Tensor> outs;
   std::vector<Tensor> d(count);
@@ -348,12 +387,15 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
       sb[i] = group_scale(op, "b_scale_inv", *b_scale_inv, i, count, dev);
     }
   }
+  Tensor aux_packed = aux_out ? empty({total_rows, n_all}, out_dtype, a[0]) : Tensor();
+  if (aux_out) outs.push_back(aux_packed);
   if (shapes_only(a[0])) return outs;
 
   // As the per-GEMM path (python/fusible/ops/_compute.py, _gemm) calls fusible.gemm for D = A @ B^T:
   // the bias in the epilogue, except for an FP8 GEMM with a float32 D (cuBLASLt's bias is bf16
   // there), whose float32 bias is added to D afterwards (the same add, so the same bits).
-  const bool add_after = fp8 && out_dtype == at::kFloat && bias.has_value();
+  const bool add_after = fp8 && out_dtype == at::kFloat && bias.has_value() &&
+                         (epilogue < 0 || epilogue == FUS_GEMM_EPILOGUE_BIAS);
   // cuBLASLt picks its kernel by the pointers' alignment too (gemm.cu passes the real alignment
   // of each): a packed output row block that is not 256-byte aligned, as a fresh allocation is,
   // is computed into a fresh tensor and copied, so every GEMM runs the kernel (and gives the bits)
@@ -367,6 +409,7 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
     }
   }
   std::vector<fus_gemm_args> args(count);
+  int64_t aux_off = 0;
   for (size_t i = 0; i < count; ++i) {
     const Tensor& am = ga.mats[i];
     const int64_t m = am.size(0), k = am.size(1), n = b[i].size(0);
@@ -382,8 +425,17 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
     g.alpha = 1.0f;
     g.beta = 0.0f;
     const bool fused_bias = bias.has_value() && !add_after;
-    g.epilogue = fused_bias ? FUS_GEMM_EPILOGUE_BIAS : FUS_GEMM_EPILOGUE_NONE;
+    if (epilogue >= 0 && !add_after)
+      g.epilogue = static_cast<fus_gemm_epilogue>(epilogue);
+    else
+      g.epilogue = fused_bias ? FUS_GEMM_EPILOGUE_BIAS : FUS_GEMM_EPILOGUE_NONE;
     g.bias = fused_bias ? mat((*bias)[i], 1, n) : kAbsent;
+    if (aux_in || aux_out) {
+      const Tensor& src = aux_in ? *aux : aux_packed;
+      g.aux = fus_tensor{static_cast<char*>(ptr(src)) + aux_off * n * src.element_size(),
+                         code_of(out_dtype), m, n};
+      aux_off += m;
+    }
     g.use_fast_accum = fast_accum && fp8 ? 1 : 0;
   }
   const fus_context ctx = context_of(a[0]);
@@ -436,7 +488,7 @@ const char* const kSchemas[] = {
     " Tensor? bias=None) -> Tensor",
     "grouped_gemm(Tensor[] a, Tensor[] b, SymInt[] m_splits, Tensor[]? a_scale_inv,"
     " Tensor[]? b_scale_inv, ScalarType out_dtype, Tensor[]? bias, bool fast_accum,"
-    " bool packed_out) -> Tensor[]",
+    " bool packed_out, str epilogue=\"\", Tensor? aux=None) -> Tensor[]",
     "grouped_bias_grad(Tensor dy, SymInt[] m_splits, ScalarType out_dtype) -> Tensor",
 };
 

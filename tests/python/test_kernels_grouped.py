@@ -142,6 +142,45 @@ def test_gemm_high_precision_packed_a(devices, dtype):
     assert_bits_equal(y, torch.cat(want), "y")
 
 
+@pytest.mark.parametrize("splits", SPLITS, ids=str)
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("epilogue", ["bias_gelu_aux", "gelu_aux", "dgelu"])
+def test_gemm_epilogues_equal_one_gemm_each(devices, splits, fp8, epilogue):
+    """An explicit epilogue (the MoE expert MLP's fusions: fc1 with bias + GELU writing GELU's
+    input as aux, fc2's dgrad applying GELU's derivative to a packed aux): each group the bits
+    of gemm with that epilogue, aux packed as the groups' rows; empty groups write nothing."""
+    n, k, dtype = 40, 32, torch.bfloat16
+    if fp8:
+        pairs = [_fp8_operands(m, n, k, devices) for m in splits]
+        sa = [torch.rand(1, device=devices) + 0.5 for _ in splits]
+        sb = [torch.rand(1, device=devices) + 0.5 for _ in splits]
+    else:
+        pairs = [(torch.randn(m, k).to(dtype).to(devices), torch.randn(n, k).to(dtype).to(devices))
+                 for m in splits]  # fmt: skip
+        sa = sb = None
+    with_bias = K.GEMM_RULES.epilogues[epilogue].bias
+    bs = [torch.randn(n, device=devices).to(dtype) for _ in splits] if with_bias else None
+    aux = torch.randn(sum(splits), n).to(dtype).to(devices) if epilogue == "dgelu" else None
+    got = K.grouped_gemm([a for a, _ in pairs], [b for _, b in pairs], [], sa, sb, dtype, bs,
+                         fp8, True, epilogue, aux)  # fmt: skip
+    writes = K.GEMM_RULES.epilogues[epilogue].writes_aux
+    assert len(got) == (2 if writes else 1)
+    want_d, want_aux, start = [], [], 0
+    for i, (a, b) in enumerate(pairs):
+        m = a.shape[0]
+        d, ax, _, _ = K.gemm(a, b, False, True, sa[i] if fp8 else None, sb[i] if fp8 else None,
+                             dtype, bs[i] if bs else None, epilogue,
+                             None if aux is None else aux[start : start + m], None, 1.0, 0.0,
+                             None, False, fast_accum=fp8)  # fmt: skip
+        want_d.append(d)
+        want_aux.append(ax)
+        start += m
+    assert_bits_equal(got[0], torch.cat(want_d), "packed d")
+    if writes:
+        assert got[1].shape == got[0].shape
+        assert_bits_equal(got[1], torch.cat(want_aux), "packed aux")
+
+
 def test_gemm_empty_k_writes_zeros(devices):
     """An expert without tokens: its weight gradient (K = 0) is zeros."""
     a = torch.empty(8, 0, dtype=E5M2, device=devices)
@@ -176,9 +215,12 @@ def _cases(device):
                            [torch.zeros(8, device=device, dtype=torch.bfloat16)] * 2, False,
                            True)  # fmt: skip
     yield K.grouped_bias_grad, (x, [3, 0, 5], torch.float32)
+    yield K.grouped_gemm, ([x], [x[:8].contiguous()] * 3, [3, 0, 5], None, None, torch.bfloat16,
+                           [torch.zeros(8, device=device, dtype=torch.bfloat16)] * 3, False, True,
+                           "bias_gelu_aux")  # fmt: skip
 
 
-@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("index", range(5))
 def test_fake_kernels_match_real(devices, index):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -261,5 +303,25 @@ def test_errors_name_op_argument_and_expectation():
     with pytest.raises(ValueError, match=r"argument 'b\[1\]' is on meta, expected the input's"):
         K.grouped_gemm([a, a], [b, b.to("meta")], [], [one, one], [one, one], torch.bfloat16,
                        None, False, True)  # fmt: skip
+    bf = torch.bfloat16
+    with pytest.raises(ValueError, match=r"grouped_gemm: argument 'epilogue' 'dgelu_bgrad' is "
+                                         r"not offered for grouped GEMMs"):  # fmt: skip
+        K.grouped_gemm([a], [b], [], [one], [one], bf, None, False, True, "dgelu_bgrad",
+                       torch.zeros(4, 8, dtype=bf))  # fmt: skip
+    with pytest.raises(ValueError, match=r"argument 'bias' is required by epilogue "
+                                         r"'bias_gelu_aux'"):  # fmt: skip
+        K.grouped_gemm([a], [b], [], [one], [one], bf, None, False, True, "bias_gelu_aux")
+    with pytest.raises(ValueError, match=r"argument 'aux' is required by epilogue 'dgelu' \(the "
+                                         r"GELU input, packed"):  # fmt: skip
+        K.grouped_gemm([a], [b], [], [one], [one], bf, None, False, True, "dgelu")
+    with pytest.raises(ValueError, match=r"argument 'aux' has shape \(4, 7\), expected a "
+                                         r"contiguous \[4, 8\]"):  # fmt: skip
+        K.grouped_gemm([a], [b], [], [one], [one], bf, None, False, True, "dgelu",
+                       torch.zeros(4, 7, dtype=bf))  # fmt: skip
+    with pytest.raises(ValueError, match=r"epilogue 'gelu_aux' needs one N for every GEMM"):
+        K.grouped_gemm([a, a], [b, b[:4].contiguous()], [], [one, one], [one, one], bf, None,
+                       False, True, "gelu_aux")  # fmt: skip
+    with pytest.raises(ValueError, match=r"argument 'epilogue' must be one of"):
+        K.grouped_gemm([a], [b], [], [one], [one], bf, None, False, True, "relu")
     with pytest.raises(ValueError, match=r"grouped_bias_grad: argument 'm_splits' must sum"):
         K.grouped_bias_grad(x, [1, 2], torch.float32)

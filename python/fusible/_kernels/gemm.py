@@ -24,8 +24,8 @@ bias=None) -> d``
 
 Grouped (MoE experts; fus_gemm_grouped)
 ---------------------------------------
-``grouped_gemm(a, b, m_splits, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, packed_out)
--> list of d``
+``grouped_gemm(a, b, m_splits, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, packed_out,
+epilogue="", aux=None) -> list of d (+ aux)``
     ``d_i = a_i @ b_i^T (+ bias_i)`` for every group (the FP8 "TN" form: ``a_i`` ``[M_i, K_i]``,
     ``b_i`` ``[N_i, K_i]``), each the bits ``gemm`` gives for it as the per-GEMM path calls it.
     ``a``: G tensors or one packed tensor split by ``m_splits``; FP8 operands need
@@ -35,6 +35,13 @@ Grouped (MoE experts; fus_gemm_grouped)
     ``packed_out``: one output ``[sum M_i, N]`` (the rows in group order); else one per group.
     A group with ``M_i == 0`` computes nothing; ``K_i == 0`` writes zeros. On CUDA: one cuBLASLt
     call per group on the current stream from one host call, no synchronisation.
+    ``epilogue`` (default ``""``: ``"bias"`` with a bias, else ``"none"``): one of ``gemm``'s
+    epilogues without a bias gradient or C, the same for every group (``bias`` given exactly
+    when it reads one). One that reads aux (``"dgelu"``) takes ``aux`` packed ``[sum M_i, N]``
+    (the groups' rows in order, ``out_dtype``); one that writes aux (``"bias_gelu_aux"``,
+    ``"gelu_aux"``) returns it packed ``[sum M_i, N]`` after the outputs. Either needs one N
+    for every group. With an explicit epilogue each group gives the bits of ``gemm`` with that
+    epilogue (no staging of the packed aux; D is staged as above).
 ``grouped_bias_grad(dy, m_splits, out_dtype) -> dbias [G, N]``
     Row ``i``: group ``i``'s ``dy_i.sum(0, dtype=torch.float32).to(out_dtype)`` (zeros for an
     empty group), the bits of that torch expression; G + 1 kernels.
@@ -316,7 +323,8 @@ def _gemm_fake(
 
 @_fake("grouped_gemm")
 def _grouped_gemm_fake(
-    a, b, m_splits, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, packed_out
+    a, b, m_splits, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, packed_out,
+    epilogue="", aux=None,
 ):
     op = "grouped_gemm"
     mats = _group_mats(op, "a", a, m_splits)
@@ -340,13 +348,17 @@ def _grouped_gemm_fake(
             f"fusible.{op}: argument 'bias' has {len(bias)} tensors, expected {len(mats)} (one "
             "per GEMM)"
         )
+    rows = sum(m for m, _ in mats)
     if packed_out:
-        rows = sum(m for m, _ in mats)
-        return [torch.empty((rows, b[0].shape[0]), dtype=out_dtype, device=dev)]
-    return [
-        torch.empty((m, bi.shape[0]), dtype=out_dtype, device=dev)
-        for (m, _), bi in zip(mats, b, strict=True)
-    ]
+        outs = [torch.empty((rows, b[0].shape[0]), dtype=out_dtype, device=dev)]
+    else:
+        outs = [
+            torch.empty((m, bi.shape[0]), dtype=out_dtype, device=dev)
+            for (m, _), bi in zip(mats, b, strict=True)
+        ]
+    if epilogue and GEMM_RULES.epilogues[epilogue].writes_aux:
+        outs.append(torch.empty((rows, b[0].shape[0]), dtype=out_dtype, device=dev))
+    return outs
 
 
 @_fake("grouped_bias_grad")

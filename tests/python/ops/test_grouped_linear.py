@@ -344,7 +344,9 @@ def test_moe_expert_mlp(recipe_name):
         else:
             assert rel_err(grads[name], ref.grad) < t, name
     _, plan = model._plan_for(list(model), x.requires_grad_(True), rec)
-    assert [u.rule for u in plan.forward_units] == [None, None, None]  # nothing to fuse
+    # fc1 + GELU: grouped GEMMs with the GELU epilogue; backward, GELU + fc2: dgrad with dgelu.
+    assert [u.rule for u in plan.forward_units] == ["grouped_linear_activation", None]
+    assert [u.rule for u in plan.backward_units] == [None, "dact_grouped_linear"]
     roles = [r.qualified for r in model.get_quantizer_roles(True)]
     assert roles[:3] == ["input:grouped_linear:fc1_gemm0", "weight:grouped_linear:fc1_gemm0",
                          "output:grouped_linear:fc1_gemm0"]  # fmt: skip
@@ -376,7 +378,8 @@ def test_between_fusing_ops(recipe_name):
         assert rel_err(a, b) < 2e-5
     assert model[1].input_quantizer() is None and model[1].grad_output_quantizer() is None
     _, plan = model._plan_for(list(model), x.requires_grad_(True), rec)
-    assert [u.rule for u in plan.forward_units] == [None, None, None, "linear_bias_add"]
+    assert [u.rule for u in plan.forward_units] == [None, "grouped_linear_activation",
+                                                    "linear_bias_add"]  # fmt: skip
 
 
 # ---- frozen experts, inference ------------------------------------------------------------

@@ -268,12 +268,23 @@ class GroupedLinear(BasicOperation):
     # ---- execution ----------------------------------------------------------------------------
 
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
-        if self._grouped and (x.device.type != "cuda" or GROUPED_KERNELS_ON_CUDA):
-            out = self._forward_grouped(ctx, x, params)
-            if out is not None:
-                return out
+        out = self.forward_grouped(ctx, x, params)
+        if out is not None:
+            return out[0], []
         ctx.attrs["grouped"] = False
         return self._forward_loop(ctx, x, params)
+
+    def forward_grouped(
+        self, ctx: Any, x: Any, params: Any, epilogue: str = ""
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(y, aux)``: the forward pass as grouped operators, the GEMMs with ``epilogue``
+        (``""``: the bias alone; ``"bias_gelu_aux"`` / ``"gelu_aux"``: y is GELU's output and aux
+        its input, packed as y; else aux is None). None where the per-expert loop must run it (a
+        recipe or dtype the grouped kernels do not serve, or an epilogue the GEMM has no kernel
+        for): nothing has run then."""
+        if not self._grouped or (x.device.type == "cuda" and not GROUPED_KERNELS_ON_CUDA):
+            return None
+        return self._forward_grouped(ctx, x, params, epilogue)
 
     def _forward_loop(self, ctx, x, params):
         """The per-expert loop: per expert a quantize and a GEMM (kept for the recipes the
@@ -349,11 +360,21 @@ class GroupedLinear(BasicOperation):
         return y, []
 
     def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
-        if ctx.attrs.get("grouped") == "fp8":
-            out = self._backward_grouped(ctx, dy)
-            if out is not None:
-                return out
+        out = self.backward_grouped(ctx, dy)
+        if out is not None:
+            return out
         return self._backward_loop(ctx, dy)
+
+    def backward_grouped(
+        self, ctx: Any, dy: Any, dgelu_aux: torch.Tensor | None = None
+    ) -> tuple[Any, list[torch.Tensor | None], list[Any]] | None:
+        """``(dx, param grads, [])``: the backward pass as grouped operators; with
+        ``dgelu_aux`` (the input of a tanh GELU before this op, shaped as this op's input) the
+        dgrad GEMMs apply GELU's derivative in their epilogue, so dx is the GELU input's
+        gradient. None where the loop must run it (nothing has run then)."""
+        if ctx.attrs.get("grouped") != "fp8":
+            return None
+        return self._backward_grouped(ctx, dy, dgelu_aux)
 
     def _backward_loop(self, ctx, dy):
         n = self.num_gemms
@@ -473,8 +494,8 @@ class GroupedLinear(BasicOperation):
                    for k, n in ((self.in_features, self.out_features),
                                 (self.out_features, self.in_features)))  # fmt: skip
 
-    def _forward_grouped(self, ctx, x, params):
-        """The forward pass as grouped operators, or None where the loop runs it."""
+    def _forward_grouped(self, ctx, x, params, epilogue):
+        """:meth:`forward_grouped` (its checks passed)."""
         splits: tuple[int, ...] = ctx.call
         if not isinstance(x, torch.Tensor):
             return None
@@ -492,8 +513,13 @@ class GroupedLinear(BasicOperation):
             # bias the loop runs torch's linear, whose bits another GEMM would not reproduce).
             if ws[0].dtype != dtype or any(b.dtype != bs[0].dtype for b in bs):
                 return None
-            return self._forward_hp(ctx, x, ws, bs, splits)
+            if epilogue and not K.gemm_epilogue_supported(dtype, dtype, dtype, epilogue):
+                return None
+            return self._forward_hp(ctx, x, ws, bs, splits, epilogue)
         if not self._aligned(x, dtype) or any(b.dtype != bs[0].dtype for b in bs):
+            return None
+        fp8 = (qxs[0].dtype, self.gemm_quantizers(True, "weight")[0].dtype)  # type: ignore[union-attr]
+        if epilogue and not K.gemm_epilogue_supported(*fp8, dtype, epilogue):
             return None
         self._check_input(x, splits)
         prg = ctx.params_requires_grad or (False,) * len(params)
@@ -532,15 +558,20 @@ class GroupedLinear(BasicOperation):
         x2 = C.as_2d(x).contiguous()
         xqs = self._grouped_cast(qxs, [x2], splits, True, any(need_wgrad))
         idx = [i for i in range(n) if splits[i]]
+        aux = None
         if idx:
-            y = K.grouped_gemm(
+            y, *rest = K.grouped_gemm(
                 [xqs[i].data for i in idx], [wqs[i].data for i in idx], [],
                 [xqs[i].scale_inv for i in idx], [wqs[i].scale_inv for i in idx], dtype,
-                [bs[i].to(dtype) for i in idx] if bs else None, True, True,
-            )[0]  # fmt: skip
+                [bs[i].to(dtype) for i in idx] if bs else None, True, True, epilogue,
+            )  # fmt: skip
+            aux = rest[0] if rest else None
         else:
             y = x2.new_empty(0, self.out_features)
+            aux = y if K.GEMM_RULES.epilogues[epilogue or "none"].writes_aux else None
         y = y.view(*x.shape[:-1], self.out_features)
+        if aux is not None:
+            aux = aux.view(y.shape)
         # What the loop saves: columnwise copies, nothing for an empty expert.
         saved_x = [C.keep_columnwise(xqs[i]) if need_wgrad[i] and splits[i] else None
                    for i in range(n)]  # fmt: skip
@@ -548,9 +579,9 @@ class GroupedLinear(BasicOperation):
                    for i in range(n)]  # fmt: skip
         _save(ctx, saved_x, saved_w, splits, need_dgrad, need_wgrad, dtype, ws, bs, grad, prg[n:],
               "fp8")  # fmt: skip
-        return y, []
+        return y, aux
 
-    def _forward_hp(self, ctx, x, ws, bs, splits):
+    def _forward_hp(self, ctx, x, ws, bs, splits, epilogue):
         """No recipe, with bias: the forward GEMMs in one ``grouped_gemm`` (per expert the
         loop's ``fusible.gemm`` call with the bias epilogue); backward is the loop's."""
         n = self.num_gemms
@@ -561,18 +592,19 @@ class GroupedLinear(BasicOperation):
         need_dgrad = grad and ctx.input_requires_grad
         need_wgrad = tuple(grad and bool(r) for r in params_rg[:n])
         x2 = C.as_2d(x).contiguous()
-        y = K.grouped_gemm([x2], [w.contiguous() for w in ws], list(splits), None, None, dtype,
-                           [b.to(dtype) for b in bs], False, True)[0]  # fmt: skip
+        y, *rest = K.grouped_gemm([x2], [w.contiguous() for w in ws], list(splits), None, None,
+                                  dtype, [b.to(dtype) for b in bs], False, True, epilogue)  # fmt: skip
         y = y.view(*x.shape[:-1], self.out_features)
+        aux = rest[0].view(y.shape) if rest else None
         xs = torch.split(x2, list(splits)) if n > 1 else (x2,)
         saved_x = [xs[i] if need_wgrad[i] and splits[i] else None for i in range(n)]
         saved_w = [ws[i] if need_dgrad and splits[i] else None for i in range(n)]
         _save(ctx, saved_x, saved_w, splits, need_dgrad, need_wgrad, dtype, ws, bs, grad,
               params_rg[n:], "hp")  # fmt: skip
-        return y, []
+        return y, aux
 
-    def _backward_grouped(self, ctx, dy):
-        """The backward pass as grouped operators, or None where the loop runs it."""
+    def _backward_grouped(self, ctx, dy, dgelu_aux):
+        """:meth:`backward_grouped` (the forward ran grouped FP8 operators)."""
         if self._fp8_kind(False) is None or not isinstance(dy, torch.Tensor):
             return None
         n = self.num_gemms
@@ -589,6 +621,13 @@ class GroupedLinear(BasicOperation):
             return None  # the loop's per-expert reductions read the strided view itself
         wgrad = any(need_wgrad)
         qgs = self.gemm_quantizers(False, "grad_output")
+        aux = None
+        if dgelu_aux is not None:
+            aux = C.as_2d(dgelu_aux)
+            fp8 = (qgs[0].dtype, self.gemm_quantizers(True, "weight")[0].dtype)  # type: ignore[union-attr]
+            if not (need_dgrad and aux.dtype == dtype and aux.is_contiguous()
+                    and K.gemm_epilogue_supported(*fp8, dtype, "dgelu")):  # fmt: skip
+                return None
         gs = (
             self._grouped_cast(qgs, [dy2], splits, need_dgrad, wgrad) if need_dgrad or wgrad else []
         )
@@ -599,7 +638,7 @@ class GroupedLinear(BasicOperation):
                 dx2 = K.grouped_gemm(
                     [gs[i].data for i in idx], [saved_w[i].data_t for i in idx], [],
                     [gs[i].scale_inv for i in idx], [saved_w[i].scale_inv for i in idx], dtype,
-                    None, False, True,
+                    None, False, True, "" if aux is None else "dgelu", aux,
                 )[0]  # fmt: skip
             else:
                 dx2 = dy2.new_empty(0, self.in_features)

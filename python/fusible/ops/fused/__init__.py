@@ -8,18 +8,23 @@ from fusible.ops.basic import (
     AllGather,
     BasicLinear,
     Bias,
+    GroupedLinear,
     MakeExtraOutput,
     ReduceScatter,
 )
-from fusible.ops.basic.activation import ACTIVATIONS
+from fusible.ops.basic.activation import ACTIVATIONS, GELU
 from fusible.ops.fused import (
     backward_activation_bias,
+    backward_activation_grouped_linear,
     backward_linear_add,
     comm_linear,
+    forward_grouped_linear_activation,
     forward_linear_bias_activation,
     forward_linear_bias_add,
 )
 from fusible.ops.fused.backward_activation_bias import BackwardActivationBias
+from fusible.ops.fused.backward_activation_grouped_linear import BackwardActivationGroupedLinear
+from fusible.ops.fused.forward_grouped_linear_activation import ForwardGroupedLinearActivation
 from fusible.ops.fused.backward_linear_add import BackwardLinearAdd
 from fusible.ops.fused.comm_linear import BackwardLinearFP8GradAllGather, ForwardFP8AllGatherLinear
 from fusible.ops.fused.forward_linear_bias_activation import ForwardLinearBiasActivation
@@ -27,9 +32,11 @@ from fusible.ops.fused.forward_linear_bias_add import ForwardLinearBiasAdd
 
 __all__ = [
     "BackwardActivationBias",
+    "BackwardActivationGroupedLinear",
     "BackwardLinearAdd",
     "BackwardLinearFP8GradAllGather",
     "ForwardFP8AllGatherLinear",
+    "ForwardGroupedLinearActivation",
     "ForwardLinearBiasActivation",
     "ForwardLinearBiasAdd",
 ]
@@ -78,6 +85,24 @@ _BUILTIN_RULES = [
         for act in _ACTS
     ),
     ((MakeExtraOutput, BasicLinear), BackwardLinearAdd, backward_linear_add.accepts, False, True),
+    # MoE expert MLP: fc1's grouped GEMMs with the GELU epilogue; fc2's dgrad with its derivative.
+    *(
+        (
+            (GroupedLinear, act),
+            ForwardGroupedLinearActivation,
+            forward_grouped_linear_activation.accepts,
+            True,
+            False,
+        )
+        for act in _EPILOGUE_ACTS
+    ),
+    (
+        (GELU, GroupedLinear),
+        BackwardActivationGroupedLinear,
+        backward_activation_grouped_linear.accepts,
+        False,
+        True,
+    ),
 ]
 
 # FP8 all-gather (sequence parallelism): AllGather + each forward Linear fusion above (the
