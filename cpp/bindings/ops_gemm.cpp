@@ -325,8 +325,7 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
   int epilogue = -1;
   if (!epilogue_name.empty()) {
     epilogue = check_choice(op, "epilogue", epilogue_name, kEpilogues);
-    FUS_VALUE_CHECK(!bgrad(epilogue), op, "argument 'epilogue' '",
-                    std::string(epilogue_name),
+    FUS_VALUE_CHECK(!bgrad(epilogue), op, "argument 'epilogue' '", std::string(epilogue_name),
                     "' is not offered for grouped GEMMs (none, bias, gelu, gelu_aux, bias_gelu, "
                     "bias_gelu_aux, dgelu are)");
     FUS_VALUE_CHECK(bias.has_value() == uses_bias(epilogue), op, "argument 'bias' is ",

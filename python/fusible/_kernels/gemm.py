@@ -323,8 +323,17 @@ def _gemm_fake(
 
 @_fake("grouped_gemm")
 def _grouped_gemm_fake(
-    a, b, m_splits, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, packed_out,
-    epilogue="", aux=None,
+    a,
+    b,
+    m_splits,
+    a_scale_inv,
+    b_scale_inv,
+    out_dtype,
+    bias,
+    fast_accum,
+    packed_out,
+    epilogue="",
+    aux=None,
 ):
     op = "grouped_gemm"
     mats = _group_mats(op, "a", a, m_splits)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ops_helpers import E4M3, E5M2, RECIPES, prequantized, rel_err, tol
 
 import fusible
+from fusible import _kernels as K
 from fusible import ops, recipe
 from fusible.ops import replay
 from fusible.ops.basic import grouped_linear as GL
@@ -779,3 +780,141 @@ def test_grouped_path_equals_loop_cuda(recipe_name, splits, monkeypatch):
         for key in mine:
             if isinstance(mine[key], torch.Tensor):
                 assert torch.equal(mine[key], theirs[key]), key
+
+
+# ---- the fused expert MLP: GELU in fc1's epilogue, its derivative in fc2's dgrad ---------------
+
+
+def _mlp(recipe_name, dtype, f=64, approximate="tanh", bias=True):
+    torch.manual_seed(0)
+    e, h = 4, 32
+    fc1 = ops.GroupedLinear(e, h, f, bias, dtype=dtype)
+    fc2 = ops.GroupedLinear(e, f, h, bias, dtype=dtype)
+    if bias:
+        with torch.no_grad():
+            for b in (*fc1.biases(), *fc2.biases()):
+                b.normal_()
+    return ops.Sequential(fc1, ops.GELU(approximate), fc2)
+
+
+def _dispatched_ops(model, x, splits, g, rec):
+    """The operators one forward + backward dispatches (a TorchDispatchMode), and the result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Names() as mode:
+        out = _run(model, x, splits, g, rec)
+    return mode.names, out
+
+
+MLP_SPLITS = {"blockwise": (32, 0, 64, 16), "mxfp8": (32, 0, 64, 32)}  # the recipes' multiples
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_expert_mlp_equals_unfused(devices, recipe_name, dtype, bias):
+    """GroupedLinear -> GELU -> GroupedLinear fused (fc1's grouped GEMMs with the bias + GELU
+    epilogue, fc2's grouped dgrad with dgelu) against the same ops unfused (a GELU kernel each
+    way), over two steps (delayed scaling: the second with updated scales). Where the grouped
+    kernels serve the recipe no activation kernel runs; elsewhere the fused units run the
+    unfused ops, bit for bit. float32: the epilogue and the activation kernels compute the same
+    function on the same fp32 values, so the bits match too; bfloat16 rounds the GEMM result
+    once before the separate GELU, so within one bf16 rounding. CUDA: cuBLASLt's epilogues
+    compute GELU their own way, so within tolerance there (the unfused paths bit for bit)."""
+    rec = RECIPES[recipe_name]
+    splits = MLP_SPLITS.get(recipe_name, (5, 0, 31, 1))
+    fused = _mlp(recipe_name, dtype, bias=bias).to(devices)
+    unfused = _mlp(recipe_name, dtype, bias=bias).to(devices)
+    gen = torch.Generator().manual_seed(1)
+    # The grouped kernels serve per-tensor scaling (custom: current scaling for every role).
+    grouped = recipe_name not in ("mxfp8", "blockwise")
+    for _ in range(2):
+        x = torch.randn(sum(splits), 32, generator=gen).to(dtype).to(devices)
+        g = torch.randn(sum(splits), 32, generator=gen).to(dtype).to(devices)
+        names, got = _dispatched_ops(fused, x, splits, g, rec)
+        with ops.fusion_disabled():
+            want = _run(unfused, x, splits, g, rec)
+        # No recipe and no bias: the loop (torch's linear); FP8 with a float32 output and a
+        # bias: cuBLASLt has no bias + GELU + aux kernel (gemm.h), the ops run unfused.
+        fp8 = recipe_name != "none"
+        epi = "bias_gelu_aux" if bias else "gelu_aux"
+        operand = E4M3 if fp8 else dtype
+        fwd_fused = (grouped and (bias or fp8)
+                     and K.gemm_epilogue_supported(operand, operand, dtype, epi))  # fmt: skip
+        bwd_fused = grouped and fp8  # no recipe: the loop's torch matmuls
+        assert ("fusible.act_fwd.default" not in names) == fwd_fused, names
+        assert ("fusible.act_bwd.default" not in names) == bwd_fused, names
+        on_cpu = devices == "cpu"
+        exact = (dtype == torch.float32 and on_cpu) or not (fwd_fused or bwd_fused)
+        # Under FP8: an element one rounding apart may cast to the neighbouring FP8 value
+        # downstream (E5M2 gradients: 2^-2 apart), a few percent of a small expert's norm.
+        t = 0.05 if fp8 else 2 * tol(dtype)
+        for a, b in zip(got[:2], want[:2], strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a, b) if exact else rel_err(a, b) < t
+        for name in got[2]:
+            a, b = got[2][name], want[2][name]
+            if name.endswith(("weight1", "bias1")):  # the empty expert
+                assert torch.count_nonzero(a) == 0, name
+            elif exact:
+                assert torch.equal(a, b), name
+            else:
+                assert rel_err(a, b) < t, name
+    _, plan = fused._plan_for(list(fused), x.requires_grad_(True), rec)
+    assert [u.rule for u in plan.forward_units] == ["grouped_linear_activation", None]
+    assert [u.rule for u in plan.backward_units] == [None, "dact_grouped_linear"]
+
+
+def test_fused_expert_mlp_rejections():
+    """The fusions need the tanh GELU (the epilogues' function) and feature sizes that cuBLASLt's
+    aux rule takes; explain() names the reason, and the unfused ops run."""
+    erf = _mlp("none", torch.float32, approximate="none")
+    text = erf.explain()
+    assert "grouped_linear_activation' on [GroupedLinear + GELU]: GELU(approximate='none') has " \
+        "no GEMM epilogue" in text  # fmt: skip
+    assert "is not the tanh GELU of the dgelu epilogue" in text
+    odd = _mlp("none", torch.float32, f=36)
+    text = odd.explain()
+    assert "out_features 36 is not a multiple of 8 (the aux epilogue's N)" in text
+    assert "in_features 36 is not a multiple of 8 (the aux epilogue's N)" in text
+    x = torch.randn(8, 32)
+    for model in (erf, odd):
+        _, plan = model._plan_for(list(model), x.requires_grad_(True), None)
+        assert [u.rule for u in plan.forward_units] == [None, None, None]
+        assert [u.rule for u in plan.backward_units] == [None, None, None]
+        _run(model, x, (2, 2, 0, 4), torch.randn(8, 32))
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "none"])
+def test_fused_expert_mlp_compiled_and_replayed(recipe_name):
+    """The fused expert MLP in the replayed steady state (ops/replay.py) gives the Python
+    executor's bits, with changing splits; under torch.compile(fullgraph=True) the same within
+    fp32 rounding (inductor may reorder the torch reductions of the loop's bias gradients)."""
+    rec = RECIPES[recipe_name]
+    model = _mlp(recipe_name, torch.float32)
+    replayed, python = copy.deepcopy(model), copy.deepcopy(model)
+    compiled = torch.compile(model, fullgraph=True)
+    gen = torch.Generator().manual_seed(2)
+    replay.reset_stats()
+    for splits in [(5, 0, 31, 1)] * 4 + [(8, 0, 3, 6)] * 4:  # replays from the third / fourth
+        x = torch.randn(sum(splits), 32, generator=gen)
+        g = torch.randn(sum(splits), 32, generator=gen)
+        want = _run(replayed, x, splits, g, rec)
+        with replay.options(enabled=False):
+            for got, exact in ((_run(python, x, splits, g, rec), True),
+                               (_run(compiled, x, splits, g, rec), False)):  # fmt: skip
+                for a, b in zip(got[:2], want[:2], strict=True):
+                    assert torch.equal(a, b)
+                for (name, a), b in zip(got[2].items(), want[2].values(), strict=True):
+                    assert torch.equal(a, b) if exact else rel_err(a, b) < 1e-6, name
+    stats = replay.stats()
+    assert stats["forward.replay"] >= 2 and stats["backward.replay"] >= 2, stats

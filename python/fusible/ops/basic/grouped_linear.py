@@ -592,8 +592,9 @@ class GroupedLinear(BasicOperation):
         need_dgrad = grad and ctx.input_requires_grad
         need_wgrad = tuple(grad and bool(r) for r in params_rg[:n])
         x2 = C.as_2d(x).contiguous()
-        y, *rest = K.grouped_gemm([x2], [w.contiguous() for w in ws], list(splits), None, None,
-                                  dtype, [b.to(dtype) for b in bs], False, True, epilogue)  # fmt: skip
+        wc, bc = [w.contiguous() for w in ws], [b.to(dtype) for b in bs]
+        y, *rest = K.grouped_gemm([x2], wc, list(splits), None, None, dtype, bc, False, True,
+                                  epilogue)  # fmt: skip
         y = y.view(*x.shape[:-1], self.out_features)
         aux = rest[0].view(y.shape) if rest else None
         xs = torch.split(x2, list(splits)) if n > 1 else (x2,)

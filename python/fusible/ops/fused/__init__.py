@@ -24,9 +24,9 @@ from fusible.ops.fused import (
 )
 from fusible.ops.fused.backward_activation_bias import BackwardActivationBias
 from fusible.ops.fused.backward_activation_grouped_linear import BackwardActivationGroupedLinear
-from fusible.ops.fused.forward_grouped_linear_activation import ForwardGroupedLinearActivation
 from fusible.ops.fused.backward_linear_add import BackwardLinearAdd
 from fusible.ops.fused.comm_linear import BackwardLinearFP8GradAllGather, ForwardFP8AllGatherLinear
+from fusible.ops.fused.forward_grouped_linear_activation import ForwardGroupedLinearActivation
 from fusible.ops.fused.forward_linear_bias_activation import ForwardLinearBiasActivation
 from fusible.ops.fused.forward_linear_bias_add import ForwardLinearBiasAdd
 

@@ -24,7 +24,8 @@ def accepts(ops: Sequence[BasicOperation], recipe: Any) -> str | None:
     act, lin = ops[0], ops[1]
     assert isinstance(act, _Activation) and isinstance(lin, GroupedLinear)
     if act.kind != "gelu":
-        return f"{type(act).__name__}({act.extra_repr()}) is not the tanh GELU of the dgelu epilogue"
+        name = f"{type(act).__name__}({act.extra_repr()})"
+        return f"{name} is not the tanh GELU of the dgelu epilogue"
     mult = K.GEMM_RULES.aux_n_multiple
     if lin.in_features % mult:
         return f"in_features {lin.in_features} is not a multiple of {mult} (the aux epilogue's N)"
@@ -48,8 +49,9 @@ class BackwardActivationGroupedLinear(FusedOperation):
         (x,) = ctxs[0].saved
         out = None if x is None else lin.backward_grouped(ctxs[1], dy, dgelu_aux=x)
         if out is None:  # the two ops' own backward passes, one after the other
-            dh, grads, extra = lin.op_backward(ctxs[1], dy, prev_grad_quantizer=None,
-                                               extra_output_grads=extra_output_grads[1])  # fmt: skip
+            dh, grads, extra = lin.op_backward(
+                ctxs[1], dy, prev_grad_quantizer=None, extra_output_grads=extra_output_grads[1]
+            )
             dx, _, _ = act.op_backward(ctxs[0], dh, prev_grad_quantizer=prev_grad_quantizer,
                                        extra_output_grads=extra_output_grads[0])  # fmt: skip
             return dx, [[], grads], [[], extra]
