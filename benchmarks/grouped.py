@@ -45,6 +45,7 @@ writes no JSON (its numbers are not results).
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -182,10 +183,12 @@ def mlp_rows(
     gmm_model = TorchGroupedExperts(e, h, f, dev, dt)  # its weights only: any torch makes them
     gmm_why = unavailable("_grouped_mm")
 
-    def fusible_step(rec: Any, backward: bool) -> Callable[[], None]:
+    def fusible_step(rec: Any, backward: bool, fuse: bool = True) -> Callable[[], None]:
         def step() -> None:
             with fusible.autocast(enabled=rec is not None, recipe=rec):
-                y = model(x, m_splits=splits)
+                region = contextlib.nullcontext() if fuse else ops.fusion_disabled()
+                with region:
+                    y = model(x, m_splits=splits)
             if backward:
                 y.backward(dy)
 
@@ -214,6 +217,10 @@ def mlp_rows(
         for name, rec in RECIPES.items():
             step = variant(fusible_step(rec, True), model)
             got.append(timed_row(f"fusible {name}", step, flops, iters, base))
+        if not accumulate:  # what the GELU fusions (fc1's epilogue, fc2's dgrad) save
+            step = variant(fusible_step(RECIPES["delayed"], True, False), model)
+            got.append(timed_row("fusible delayed, unfused (GELU kernels)", step, flops, iters,
+                                 base))  # fmt: skip
         gmm: Callable[[], Any] | str = gmm_why or variant(
             lambda: gmm_model(x, offs).backward(dy), gmm_model
         )
