@@ -71,7 +71,7 @@ def test_grouped_tiny(tmp_path):
     got = json.loads(path.read_text())
     # The fresh-gradient table has one row more: delayed scaling with the fusions disabled.
     assert len(got["results"]) == len(got["results_accumulate"]) + 1 >= 6, got
-    assert "fusible delayed, unfused (GELU kernels)" in out, out
+    assert "fusible delayed, unfused (GELU kernel)" in out, out
 
 
 def test_peak_memory_tiny(tmp_path):
