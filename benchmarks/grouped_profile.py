@@ -6,17 +6,20 @@ CPU time, and where the GPU waits: the idle time between consecutive kernels of 
 on either side. CUDA only.
 
     python benchmarks/grouped_profile.py [--recipe delayed|current|mxfp8|none] [--steps 3]
-                                         [--trace FILE.json] [--steady]
+                                         [--trace FILE.json] [--steady] [--unfused]
 
 ``--steady`` prints, before the profile, whether a step is host- or GPU-bound away from the
 profiler: a step timed as ``grouped.py`` times it (CUDA events, steps issued back to back), its GPU
 time alone (CUDA-graph replay), and the host's time to issue one step onto an idle GPU, for the
-recipe and for the torch per-expert loop.
+recipe (fused, and with the fusions disabled) and for the torch per-expert loop. Steps start
+with fresh gradients (every ``.grad`` None), as grouped.py's main table. ``--unfused`` profiles
+with the fusions disabled.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -42,6 +45,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--trace", default=None, help="keep the chrome trace here")
     ap.add_argument("--steady", action="store_true", help="eager vs graphed vs host time first")
+    ap.add_argument("--unfused", action="store_true", help="profile with the fusions disabled")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("grouped_profile.py needs CUDA")
@@ -54,9 +58,14 @@ def main() -> None:
     dy = torch.randn(n, h, **kw)
     rec = RECIPES["bf16 (no recipe)" if args.recipe == "none" else args.recipe]
 
-    def step() -> None:
+    params = [x, *model.parameters()]
+
+    def step(fuse: bool = not args.unfused) -> None:
+        for t in params:  # fresh gradients, as grouped.py's main table (zero_grad(set_to_none))
+            t.grad = None
         with fusible.autocast(enabled=rec is not None, recipe=rec):
-            y = model(x, m_splits=splits)
+            with contextlib.nullcontext() if fuse else ops.fusion_disabled():
+                y = model(x, m_splits=splits)
         y.backward(dy)
 
     for _ in range(5):
@@ -64,8 +73,16 @@ def main() -> None:
     torch.cuda.synchronize()
     if args.steady:
         ref = TorchExperts(e, h, f).to("cuda", torch.bfloat16)
-        print_steady(f"fusible {args.recipe}", step)
-        print_steady("torch per-expert loop", lambda: ref(x, splits).backward(dy))
+        ref_params = [x, *ref.parameters()]
+
+        def ref_step() -> None:
+            for t in ref_params:
+                t.grad = None
+            ref(x, splits).backward(dy)
+
+        print_steady(f"fusible {args.recipe}", lambda: step(True))
+        print_steady(f"fusible {args.recipe}, unfused", lambda: step(False))
+        print_steady("torch per-expert loop", ref_step)
     # Two steps queued ahead, unsynchronized: the profiled steps start behind a busy GPU, as in
     # training, so the gaps below are the steady state's (profiled from an idle GPU, the first
     # step's host time to its first kernels showed up as 1-2 ms of idle GPU that training never
