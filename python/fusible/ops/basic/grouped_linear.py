@@ -6,7 +6,7 @@ import math
 import operator
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,7 +30,14 @@ from fusible.quantization.quantizers import (
 )
 from fusible.quantization.roles import BACKWARD_BUCKETS, FORWARD_BUCKETS
 
-__all__ = ["GroupedLinear", "gemm_index"]
+__all__ = ["GradCast", "GroupedLinear", "gemm_index"]
+
+#: A fused backward's replacement of GroupedLinear's output-gradient cast and bias gradient (see
+#: :meth:`GroupedLinear.backward_grouped`).
+GradCast = Callable[
+    [list[Any], tuple[int, ...], bool, tuple[bool, ...]],
+    tuple[list[Float8Data], list[torch.Tensor | None] | None],
+]
 
 _GEMM_NAME = re.compile(r"(?:\A|_)gemm(\d+)\Z")
 
@@ -360,11 +367,24 @@ class GroupedLinear(BasicOperation):
         return y, []
 
     def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
-        if ctx.attrs.get("grouped") == "fp8":
-            out = self._backward_grouped(ctx, dy)
-            if out is not None:
-                return out
+        out = self.backward_grouped(ctx, dy)
+        if out is not None:
+            return out
         return self._backward_loop(ctx, dy)
+
+    def backward_grouped(
+        self, ctx: Any, dy: Any, grad_cast: GradCast | None = None
+    ) -> tuple[Any, list[torch.Tensor | None], list[Any]] | None:
+        """``(dx, param grads, [])``: the backward pass as grouped operators, or None where the
+        per-expert loop must run it (nothing has run then). ``grad_cast`` (a fused backward's)
+        replaces the output gradient's grouped cast and bias gradient: called as
+        ``grad_cast(quantizers, splits, rowwise, columnwise)`` after every check passed, it
+        returns the per-expert ``Float8Data`` (empty experts included: their scale_inv and empty
+        copies) and the bias gradients (None where no bias gradient is needed); ``dy`` then
+        gives only the gradient's shape and device."""
+        if ctx.attrs.get("grouped") != "fp8":
+            return None
+        return self._backward_grouped(ctx, dy, grad_cast)
 
     def _backward_loop(self, ctx, dy):
         n = self.num_gemms
@@ -594,7 +614,7 @@ class GroupedLinear(BasicOperation):
               params_rg[n:], "hp")  # fmt: skip
         return y, aux
 
-    def _backward_grouped(self, ctx, dy):
+    def _backward_grouped(self, ctx, dy, grad_cast):
         """The backward pass as grouped operators, or None where the loop runs it. (fc2's dgrad
         with cuBLASLt's ``dgelu`` epilogue, which would replace the GELU backward kernel of an
         expert MLP, measured slower on the H200: for FP8 operands cuBLASLt runs the epilogue as a
@@ -615,9 +635,13 @@ class GroupedLinear(BasicOperation):
             return None  # the loop's per-expert reductions read the strided view itself
         wgrad = any(need_wgrad)
         qgs = self.gemm_quantizers(False, "grad_output")
-        gs = (
-            self._grouped_cast(qgs, [dy2], splits, need_dgrad, wgrad) if need_dgrad or wgrad else []
-        )
+        given_dbs = None
+        if grad_cast is not None:
+            gs, given_dbs = grad_cast(qgs, splits, need_dgrad, tuple(need_wgrad))
+        elif need_dgrad or wgrad:
+            gs = self._grouped_cast(qgs, [dy2], splits, need_dgrad, wgrad)
+        else:
+            gs = []
         idx = [i for i in range(n) if splits[i]]
         dx = None
         if need_dgrad:
@@ -656,7 +680,9 @@ class GroupedLinear(BasicOperation):
             for i in one:
                 dws[i] = C.gemm_wgrad(gs[i], saved_x[i], w_dtype)[0].to(w_dtype)
         dbs: list[torch.Tensor | None] = [None] * n
-        if need_bgrad and any(need_bgrad):
+        if given_dbs is not None:
+            dbs = list(given_dbs)
+        elif need_bgrad and any(need_bgrad):
             got = K.grouped_bias_grad(dy2, list(splits), b_dtypes[0]).unbind(0)
             dbs = [db if need_bgrad[i] else None for i, db in enumerate(got)]
         return dx, dws + (dbs if self.use_bias else []), []

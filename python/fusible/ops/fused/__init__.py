@@ -15,6 +15,7 @@ from fusible.ops.basic import (
 from fusible.ops.basic.activation import ACTIVATIONS
 from fusible.ops.fused import (
     backward_activation_bias,
+    backward_grouped_linear_activation,
     backward_linear_add,
     comm_linear,
     forward_grouped_linear_activation,
@@ -22,6 +23,7 @@ from fusible.ops.fused import (
     forward_linear_bias_add,
 )
 from fusible.ops.fused.backward_activation_bias import BackwardActivationBias
+from fusible.ops.fused.backward_grouped_linear_activation import BackwardGroupedLinearActivation
 from fusible.ops.fused.backward_linear_add import BackwardLinearAdd
 from fusible.ops.fused.comm_linear import BackwardLinearFP8GradAllGather, ForwardFP8AllGatherLinear
 from fusible.ops.fused.forward_grouped_linear_activation import ForwardGroupedLinearActivation
@@ -30,6 +32,7 @@ from fusible.ops.fused.forward_linear_bias_add import ForwardLinearBiasAdd
 
 __all__ = [
     "BackwardActivationBias",
+    "BackwardGroupedLinearActivation",
     "BackwardLinearAdd",
     "BackwardLinearFP8GradAllGather",
     "ForwardFP8AllGatherLinear",
@@ -82,9 +85,9 @@ _BUILTIN_RULES = [
         for act in _ACTS
     ),
     ((MakeExtraOutput, BasicLinear), BackwardLinearAdd, backward_linear_add.accepts, False, True),
-    # MoE expert MLP: fc1's grouped GEMMs with the GELU epilogue. (Not its backward: fc2's FP8
-    # dgrad with cuBLASLt's dgelu epilogue measured slower on the H200 than the separate
-    # act_bwd kernel, see GroupedLinear.backward_grouped.)
+    # MoE expert MLP: fc1's grouped GEMMs with the GELU epilogue; backward, the activation's
+    # kernel writes fc1's FP8 output gradient and bias gradient per expert. (Not fc2's FP8 dgrad
+    # with cuBLASLt's dgelu epilogue: slower on the H200, see GroupedLinear._backward_grouped.)
     *(
         (
             (GroupedLinear, act),
@@ -94,6 +97,16 @@ _BUILTIN_RULES = [
             False,
         )
         for act in _EPILOGUE_ACTS
+    ),
+    *(
+        (
+            (GroupedLinear, act),
+            BackwardGroupedLinearActivation,
+            backward_grouped_linear_activation.accepts,
+            False,
+            True,
+        )
+        for act in _ACTS
     ),
 ]
 
