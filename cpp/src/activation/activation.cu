@@ -40,6 +40,7 @@ struct ActParams {
   bool vec_x, vec_grad;
   int64_t rows, cols;  // cols = H
   int64_t rows_per_group;
+  int64_t groups, groups_per_block;  // row groups; consecutive ones a block walks (blockIdx.y)
   EpilogueOut out;
   float* amax;       // q's amax, or null
   float* partial;    // [groups, out_cols] column sums, or null
@@ -56,9 +57,8 @@ __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
   const int tid = threadIdx.x, tx = tid % 8, ty = tid / 8;
   const int64_t H = p.cols, in_cols = kGated ? 2 * H : H;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
-  const int64_t g = blockIdx.y;
-  const int64_t rbeg = g * p.rows_per_group;
-  const int64_t rend = fused::imin(p.rows, rbeg + p.rows_per_group);
+  const int64_t g0 = static_cast<int64_t>(blockIdx.y) * p.groups_per_block;
+  const int64_t g1 = fused::imin(p.groups, g0 + p.groups_per_block);
   const int64_t c = c0 + 8 * tx;
   const int strip_cols = static_cast<int>(fused::imin(kTileCols, H - c0));
   const int nc = k16 ? 8 : static_cast<int>(fused::imax(0, fused::imin(8, H - c)));
@@ -67,6 +67,7 @@ __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
   // 16-bit path: the raw vectors of the thread's row in the next tile (zero past rend; those
   // rows are outside the matrix or another group's, and emit_tile skips them).
   uint4 ra{}, rb{}, rg{};
+  int64_t rend = 0;
   auto load_raw = [&](int64_t r) {
     if constexpr (k16) {
       ra = rb = rg = make_uint4(0, 0, 0, 0);
@@ -78,47 +79,54 @@ __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
         rg = __ldcs(reinterpret_cast<const uint4*>(static_cast<const T*>(p.grad) + r * H + c));
     }
   };
-  load_raw(rbeg + ty);
+  // Each group's column sums run over its rows in order and go to its own partial row, whichever
+  // block walks it: the bits do not depend on groups_per_block.
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t rbeg = g * p.rows_per_group;
+    rend = fused::imin(p.rows, rbeg + p.rows_per_group);
+    load_raw(rbeg + ty);
 
-  for (int64_t r0 = rbeg; r0 < rend; r0 += kTileRows) {
-    const int64_t r = r0 + ty;
-    const int n = r < rend ? nc : 0;
-    float a[8], b[8], gr[8], v0[8], v1[8];
-    if constexpr (k16) {
-      fused::unpack8<T>(ra, a);
-      if constexpr (kGated) fused::unpack8<T>(rb, b);
-      if constexpr (kBwd) fused::unpack8<T>(rg, gr);
-      load_raw(r + kTileRows);
-    } else {
-      fused::load8(p.x, p.x_dtype, r * in_cols + c, n, p.vec_x, a);
-      if constexpr (kGated) fused::load8(p.x, p.x_dtype, r * in_cols + H + c, n, p.vec_x, b);
-      if constexpr (kBwd) fused::load8(p.grad, p.grad_dtype, r * H + c, n, p.vec_grad, gr);
-    }
-    if constexpr (!kBwd) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if constexpr (kGated)
-          v0[j] = gated_fwd<A>(a[j], b[j]);
-        else
-          v0[j] = act_fn<A>(a[j]);
+    for (int64_t r0 = rbeg; r0 < rend; r0 += kTileRows) {
+      const int64_t r = r0 + ty;
+      const int n = r < rend ? nc : 0;
+      float a[8], b[8], gr[8], v0[8], v1[8];
+      if constexpr (k16) {
+        fused::unpack8<T>(ra, a);
+        if constexpr (kGated) fused::unpack8<T>(rb, b);
+        if constexpr (kBwd) fused::unpack8<T>(rg, gr);
+        load_raw(r + kTileRows);
+      } else {
+        fused::load8(p.x, p.x_dtype, r * in_cols + c, n, p.vec_x, a);
+        if constexpr (kGated) fused::load8(p.x, p.x_dtype, r * in_cols + H + c, n, p.vec_x, b);
+        if constexpr (kBwd) fused::load8(p.grad, p.grad_dtype, r * H + c, n, p.vec_grad, gr);
       }
-      fused::emit_tile<T>(p.out, sm, acc0, r0, c0, strip_cols, v0, n);
-    } else if constexpr (kGated) {
+      if constexpr (!kBwd) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) gated_grad<A>(gr[j], a[j], b[j], &v0[j], &v1[j]);
-      fused::emit_tile<T>(p.out, sm, acc0, r0, c0, strip_cols, v0, n);
-      fused::emit_tile<T>(p.out, sm, acc1, r0, H + c0, strip_cols, v1, n);
-    } else {
+        for (int j = 0; j < 8; ++j) {
+          if constexpr (kGated)
+            v0[j] = gated_fwd<A>(a[j], b[j]);
+          else
+            v0[j] = act_fn<A>(a[j]);
+        }
+        fused::emit_tile<T>(p.out, sm, acc0, r0, c0, strip_cols, v0, n);
+      } else if constexpr (kGated) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v0[j] = act_grad<A>(gr[j], a[j]);
-      fused::emit_tile<T>(p.out, sm, acc0, r0, c0, strip_cols, v0, n);
+        for (int j = 0; j < 8; ++j) gated_grad<A>(gr[j], a[j], b[j], &v0[j], &v1[j]);
+        fused::emit_tile<T>(p.out, sm, acc0, r0, c0, strip_cols, v0, n);
+        fused::emit_tile<T>(p.out, sm, acc1, r0, H + c0, strip_cols, v1, n);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v0[j] = act_grad<A>(gr[j], a[j]);
+        fused::emit_tile<T>(p.out, sm, acc0, r0, c0, strip_cols, v0, n);
+      }
     }
-  }
 
-  if (p.partial && tid < strip_cols) {
-    float* part = p.partial + g * p.out.out_cols;
-    part[c0 + tid] = acc0.colsum;
-    if (kGated && kBwd) part[H + c0 + tid] = acc1.colsum;
+    if (p.partial && tid < strip_cols) {
+      float* part = p.partial + g * p.out.out_cols;
+      part[c0 + tid] = acc0.colsum;
+      if (kGated && kBwd) part[H + c0 + tid] = acc1.colsum;
+    }
+    acc0.colsum = acc1.colsum = 0.0f;
   }
   if (p.amax)
     fused::block_amax(max(fused::acc_amax_bits<T>(acc0), fused::acc_amax_bits<T>(acc1)), p.amax);
@@ -367,6 +375,18 @@ void act_launch(const ActArgs& a, const fus_context& ctx, bool bwd) {
                                             (tiles + 65534) / 65535);  // grid.y <= 65535
   }
   const int64_t groups = (rows + p.rows_per_group - 1) / p.rows_per_group;
+  p.groups = groups;
+  // dbias on few rows makes groups of one or two tiles (a block each: a short block's launch and
+  // partial store cost as much as its tile, 0.34 of copy bandwidth for an MoE expert's 2000 rows
+  // on the H200): then a block walks several consecutive groups, about 8 tiles, while the grid
+  // keeps at least 4 blocks per SM.
+  p.groups_per_block = 1;
+  if (colsum) {
+    const int64_t tiles_per_group = p.rows_per_group / kTileRows;
+    int64_t gpb = std::max<int64_t>(1, 8 / tiles_per_group);
+    while (gpb > 1 && strips * ((groups + gpb - 1) / gpb) < 4 * int64_t{sm_count()}) gpb /= 2;
+    p.groups_per_block = gpb;
+  }
 
   EpilogueOut& o = p.out;
   o.hp = a.out ? a.out->data : nullptr;
@@ -395,7 +415,7 @@ void act_launch(const ActArgs& a, const fus_context& ctx, bool bwd) {
   p.scale_inv = scale_inv;
 
   const dim3 grid(static_cast<unsigned>((H + kTileCols - 1) / kTileCols),
-                  static_cast<unsigned>(groups));
+                  static_cast<unsigned>((groups + p.groups_per_block - 1) / p.groups_per_block));
   // The 16-bit path (act_kernel's T): every tensor of one 16-bit type, whole strips, vectors.
   const fus_dtype dt = a.x.dtype;
   const bool k16 = (dt == FUS_BFLOAT16 || dt == FUS_FLOAT16) && a.round_dtype == dt &&
