@@ -47,7 +47,7 @@ class BackwardGroupedLinearActivation(FusedOperation):
     def fuser_backward(self, ctxs, dy, *, prev_grad_quantizer, extra_output_grads):
         lin: GroupedLinear = self.ops[0]  # type: ignore[assignment]
         act: _Activation = self.ops[1]  # type: ignore[assignment]
-        (x,) = ctxs[1].saved
+        x = ctxs[1].saved[0]
         dy_t = C.dequantize(dy)
         out = None
         # Delayed scaling only: its scales are known before the cast, so one kernel pass casts.
@@ -57,8 +57,11 @@ class BackwardGroupedLinearActivation(FusedOperation):
             and dy_t.dtype == x.dtype
             and lin._fp8_kind(False) is Float8Quantizer
         ):
-            dy2, x2 = C.as_2d(dy_t).contiguous(), C.as_2d(x)
-            grad_cast = _dact_cast(act.kind, dy2, x2, ctxs[0].attrs)
+            # The activation's input goes with its last reference once the casts have read it
+            # (as activation_backward frees it), not after fc1's GEMMs.
+            held = [C.as_2d(dy_t).contiguous(), C.as_2d(x), ctxs[1]]
+            del x
+            grad_cast = _dact_cast(act.kind, held, ctxs[0].attrs)
             out = lin.backward_grouped(ctxs[0], dy_t, grad_cast)
         if out is None:  # the two ops' own backward passes, one after the other
             dh, _, _ = act.op_backward(
@@ -69,21 +72,23 @@ class BackwardGroupedLinearActivation(FusedOperation):
                 extra_output_grads=extra_output_grads[0],
             )  # fmt: skip
             return dx, [grads, []], [extra, []]
-        ctxs[1].saved = []
         dx, grads, extra = out
         return dx, [grads, []], [extra, []]
 
 
-def _dact_cast(kind: str, dy: torch.Tensor, x: torch.Tensor, attrs: dict[str, Any]) -> Any:
+def _dact_cast(kind: str, held: list[Any], attrs: dict[str, Any]) -> Any:
     """The :data:`GradCast` of :meth:`GroupedLinear.backward_grouped`: per expert with tokens,
     ``act_bwd`` of its rows writing the rowwise FP8 gradient with the expert's delayed scale
     (the cast of the rounded value: the bits of the unfused cast), its amax into the expert's
     history slot and its column sums (the bias gradient, summed in the activation kernel's
-    order); the transposed copy is a byte transpose of it (one scale for both copies)."""
+    order); the transposed copy is a byte transpose of it (one scale for both copies).
+    ``held``: ``[dy, x, the activation's context]``, emptied (and the context's saved input
+    dropped) once every expert is cast."""
 
     def cast(
         qs: list[Any], splits: tuple[int, ...], rowwise: bool, columnwise: tuple[bool, ...]
     ) -> tuple[list[Float8Data], list[torch.Tensor | None] | None]:
+        dy, x, act_ctx = held
         need_bgrad, b_dtypes = attrs["need_bgrad"], attrs["b_dtypes"]
         bgrad = bool(need_bgrad) and any(need_bgrad)
         cols = dy.shape[-1]
@@ -116,6 +121,8 @@ def _dact_cast(kind: str, dy: torch.Tensor, x: torch.Tensor, attrs: dict[str, An
             gs.append(Float8Data._trusted(d, data_t, scale_inv, q.dtype, torch.Size((m, cols))))
             dbs.append(dbias.to(b_dtypes[i]) if with_dbias else None)
             start += m
+        act_ctx.saved = []
+        held.clear()
         return gs, (dbs if bgrad else None)
 
     return cast
