@@ -322,18 +322,22 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
   // and, reading aux, takes it packed [sum M_i, N] (rows split as a's groups). One that writes aux
   // returns it packed, after the outputs. The bias gradient's epilogues are not offered (their
   // dbias sums in cuBLASLt's order, not the per-expert reduction of grouped_bias_grad).
-  int epilogue = -1;
+  int epilogue = bias.has_value() ? FUS_GEMM_EPILOGUE_BIAS : FUS_GEMM_EPILOGUE_NONE;
   if (!epilogue_name.empty()) {
     epilogue = check_choice(op, "epilogue", epilogue_name, kEpilogues);
-    FUS_VALUE_CHECK(!bgrad(epilogue), op, "argument 'epilogue' '", std::string(epilogue_name),
-                    "' is not offered for grouped GEMMs (none, bias, gelu, gelu_aux, bias_gelu, "
-                    "bias_gelu_aux, dgelu are)");
+    if (bgrad(epilogue)) {
+      std::string offered;
+      for (size_t e = 0; e < kEpilogues.size(); ++e)
+        if (!bgrad(static_cast<int>(e)))
+          offered += (offered.empty() ? "" : ", ") + std::string(kEpilogues[e]);
+      FUS_VALUE_CHECK(false, op, "argument 'epilogue' '", std::string(epilogue_name),
+                      "' is not offered for grouped GEMMs (", offered, " are)");
+    }
     FUS_VALUE_CHECK(bias.has_value() == uses_bias(epilogue), op, "argument 'bias' is ",
                     bias.has_value() ? "not used" : "required", " by epilogue '",
                     std::string(epilogue_name), "'");
   }
-  const bool aux_in = epilogue >= 0 && reads_aux(epilogue);
-  const bool aux_out = epilogue >= 0 && writes_aux(epilogue);
+  const bool aux_in = reads_aux(epilogue), aux_out = writes_aux(epilogue);
   FUS_VALUE_CHECK(aux.has_value() == aux_in, op, "argument 'aux' is ",
                   aux.has_value() ? "not used" : "required", " by epilogue '",
                   std::string(epilogue_name), "'",
@@ -393,8 +397,7 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
   // As the per-GEMM path (python/fusible/ops/_compute.py, _gemm) calls fusible.gemm for D = A @ B^T:
   // the bias in the epilogue, except for an FP8 GEMM with a float32 D (cuBLASLt's bias is bf16
   // there), whose float32 bias is added to D afterwards (the same add, so the same bits).
-  const bool add_after = fp8 && out_dtype == at::kFloat && bias.has_value() &&
-                         (epilogue < 0 || epilogue == FUS_GEMM_EPILOGUE_BIAS);
+  const bool add_after = fp8 && out_dtype == at::kFloat && epilogue == FUS_GEMM_EPILOGUE_BIAS;
   // cuBLASLt picks its kernel by the pointers' alignment too (gemm.cu passes the real alignment
   // of each): a packed output row block that is not 256-byte aligned, as a fresh allocation is,
   // is computed into a fresh tensor and copied, so every GEMM runs the kernel (and gives the bits)
@@ -424,10 +427,7 @@ std::vector<Tensor> grouped_gemm(at::TensorList a, at::TensorList b, at::IntArra
     g.alpha = 1.0f;
     g.beta = 0.0f;
     const bool fused_bias = bias.has_value() && !add_after;
-    if (epilogue >= 0 && !add_after)
-      g.epilogue = static_cast<fus_gemm_epilogue>(epilogue);
-    else
-      g.epilogue = fused_bias ? FUS_GEMM_EPILOGUE_BIAS : FUS_GEMM_EPILOGUE_NONE;
+    g.epilogue = static_cast<fus_gemm_epilogue>(add_after ? FUS_GEMM_EPILOGUE_NONE : epilogue);
     g.bias = fused_bias ? mat((*bias)[i], 1, n) : kAbsent;
     if (aux_in || aux_out) {
       const Tensor& src = aux_in ? *aux : aux_packed;

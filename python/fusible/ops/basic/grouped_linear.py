@@ -528,7 +528,8 @@ class GroupedLinear(BasicOperation):
             return self._forward_hp(ctx, x, ws, bs, splits, epilogue)
         if not self._aligned(x, dtype) or any(b.dtype != bs[0].dtype for b in bs):
             return None
-        fp8 = (qxs[0].dtype, self.gemm_quantizers(True, "weight")[0].dtype)  # type: ignore[union-attr]
+        qws = self.gemm_quantizers(True, "weight")
+        fp8 = (qxs[0].dtype, qws[0].dtype)  # type: ignore[union-attr]
         if epilogue and not K.gemm_epilogue_supported(*fp8, dtype, epilogue):
             return None
         self._check_input(x, splits)
@@ -536,7 +537,6 @@ class GroupedLinear(BasicOperation):
         grad = not _inference()
         need_dgrad = grad and ctx.input_requires_grad
         need_wgrad = tuple(grad and bool(r) for r in prg[:n])
-        qws = self.gemm_quantizers(True, "weight")
         keyed = isinstance(ctx.cache_weight, dict)
         cache = ctx.cache_weight if keyed else {}
         given = ctx.workspace if keyed else {}
@@ -637,7 +637,7 @@ class GroupedLinear(BasicOperation):
         qgs = self.gemm_quantizers(False, "grad_output")
         given_dbs = None
         if grad_cast is not None:
-            gs, given_dbs = grad_cast(qgs, splits, need_dgrad, tuple(need_wgrad))
+            gs, given_dbs = grad_cast(qgs, splits, need_dgrad, need_wgrad)
         elif need_dgrad or wgrad:
             gs = self._grouped_cast(qgs, [dy2], splits, need_dgrad, wgrad)
         else:

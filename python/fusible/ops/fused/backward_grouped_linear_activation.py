@@ -13,7 +13,7 @@ import torch
 from fusible import _kernels as K
 from fusible.ops import _compute as C
 from fusible.ops.basic.activation import _Activation
-from fusible.ops.basic.grouped_linear import GroupedLinear
+from fusible.ops.basic.grouped_linear import GradCast, GroupedLinear
 from fusible.ops.op import BasicOperation, FusedOperation
 from fusible.quantization.quantizers import Float8Data, Float8Quantizer
 
@@ -76,7 +76,7 @@ class BackwardGroupedLinearActivation(FusedOperation):
         return dx, [grads, []], [extra, []]
 
 
-def _dact_cast(kind: str, held: list[Any], attrs: dict[str, Any]) -> Any:
+def _dact_cast(kind: str, held: list[Any], attrs: dict[str, Any]) -> GradCast:
     """The :data:`GradCast` of :meth:`GroupedLinear.backward_grouped`: per expert with tokens,
     ``act_bwd`` of its rows writing the rowwise FP8 gradient with the expert's delayed scale
     (the cast of the rounded value: the bits of the unfused cast), its amax into the expert's
