@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from kernel_testing import _one_torch_thread, assert_bits_equal  # noqa: F401
+from kernel_testing import _one_torch_thread, assert_bits_equal, fp8_allclose_supported  # noqa: F401
 
 import fusible._kernels as K
 
@@ -267,6 +267,15 @@ def supported(case: Case) -> bool:
     return K.gemm_epilogue_supported(case.a_dtype, case.b_dtype, case.out_dtype, case.epilogue)
 
 
+def check_or_refused(case: Case, devices: str) -> None:
+    """A supported case checked against its reference; an unsupported one refused by the op."""
+    if not supported(case):
+        with pytest.raises(TypeError, match=r"fusible\.gemm"):
+            case.run()
+        return
+    case.check(case.run(), cuda=devices == "cuda")
+
+
 # ---- high precision -----------------------------------------------------------------------------
 
 
@@ -388,11 +397,7 @@ def test_fp8_operands_with_scales(devices, a_dtype, b_dtype, out_dtype):
             want_amax=out_dtype in FP8,
             seed=seed,
         )
-        if not supported(case):
-            with pytest.raises(TypeError, match=r"fusible\.gemm"):
-                case.run()
-            continue
-        case.check(case.run(), cuda=devices == "cuda")
+        check_or_refused(case, devices)
 
 
 @pytest.mark.parametrize("epilogue", EPILOGUES)
@@ -412,11 +417,7 @@ def test_fp8_epilogues(devices, epilogue, out_dtype):
             want_amax=out_dtype in FP8,
             seed=seed,
         )
-        if not supported(case):
-            with pytest.raises(TypeError, match=r"fusible\.gemm"):
-                case.run()
-            continue
-        case.check(case.run(), cuda=devices == "cuda")
+        check_or_refused(case, devices)
 
 
 def test_fp8_matches_dequantized_torch_matmul(devices):
@@ -573,15 +574,6 @@ def test_fake_kernel_shapes_match_real(devices, index):
         assert f.stride() == r.stride()
 
 
-def _fp8_allclose_supported(device) -> bool:
-    try:
-        t = torch.zeros(2, device=device).to(E4M3)
-        torch.allclose(t, t, equal_nan=True)
-    except (NotImplementedError, RuntimeError):
-        return False
-    return True
-
-
 @pytest.mark.parametrize("index", range(4))
 def test_opcheck(devices, index):
     case = list(_fake_cases(devices))[index]
@@ -591,7 +583,7 @@ def test_opcheck(devices, index):
         "test_faketensor",
         "test_aot_dispatch_dynamic",
     ]
-    if case.fp8 and not _fp8_allclose_supported(devices):
+    if case.fp8 and not fp8_allclose_supported(devices):
         # SchemaCheckMode compares inputs with torch.allclose, which has no float8 kernel here
         # (pytorch/pytorch#135998): check by hand that no input is mutated.
         utils.remove("test_schema")
