@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -28,6 +29,31 @@ class TorchBlock(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gelu = torch.nn.functional.gelu
         return self.fc2(gelu(self.fc1(self.norm(x)), approximate="tanh"))
+
+
+def all_recipes(none: str = "bf16") -> dict[str, Any]:
+    """name -> a fresh recipe of each kind (``delayed``, ``current``, ``mxfp8``, ``blockwise``),
+    after ``none`` -> None (no autocast)."""
+    from fusible import recipe
+
+    return {
+        none: None,
+        "delayed": recipe.DelayedScaling(),
+        "current": recipe.Float8CurrentScaling(),
+        "mxfp8": recipe.MXFP8BlockScaling(),
+        "blockwise": recipe.Float8BlockScaling(),
+    }
+
+
+def shape_parser(
+    description: str | None, tokens: int, hidden: int, ffn: int
+) -> argparse.ArgumentParser:
+    """An argument parser with the block's shape: ``--tokens``, ``--hidden``, ``--ffn``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--tokens", type=int, default=tokens)
+    ap.add_argument("--hidden", type=int, default=hidden)
+    ap.add_argument("--ffn", type=int, default=ffn)
+    return ap
 
 
 def fusible_block(
@@ -131,6 +157,21 @@ def fusible_step(
         y.backward(dy)
 
     return step
+
+
+def bandwidth_parser(description: str | None) -> argparse.ArgumentParser:
+    """The kernel benchmarks' arguments: ``--shapes`` and ``--out``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--shapes", default="16384x4096,16384x16384")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    return ap
+
+
+def bandwidth_table(rows: list[dict[str, Any]], copy_gbs: float, columns: list[str]) -> None:
+    """Prints the copy bandwidth, then the kernel benchmark's rows (:func:`bandwidth_row`):
+    kernel, shape, fusible's time and bandwidth, then ``columns``."""
+    print(f"device copy bandwidth: {copy_gbs:.1f} GB/s (read + write)")
+    print_table(rows, ["kernel", "shape", "fusible_ms", "GB/s", "frac_copy_bw", *columns])
 
 
 def copy_bandwidth_gbs(device: str, nbytes: int = 2 << 30) -> float:

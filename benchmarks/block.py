@@ -7,36 +7,28 @@ torch.compile of it) measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
 
 from _common import (
     TorchBlock,
+    all_recipes,
     environment,
     fusible_block,
     fusible_step,
     print_table,
+    shape_parser,
     time_ms,
     write_json,
 )
-from fusible import ops, recipe
+from fusible import ops
 
-RECIPES: dict[str, Any] = {
-    "bf16 (no recipe)": None,
-    "delayed": recipe.DelayedScaling(),
-    "current": recipe.Float8CurrentScaling(),
-    "mxfp8": recipe.MXFP8BlockScaling(),
-    "blockwise": recipe.Float8BlockScaling(),
-}
+RECIPES: dict[str, Any] = all_recipes("bf16 (no recipe)")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--ffn", type=int, default=16384)
+    ap = shape_parser(__doc__, tokens=16384, hidden=4096, ffn=16384)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="recipe name: print its fused step's kernels")
     args = ap.parse_args()

@@ -7,20 +7,15 @@ cudaProfilerStart/Stop after a warm-up step, for kernel profilers:
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from _common import fusible_block, fusible_step
+from _common import fusible_block, fusible_step, shape_parser
 from block import RECIPES
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = shape_parser(__doc__, tokens=16384, hidden=4096, ffn=16384)
     ap.add_argument("recipe", choices=list(RECIPES))
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--ffn", type=int, default=16384)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/block_step.py needs a CUDA GPU")

@@ -14,7 +14,6 @@ compare across runs. Kernels: median of ``--iters`` calls each, with GFLOP/s (GE
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from _common import (
     fusible_block,
     fusible_step,
     print_table,
+    shape_parser,
     time_ms,
     write_json,
 )
@@ -176,10 +176,7 @@ def kernels(n: int, h: int, f: int, iters: int) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--ffn", type=int, default=4096)
+    ap = shape_parser(__doc__, tokens=1024, hidden=1024, ffn=4096)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--profile", default=None, choices=["torch eager", *RECIPES])

@@ -57,7 +57,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _common import dynamo_graphs, environment, error_cell, print_table, time_ms, write_json
+from _common import (
+    all_recipes,
+    dynamo_graphs,
+    environment,
+    error_cell,
+    print_table,
+    time_ms,
+    write_json,
+)
 
 # "tl-<recipe>": the layers are fusible.TransformerLayer instead of the hand-wired Layer below.
 FUSIBLE = (
@@ -73,15 +81,7 @@ TINY = {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "batch": 2, "vocab": 1
 
 def recipe_of(variant: str) -> Any:
     """The autocast recipe of a fusible variant (None: no autocast)."""
-    from fusible import recipe
-
-    return {
-        "bf16": None,
-        "delayed": recipe.DelayedScaling(),
-        "current": recipe.Float8CurrentScaling(),
-        "mxfp8": recipe.MXFP8BlockScaling(),
-        "blockwise": recipe.Float8BlockScaling(),
-    }[variant.removeprefix("tl-")]
+    return all_recipes("bf16")[variant.removeprefix("tl-")]
 
 
 def have_torchao() -> bool:

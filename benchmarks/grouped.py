@@ -52,15 +52,12 @@ from typing import Any
 import torch
 
 import fusible
-from _common import environment, error_cell, print_table, time_ms, write_json
+from _common import all_recipes, environment, error_cell, print_table, time_ms, write_json
 from fusible import _kernels as K
-from fusible import ops, recipe
+from fusible import ops
 
 RECIPES: dict[str, Any] = {
-    "bf16 (no recipe)": None,
-    "delayed": recipe.DelayedScaling(),
-    "current": recipe.Float8CurrentScaling(),
-    "mxfp8": recipe.MXFP8BlockScaling(),
+    k: r for k, r in all_recipes("bf16 (no recipe)").items() if k != "blockwise"
 }
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max

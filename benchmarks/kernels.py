@@ -10,18 +10,18 @@ read once and every output written once.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from _common import (
+    bandwidth_parser,
     bandwidth_row,
+    bandwidth_table,
     copy_bandwidth_gbs,
     environment,
     parse_shapes,
-    print_table,
     write_json,
 )
 from fusible import _kernels as K
@@ -180,20 +180,13 @@ def run(shapes: list[tuple[int, int]]) -> tuple[list[dict[str, Any]], float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shapes", default="16384x4096,16384x16384")
-    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    args = ap.parse_args()
+    args = bandwidth_parser(__doc__).parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
     shapes = parse_shapes(args.shapes)
     rows, copy_gbs = run(shapes)
-    print(f"device copy bandwidth: {copy_gbs:.1f} GB/s (read + write)")
-    print_table(
-        rows,
-        ["kernel", "shape", "fusible_ms", "GB/s", "frac_copy_bw", "torch_eager_ms",
-         "torch_compile_ms", "speedup_vs_torch_compile"],
-    )  # fmt: skip
+    bandwidth_table(rows, copy_gbs, ["torch_eager_ms", "torch_compile_ms",
+                                     "speedup_vs_torch_compile"])  # fmt: skip
     path = write_json(
         "kernels", {"env": environment(), "copy_GBps": copy_gbs, "results": rows}, args.out
     )

@@ -22,7 +22,6 @@ a multiple of 128 for the torch reference, ``torch_block_1d`` of benchmarks/kern
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -31,11 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from _common import (
+    bandwidth_parser,
     bandwidth_row,
+    bandwidth_table,
     copy_bandwidth_gbs,
     environment,
     parse_shapes,
-    print_table,
     write_json,
 )
 from fusible import _kernels as K
@@ -207,6 +207,21 @@ def fusible_gelu_bwd_dbias_then_block(
 Case = tuple[str, int, dict[str, Callable[[], Any]]]
 
 
+def with_transpose(
+    name: str, nbytes: int, transposed: int, contenders: dict[str, Callable[..., Any]]
+) -> list[Case]:
+    """The rows ``name`` and ``name_transpose``: each contender called with the transpose flag
+    (its last argument), the second row moving ``transposed`` bytes more."""
+    return [
+        (
+            f"{name}_transpose" if t else name,
+            nbytes + (transposed if t else 0),
+            {k: partial(f, t) for k, f in contenders.items()},
+        )
+        for t in (False, True)
+    ]
+
+
 def cases_for(r: int, c: int, dev: str, compiled: dict[str, Callable[..., Any]]) -> list[Case]:
     """(row name, minimum bytes, contenders) for shape [r, c]; n = r * c elements, bf16 = 2 B,
     fp8 = 1 B, float32 statistics = 4 B per row."""
@@ -262,34 +277,18 @@ def cases_for(r: int, c: int, dev: str, compiled: dict[str, Callable[..., Any]])
             },
         )
     )
-    for t in (False, True):
-        sfx = "_transpose" if t else ""
-        out.append(
-            (
-                # read x (2n); write fp8 y (n), y^T (n if transposed)
-                f"gelu_fwd_fp8{sfx}",
-                2 * n + n + (n if t else 0),
-                {
-                    "fusible": partial(fusible_act_fp8, x, "gelu", scale, t),
-                    "torch_eager": partial(torch_gelu_fp8, x, scale, t),
-                    "torch_compile": partial(cs["gelu"], x, scale, t),
-                },
-            )
-        )
-    for t in (False, True):
-        sfx = "_transpose" if t else ""
-        out.append(
-            (
-                # read dy, x (2 * 2n); write fp8 dx (n), dx^T (n if transposed), dbias (2c)
-                f"gelu_bwd_dbias_fp8{sfx}",
-                4 * n + n + (n if t else 0) + 2 * c,
-                {
-                    "fusible": partial(fusible_gelu_bwd_dbias_fp8, dy, x, scale, t),
-                    "torch_eager": partial(torch_gelu_bwd_dbias_fp8, dy, x, scale, t),
-                    "torch_compile": partial(cs["gelu_bwd"], dy, x, scale, t),
-                },
-            )
-        )
+    # read x (2n); write fp8 y (n), y^T (n if transposed)
+    out += with_transpose("gelu_fwd_fp8", 2 * n + n, n, {
+        "fusible": partial(fusible_act_fp8, x, "gelu", scale),
+        "torch_eager": partial(torch_gelu_fp8, x, scale),
+        "torch_compile": partial(cs["gelu"], x, scale),
+    })  # fmt: skip
+    # read dy, x (2 * 2n); write fp8 dx (n), dx^T (n if transposed), dbias (2c)
+    out += with_transpose("gelu_bwd_dbias_fp8", 4 * n + n + 2 * c, n, {
+        "fusible": partial(fusible_gelu_bwd_dbias_fp8, dy, x, scale),
+        "torch_eager": partial(torch_gelu_bwd_dbias_fp8, dy, x, scale),
+        "torch_compile": partial(cs["gelu_bwd"], dy, x, scale),
+    })  # fmt: skip
     out.append(
         (
             # read dy, x (2 * 2n); write dbias (2c). (No dbias-only kernel of dy alone exists:
@@ -303,20 +302,12 @@ def cases_for(r: int, c: int, dev: str, compiled: dict[str, Callable[..., Any]])
             },
         )
     )
-    for t in (False, True):
-        sfx = "_transpose" if t else ""
-        out.append(
-            (
-                # read x [r, 2c] (4n); write fp8 y [r, c] (n), y^T (n if transposed)
-                f"swiglu_fwd_fp8{sfx}",
-                4 * n + n + (n if t else 0),
-                {
-                    "fusible": partial(fusible_act_fp8, x2, "swiglu", scale, t),
-                    "torch_eager": partial(torch_swiglu_fp8, x2, scale, t),
-                    "torch_compile": partial(cs["swiglu"], x2, scale, t),
-                },
-            )
-        )
+    # read x [r, 2c] (4n); write fp8 y [r, c] (n), y^T (n if transposed)
+    out += with_transpose("swiglu_fwd_fp8", 4 * n + n, n, {
+        "fusible": partial(fusible_act_fp8, x2, "swiglu", scale),
+        "torch_eager": partial(torch_swiglu_fp8, x2, scale),
+        "torch_compile": partial(cs["swiglu"], x2, scale),
+    })  # fmt: skip
     # Blockwise FP8 output: the 1x128 scales are fp32 [c / 128, r] (rowwise) and [r / 128, c]
     # (columnwise): n / 32 bytes a copy.
     for both in (False, True):
@@ -413,10 +404,8 @@ def run(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shapes", default="16384x4096,16384x16384")
+    ap = bandwidth_parser(__doc__)
     ap.add_argument("--kernels", default=None, help="comma-separated row names (default: all)")
-    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument(
         "--fusible-only", action="store_true", help="time fusible alone (e.g. under ncu)"
     )
@@ -426,12 +415,11 @@ def main() -> None:
     shapes = parse_shapes(args.shapes)
     only = set(args.kernels.split(",")) if args.kernels else None
     rows, copy_gbs = run(shapes, only, args.fusible_only)
-    print(f"device copy bandwidth: {copy_gbs:.1f} GB/s (read + write)")
-    print_table(
+    bandwidth_table(
         rows,
-        ["kernel", "shape", "fusible_ms", "GB/s", "frac_copy_bw", "torch_eager_ms",
-         "torch_compile_ms", "speedup_vs_torch_eager", "speedup_vs_torch_compile",
-         "fusible_unfused_ms", "speedup_vs_fusible_unfused"],
+        copy_gbs,
+        ["torch_eager_ms", "torch_compile_ms", "speedup_vs_torch_eager",
+         "speedup_vs_torch_compile", "fusible_unfused_ms", "speedup_vs_fusible_unfused"],
     )  # fmt: skip
     if args.fusible_only and args.out is None:
         # A partial table (often timed under a profiler) never replaces the recorded results.

@@ -54,6 +54,7 @@ import torch
 
 from _common import (
     TorchBlock,
+    all_recipes,
     capture_cuda_graph,
     dynamo_graphs,
     environment,
@@ -68,15 +69,8 @@ MODES = ("eager", "compiled", "graphed")
 
 
 def recipes() -> dict[str, Any]:
-    """name -> a fresh recipe (None: no autocast)."""
-    from fusible import recipe
-
-    return {
-        "bf16": None,
-        "delayed": recipe.DelayedScaling(),
-        "current": recipe.Float8CurrentScaling(),
-        "mxfp8": recipe.MXFP8BlockScaling(),
-    }
+    """name -> a fresh recipe (None: no autocast); not blockwise."""
+    return {k: r for k, r in all_recipes("bf16").items() if k != "blockwise"}
 
 
 def dtype_for(device: str) -> torch.dtype:

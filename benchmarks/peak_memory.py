@@ -24,7 +24,6 @@ Shared with tests/python/ops/test_peak_memory.py (``trace_step``, ``LiveBytes``)
 
 from __future__ import annotations
 
-import argparse
 import sys
 import weakref
 from collections.abc import Callable
@@ -36,7 +35,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from _common import TorchBlock, all_recipes, environment, shape_parser, write_json
+
 _FUSIBLE_DIR = str(Path(__file__).resolve().parents[1] / "python" / "fusible")
+# Frames of this harness and of the block (benchmarks/_common.py) are no call site.
+_HARNESS = ("peak_memory.py", "_common.py")
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ def _site(depth: int = 3) -> str:
         if name.startswith(_FUSIBLE_DIR):
             rel = name[len(_FUSIBLE_DIR) + 1 :]
             frames.append(f"{rel}:{f.f_lineno} {f.f_code.co_name}")
-        elif fallback is None and "/torch/" not in name and not name.endswith("peak_memory.py"):
+        elif fallback is None and "/torch/" not in name and not name.endswith(_HARNESS):
             fallback = f"{Path(name).name}:{f.f_lineno} {f.f_code.co_name}"
         f = f.f_back
     return " < ".join(frames) if frames else (fallback or "?")
@@ -182,19 +185,6 @@ class LiveBytes(TorchDispatchMode):
 # ---- the block and its step ---------------------------------------------------------------------
 
 
-class TorchBlock(torch.nn.Module):
-    """The plain-PyTorch reference block (as benchmarks/_common.py's)."""
-
-    def __init__(self, h: int, f: int) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(h)
-        self.fc1, self.fc2 = torch.nn.Linear(h, f), torch.nn.Linear(f, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gelu = torch.nn.functional.gelu
-        return self.fc2(gelu(self.fc1(self.norm(x)), approximate="tanh"))
-
-
 def fusible_block(h: int, f: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     from fusible import ops
 
@@ -205,15 +195,7 @@ def fusible_block(h: int, f: int, dtype: torch.dtype = torch.bfloat16) -> torch.
 
 
 def recipes() -> dict[str, Any]:
-    from fusible import recipe
-
-    return {
-        "none": None,
-        "delayed": recipe.DelayedScaling(),
-        "current": recipe.Float8CurrentScaling(),
-        "mxfp8": recipe.MXFP8BlockScaling(),
-        "blockwise": recipe.Float8BlockScaling(),
-    }
+    return all_recipes("none")
 
 
 def trace(step: Callable[[LiveBytes | None], Any], *, warmup: int = 2) -> LiveBytes:
@@ -348,10 +330,7 @@ def rows_of(peaks: dict[str, LiveBytes], top: int) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--ffn", type=int, default=1024)
+    ap = shape_parser(__doc__, tokens=512, hidden=256, ffn=1024)
     ap.add_argument("--models", default="block,gpt")
     ap.add_argument("--gpt", default=None, help="GPT config as k=v,... over GPT_CFG")
     ap.add_argument("--top", type=int, default=12, help="live allocations listed per variant")
@@ -381,8 +360,6 @@ def main() -> None:
         print_peaks(f"GPT step peak, {cfg}, bf16, CPU trace", peaks, args.top, args.phase)
         payload["gpt"] = rows_of(peaks, args.top)
     if args.out:
-        from _common import environment, write_json
-
         payload["env"] = environment()
         print(f"wrote {write_json('peak_memory', payload, args.out)}")
 

@@ -9,23 +9,16 @@ not a timing: it runs on CPU (the same ops save the same tensors on CUDA).
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
 
 import fusible
-from _common import environment, print_table, write_json
-from fusible import ops, recipe
+from _common import all_recipes, environment, print_table, shape_parser, write_json
+from fusible import ops
 from fusible.quantization.quantizers import QuantizedTensor, qdata_tensors
 
-RECIPES: dict[str, Any] = {
-    "bf16 (no recipe)": None,
-    "delayed": recipe.DelayedScaling(),
-    "current": recipe.Float8CurrentScaling(),
-    "mxfp8": recipe.MXFP8BlockScaling(),
-    "blockwise": recipe.Float8BlockScaling(),
-}
+RECIPES: dict[str, Any] = all_recipes("bf16 (no recipe)")
 
 
 def param_storages(model: torch.nn.Module) -> set[int]:
@@ -61,10 +54,7 @@ def saved_bytes(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--ffn", type=int, default=1024)
+    ap = shape_parser(__doc__, tokens=4096, hidden=256, ffn=1024)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -22,7 +22,6 @@ Three tables, all measured in the same run:
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,23 +31,18 @@ import torch
 import fusible
 from _common import (
     TorchBlock,
+    all_recipes,
     capture_cuda_graph,
     environment,
     fusible_block,
     print_table,
+    shape_parser,
     time_ms,
     write_json,
 )
-from fusible import recipe
 from fusible.quantization import QuantizedTensor
 
-RECIPES: dict[str, Any] = {
-    "bf16": None,
-    "delayed": recipe.DelayedScaling(),
-    "current": recipe.Float8CurrentScaling(),
-    "mxfp8": recipe.MXFP8BlockScaling(),
-    "blockwise": recipe.Float8BlockScaling(),
-}
+RECIPES: dict[str, Any] = all_recipes("bf16")
 # FP8-weight variants: (recipe name, weights stored quantized by this recipe).
 FP8_WEIGHTS: dict[str, Any] = {"current+fp8w": "current", "mxfp8+fp8w": "mxfp8"}
 MIB = 2**20
@@ -153,10 +147,7 @@ def _cell(fn: Callable[[], float]) -> float | str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--ffn", type=int, default=16384)
+    ap = shape_parser(__doc__, tokens=8192, hidden=4096, ffn=16384)
     ap.add_argument("--tiny-tokens", type=int, default=16)
     ap.add_argument("--tiny-hidden", type=int, default=256)
     ap.add_argument("--modes", default="eager,compiled,graphed")

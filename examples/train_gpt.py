@@ -72,45 +72,12 @@ class Config:
 
 # MXFP8 needs the hidden, QKV (3 * hidden) and FFN sizes and the tokens per batch to be
 # multiples of 32. CPU: about a minute per run on 2 idle cores.
-CPU = Config(
-    layers=4,
-    hidden=128,
-    heads=4,
-    ffn=512,
-    seq=64,
-    batch=16,
-    steps=600,
-    lr=6e-3,
-    eval_every=100,
-    eval_batches=8,
-    max_bytes=16 << 20,
-)
-GPU = Config(
-    layers=6,
-    hidden=384,
-    heads=6,
-    ffn=1536,
-    seq=256,
-    batch=32,
-    steps=1000,
-    lr=1.5e-3,
-    eval_every=100,
-    eval_batches=16,
-    max_bytes=64 << 20,
-)
-TINY = Config(
-    layers=1,
-    hidden=32,
-    heads=2,
-    ffn=64,
-    seq=32,
-    batch=2,
-    steps=4,
-    lr=3e-3,
-    eval_every=2,
-    eval_batches=1,
-    max_bytes=1 << 20,
-)
+CPU = Config(layers=4, hidden=128, heads=4, ffn=512, seq=64, batch=16, steps=600, lr=6e-3,
+             eval_every=100, eval_batches=8, max_bytes=16 << 20)  # fmt: skip
+GPU = Config(layers=6, hidden=384, heads=6, ffn=1536, seq=256, batch=32, steps=1000, lr=1.5e-3,
+             eval_every=100, eval_batches=16, max_bytes=64 << 20)  # fmt: skip
+TINY = Config(layers=1, hidden=32, heads=2, ffn=64, seq=32, batch=2, steps=4, lr=3e-3,
+              eval_every=2, eval_batches=1, max_bytes=1 << 20)  # fmt: skip
 
 
 # ---- data ---------------------------------------------------------------------------------------

@@ -11,28 +11,13 @@ and FP8 weights: ``fusible.quantized_model_init`` (build Linear weights quantize
 
 __version__ = "0.1.0"
 
-from fusible import distributed, ops, optim, quantization, recipe
-from fusible.modules import (
-    GroupedLinear,
-    LayerNormLinear,
-    LayerNormMLP,
-    Linear,
-    MultiheadAttention,
-    RotaryPositionEmbedding,
-    TransformerLayer,
-)
+from fusible import distributed, modules, ops, optim, quantization, recipe
+from fusible.modules import *  # noqa: F403  (the modules, in __all__ below)
 from fusible.quantization.autocast import autocast
 from fusible.quantization.model_init import quantized_model_init
 from fusible.quantization.recompute import checkpoint
 
 __all__ = [
-    "GroupedLinear",
-    "LayerNormLinear",
-    "LayerNormMLP",
-    "Linear",
-    "MultiheadAttention",
-    "RotaryPositionEmbedding",
-    "TransformerLayer",
     "__version__",
     "autocast",
     "checkpoint",
@@ -43,3 +28,4 @@ __all__ = [
     "quantized_model_init",
     "recipe",
 ]
+__all__ += modules.__all__

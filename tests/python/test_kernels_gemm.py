@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from kernel_testing import assert_bits_equal
+from kernel_testing import _one_torch_thread, assert_bits_equal, fp8_allclose_supported  # noqa: F401
 
 import fusible._kernels as K
 
@@ -49,13 +49,27 @@ ABS = {
     E5M2: 2.0**-17,
 }
 
+# ops.gemm's arguments after a and b, as gemm_args fills them in.
+GEMM_DEFAULTS = dict(
+    transa=False,
+    transb=False,
+    a_scale_inv=None,
+    b_scale_inv=None,
+    out_dtype=torch.float32,
+    bias=None,
+    epilogue="none",
+    aux=None,
+    c=None,
+    alpha=1.0,
+    beta=0.0,
+    out_scale=None,
+    want_amax=False,
+)
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
+def gemm_args(a, b, **kw):
+    """ops.gemm's positional arguments: ``a``, ``b``, then GEMM_DEFAULTS with ``kw`` over them."""
+    return (a, b, *{**GEMM_DEFAULTS, **kw}.values())
 
 
 # ---- inputs and the FP64 reference --------------------------------------------------------------
@@ -253,6 +267,15 @@ def supported(case: Case) -> bool:
     return K.gemm_epilogue_supported(case.a_dtype, case.b_dtype, case.out_dtype, case.epilogue)
 
 
+def check_or_refused(case: Case, devices: str) -> None:
+    """A supported case checked against its reference; an unsupported one refused by the op."""
+    if not supported(case):
+        with pytest.raises(TypeError, match=r"fusible\.gemm"):
+            case.run()
+        return
+    case.check(case.run(), cuda=devices == "cuda")
+
+
 # ---- high precision -----------------------------------------------------------------------------
 
 
@@ -346,23 +369,7 @@ def test_matches_torch_matmul_exactly_representable(devices):
     gen = torch.Generator().manual_seed(0)
     a = torch.randint(-4, 5, (17, 33), generator=gen).float().to(devices)
     b = torch.randint(-4, 5, (33, 9), generator=gen).float().to(devices)
-    d = ops.gemm(
-        a,
-        b,
-        False,
-        False,
-        None,
-        None,
-        torch.float32,
-        None,
-        "none",
-        None,
-        None,
-        1.0,
-        0.0,
-        None,
-        False,
-    )[0]
+    d = ops.gemm(*gemm_args(a, b))[0]
     assert torch.equal(d.cpu(), (a.double() @ b.double()).float().cpu())
 
 
@@ -390,11 +397,7 @@ def test_fp8_operands_with_scales(devices, a_dtype, b_dtype, out_dtype):
             want_amax=out_dtype in FP8,
             seed=seed,
         )
-        if not supported(case):
-            with pytest.raises(TypeError, match=r"fusible\.gemm"):
-                case.run()
-            continue
-        case.check(case.run(), cuda=devices == "cuda")
+        check_or_refused(case, devices)
 
 
 @pytest.mark.parametrize("epilogue", EPILOGUES)
@@ -414,11 +417,7 @@ def test_fp8_epilogues(devices, epilogue, out_dtype):
             want_amax=out_dtype in FP8,
             seed=seed,
         )
-        if not supported(case):
-            with pytest.raises(TypeError, match=r"fusible\.gemm"):
-                case.run()
-            continue
-        case.check(case.run(), cuda=devices == "cuda")
+        check_or_refused(case, devices)
 
 
 def test_fp8_matches_dequantized_torch_matmul(devices):
@@ -432,22 +431,12 @@ def test_fp8_matches_dequantized_torch_matmul(devices):
     )
     xd = xq[0].double() * xq[3].double()
     wd = wq[0].double() * wq[3].double()
-    args = (
+    args = gemm_args(
         xq[0].to(devices),
         wq[0].to(devices),
-        False,
-        True,
-        xq[3].to(devices),
-        wq[3].to(devices),
-        torch.float32,
-        None,
-        "none",
-        None,
-        None,
-        1.0,
-        0.0,
-        None,
-        False,
+        transb=True,
+        a_scale_inv=xq[3].to(devices),
+        b_scale_inv=wq[3].to(devices),
     )
     d = ops.gemm(*args)[0].cpu().double()
     want = xd @ wd.t()
@@ -460,40 +449,18 @@ def test_fp8_layout_must_be_tn():
     b = torch.ones(32, 16).to(E4M3)
     s = torch.ones(1)
     with pytest.raises(TypeError, match=r"fusible\.gemm.*operand b.*transb = 1"):
-        ops.gemm(
-            a,
-            b,
-            False,
-            False,
-            s,
-            s,
-            torch.bfloat16,
-            None,
-            "none",
-            None,
-            None,
-            1.0,
-            0.0,
-            None,
-            False,
-        )
+        ops.gemm(*gemm_args(a, b, a_scale_inv=s, b_scale_inv=s, out_dtype=torch.bfloat16))
     with pytest.raises(TypeError, match=r"fusible\.gemm.*operand a.*transa = 0"):
         ops.gemm(
-            a.t().contiguous(),
-            b.t().contiguous(),
-            True,
-            True,
-            s,
-            s,
-            torch.bfloat16,
-            None,
-            "none",
-            None,
-            None,
-            1.0,
-            0.0,
-            None,
-            False,
+            *gemm_args(
+                a.t().contiguous(),
+                b.t().contiguous(),
+                transa=True,
+                transb=True,
+                a_scale_inv=s,
+                b_scale_inv=s,
+                out_dtype=torch.bfloat16,
+            )
         )
 
 
@@ -607,15 +574,6 @@ def test_fake_kernel_shapes_match_real(devices, index):
         assert f.stride() == r.stride()
 
 
-def _fp8_allclose_supported(device) -> bool:
-    try:
-        t = torch.zeros(2, device=device).to(E4M3)
-        torch.allclose(t, t, equal_nan=True)
-    except (NotImplementedError, RuntimeError):
-        return False
-    return True
-
-
 @pytest.mark.parametrize("index", range(4))
 def test_opcheck(devices, index):
     case = list(_fake_cases(devices))[index]
@@ -625,7 +583,7 @@ def test_opcheck(devices, index):
         "test_faketensor",
         "test_aot_dispatch_dynamic",
     ]
-    if case.fp8 and not _fp8_allclose_supported(devices):
+    if case.fp8 and not fp8_allclose_supported(devices):
         # SchemaCheckMode compares inputs with torch.allclose, which has no float8 kernel here
         # (pytorch/pytorch#135998): check by hand that no input is mutated.
         utils.remove("test_schema")
@@ -639,39 +597,9 @@ def test_opcheck(devices, index):
 
 def test_torch_compile_fullgraph_matches_eager():
     def fn(x, w, bias, aux):
-        h, pre, _, _ = ops.gemm(
-            x,
-            w,
-            False,
-            True,
-            None,
-            None,
-            torch.float32,
-            bias,
-            "bias_gelu_aux",
-            None,
-            None,
-            1.0,
-            0.0,
-            None,
-            False,
-        )
+        h, pre, _, _ = ops.gemm(*gemm_args(x, w, transb=True, bias=bias, epilogue="bias_gelu_aux"))
         g, _, db, _ = ops.gemm(
-            h,
-            w.t().contiguous(),
-            False,
-            True,
-            None,
-            None,
-            torch.float32,
-            None,
-            "dgelu_bgrad",
-            aux,
-            None,
-            1.0,
-            0.0,
-            None,
-            False,
+            *gemm_args(h, w.t().contiguous(), transb=True, epilogue="dgelu_bgrad", aux=aux)
         )
         return h, pre, g, db
 
@@ -690,29 +618,11 @@ _B = torch.ones(16, 8)
 _A8 = torch.ones(4, 16).to(E4M3)
 _B8 = torch.ones(8, 16).to(E4M3)
 _S = torch.ones(1)
-_F32, _BF = torch.float32, torch.bfloat16
+_BF = torch.bfloat16
 
 
 def _args(**kw):
-    base = dict(
-        a=_A,
-        b=_B,
-        transa=False,
-        transb=False,
-        a_scale_inv=None,
-        b_scale_inv=None,
-        out_dtype=_F32,
-        bias=None,
-        epilogue="none",
-        aux=None,
-        c=None,
-        alpha=1.0,
-        beta=0.0,
-        out_scale=None,
-        want_amax=False,
-    )
-    base.update(kw)
-    return tuple(base.values())
+    return gemm_args(**{"a": _A, "b": _B, **kw})
 
 
 _FP8 = dict(a=_A8, b=_B8, transb=True, a_scale_inv=_S, b_scale_inv=_S)
@@ -779,28 +689,12 @@ def test_cuda_alignment_errors_name_the_argument():
     s = torch.ones(1, device=dev)
     with pytest.raises(ValueError, match=r"fusible\.gemm.*K = 8.*multiple of 16"):
         ops.gemm(
-            a, b, False, True, s, s, torch.bfloat16, None, "none", None, None, 1.0, 0.0, None, False
+            *gemm_args(a, b, transb=True, a_scale_inv=s, b_scale_inv=s, out_dtype=torch.bfloat16)
         )
     x = torch.ones(4, 16, device=dev, dtype=torch.bfloat16)
     w = torch.ones(6, 16, device=dev, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"fusible\.gemm.*aux.*N = 6"):
-        ops.gemm(
-            x,
-            w,
-            False,
-            True,
-            None,
-            None,
-            torch.bfloat16,
-            None,
-            "gelu_aux",
-            None,
-            None,
-            1.0,
-            0.0,
-            None,
-            False,
-        )
+        ops.gemm(*gemm_args(x, w, transb=True, out_dtype=torch.bfloat16, epilogue="gelu_aux"))
 
 
 @pytest.mark.cuda

@@ -22,6 +22,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_testing import (  # noqa: F401
+    INT_VIEW,
+    _name,
+    _one_torch_thread,
+    bits,
+    fp8_allclose_supported,
+)
 
 import fusible._kernels as K
 
@@ -49,29 +56,7 @@ SPECIALS = [NAN, -NAN, INF, -INF, 0.0, -0.0, 1e6, -1e6, 1e-42, -3e-39, 6e-5, 464
             61440.0, 0.0029296875, 0.0068359375, 1.0625, 5e-3]  # fmt: skip
 
 
-def _name(v: object) -> str:
-    return str(v).removeprefix("torch.")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The references run on small tensors, where torch's intra-op threads only add overhead (and,
-    on a loaded machine, spin-waiting that makes this file several times slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---- helpers ------------------------------------------------------------------------------------
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as integers of the same width (on the CPU)."""
-    t = t.detach().cpu().contiguous()
-    return t.view(_INT_VIEW[t.element_size()])
 
 
 def _mismatches(got: torch.Tensor, want: torch.Tensor, bad: torch.Tensor) -> str:
@@ -123,7 +108,7 @@ def random_bits(shape, dtype) -> torch.Tensor:
     """Uniformly random bit patterns of a float dtype: NaNs, infinities, subnormals and all."""
     width = torch.tensor([], dtype=dtype).element_size() * 8
     r = torch.randint(-(2 ** (width - 1)), 2 ** (width - 1), shape, dtype=torch.int64)
-    return r.to(_INT_VIEW[width // 8]).view(dtype)
+    return r.to(INT_VIEW[width // 8]).view(dtype)
 
 
 def all_bit_patterns(dtype) -> torch.Tensor:
@@ -873,15 +858,6 @@ def test_torch_compile_fullgraph_matches_eager():
         assert_bits_equal(got, want, "compiled vs eager")
 
 
-def _fp8_allclose_supported(device) -> bool:
-    try:
-        t = torch.zeros(2, device=device).to(E4M3)
-        torch.allclose(t, t, equal_nan=True)
-    except (NotImplementedError, RuntimeError):
-        return False
-    return True
-
-
 def _opcheck_cases(device):
     x = torch.randn(5, 40, device=device)
     q = x.to(E4M3)
@@ -933,7 +909,7 @@ def test_opcheck(op, devices):
         "test_aot_dispatch_dynamic",
     ]
     takes_fp8 = any(isinstance(a, torch.Tensor) and a.dtype in FP8_DTYPES for a in args)
-    if takes_fp8 and not _fp8_allclose_supported(devices):
+    if takes_fp8 and not fp8_allclose_supported(devices):
         # torch's SchemaCheckMode (behind test_schema) detects input mutation with
         # torch.allclose, which has no float8 kernel on this device ("mul_cpu_reduced_float" not
         # implemented for 'Float8_e4m3fn'); pytorch/pytorch#135998. Check no mutation by hand.

@@ -71,6 +71,24 @@ def make_activation(activation: str, owner: str) -> BasicOperation:
 _EXTRA = "_extra_state"
 
 
+def norm_te_names(normalization: str) -> dict[str, str]:
+    """The TE names of a module's norm (its op 0): ``layer_norm_weight`` (and, for a LayerNorm,
+    ``layer_norm_bias``)."""
+    names = {"0.weight": "layer_norm_weight"}
+    if normalization == "LayerNorm":
+        names["0.bias"] = "layer_norm_bias"
+    return names
+
+
+def linear_te_names(i: int, bias_index: int | None, prefix: str = "") -> dict[str, str]:
+    """The TE names of a Linear's parameters: ``<prefix>weight`` (op ``i``) and, where there is
+    a bias (op ``bias_index``), ``<prefix>bias``."""
+    names = {f"{i}.weight": f"{prefix}weight"}
+    if bias_index is not None:
+        names[f"{bias_index}.bias"] = f"{prefix}bias"
+    return names
+
+
 def use_te_state_dict_names(module: torch.nn.Module, names: dict[str, str]) -> None:
     """Give ``module``'s ``state_dict()`` the TE names ``names`` (positional key -> TE key)."""
     # Plain attributes (set through object.__setattr__: nn.Module's only types tensors and

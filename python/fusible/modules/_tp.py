@@ -90,6 +90,15 @@ class TensorParallel:
             )
         return features // self.size
 
+    def local_features(self, in_features: int, out_features: int) -> tuple[int, int]:
+        """A Linear's ``(in_features, out_features)`` on this rank: ``out_features`` split by a
+        column-parallel layer, ``in_features`` by a row-parallel one, neither when inactive."""
+        if not self.active:
+            return in_features, out_features
+        if self.mode == "column":
+            return in_features, self.local("out_features", out_features)
+        return self.local("in_features", in_features), out_features
+
     def before_column(self) -> list[BasicOperation]:
         """What precedes a column-parallel Linear: the all-gather of the sequence-parallel
         input, or, for a replicated input, an op whose backward sums the ranks' partial input

@@ -70,11 +70,7 @@ class GroupedLinear(Sequential):
                 "per-expert bias must be added once, after the sum over tp_group: not "
                 "implemented)"
             )
-        k, n = in_features, out_features
-        if tp.active and tp.mode == "column":
-            n = tp.local("out_features", out_features)
-        elif tp.active:
-            k = tp.local("in_features", in_features)
+        k, n = tp.local_features(in_features, out_features)
         op = _GroupedLinearOp(num_gemms, k, n, bias, device=device, dtype=dtype, name=name)
         pre = tp.before_column() if tp.mode == "column" else []
         post = tp.after_row() if tp.mode == "row" else []

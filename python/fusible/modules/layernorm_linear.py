@@ -6,14 +6,21 @@ from typing import Any
 
 import torch
 
-from fusible.modules._common import NormFirst, make_norm, use_te_state_dict_names
+from fusible.modules._common import (
+    NormFirst,
+    linear_te_names,
+    make_norm,
+    norm_te_names,
+    use_te_state_dict_names,
+)
 from fusible.modules._tp import TensorParallel, reduce_grad_over
 from fusible.ops import BasicLinear, Bias
+from fusible.ops.linear import LinearParameters
 
 __all__ = ["LayerNormLinear"]
 
 
-class LayerNormLinear(NormFirst):
+class LayerNormLinear(NormFirst, LinearParameters):
     """``Linear(Norm(x))``; roles ``...:layernorm_linear``.
 
     ``state_dict()`` keys are TransformerEngine's: ``layer_norm_weight``, ``layer_norm_bias``
@@ -69,20 +76,6 @@ class LayerNormLinear(NormFirst):
         self.tp_size, self.parallel_mode = tp.size, tp.mode
         self.sequence_parallel = sequence_parallel
         i = self._linear_index = 1 + len(pre)
-        names = {"0.weight": "layer_norm_weight"}
-        if normalization == "LayerNorm":
-            names["0.bias"] = "layer_norm_bias"
-        names[f"{i}.weight"] = "weight"
-        if bias:
-            names[f"{i + 1}.bias"] = "bias"
+        self._bias_index = i + 1  # the bias property checks it is one
+        names = {**norm_te_names(normalization), **linear_te_names(i, i + 1 if bias else None)}
         use_te_state_dict_names(self, {**names, f"{i}._extra_state": "_extra_state"})
-
-    @property
-    def weight(self) -> torch.nn.Parameter:
-        return self[self._linear_index].weight  # type: ignore[return-value]
-
-    @property
-    def bias(self) -> torch.nn.Parameter | None:
-        # isinstance, not a length check: ops may be appended after the Linear.
-        j = self._linear_index + 1
-        return self[j].bias if len(self) > j and isinstance(self[j], Bias) else None  # type: ignore[return-value]

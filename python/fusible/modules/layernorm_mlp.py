@@ -9,8 +9,10 @@ import torch
 from fusible.modules._common import (
     GLU,
     NormFirst,
+    linear_te_names,
     make_activation,
     make_norm,
+    norm_te_names,
     use_te_state_dict_names,
 )
 from fusible.modules._tp import TensorParallel, reduce_grad_over
@@ -93,18 +95,13 @@ class LayerNormMLP(NormFirst):
         self._fc2_index = len(ops) - len(post) - (2 if bias else 1)
         self._fc2_bias_index = self._fc2_index + 1 + len(post)
         i1, i2 = self._fc1_index, self._fc2_index
-        names = {"0.weight": "layer_norm_weight"}
-        if normalization == "LayerNorm":
-            names["0.bias"] = "layer_norm_bias"
-        names[f"{i1}.weight"] = "fc1_weight"
-        if bias:
-            names[f"{i1 + 1}.bias"] = "fc1_bias"
-        names[f"{i2}.weight"] = "fc2_weight"
-        if bias:
-            names[f"{self._fc2_bias_index}.bias"] = "fc2_bias"
-        names[f"{i1}._extra_state"] = "fc1._extra_state"
-        names[f"{i2}._extra_state"] = "fc2._extra_state"
-        use_te_state_dict_names(self, names)
+        use_te_state_dict_names(self, {
+            **norm_te_names(normalization),
+            **linear_te_names(i1, i1 + 1 if bias else None, "fc1_"),
+            **linear_te_names(i2, self._fc2_bias_index if bias else None, "fc2_"),
+            f"{i1}._extra_state": "fc1._extra_state",
+            f"{i2}._extra_state": "fc2._extra_state",
+        })  # fmt: skip
 
     @property
     def fc1(self) -> BasicLinear:

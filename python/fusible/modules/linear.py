@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from fusible.modules._common import use_te_state_dict_names
+from fusible.modules._common import linear_te_names, use_te_state_dict_names
 from fusible.modules._tp import TensorParallel, reduce_grad_over
 from fusible.ops import BasicLinear, Bias
 from fusible.ops.linear import Linear as _OpsLinear
@@ -55,41 +55,28 @@ class Linear(_OpsLinear):
         save_original_input: bool = False,
     ) -> None:
         tp = TensorParallel.resolve("Linear", tp_group, parallel_mode, sequence_parallel)
-        self._linear_index, self._bias_index = 0, 1
         if not tp.active:
             super().__init__(in_features, out_features, bias, device=device, dtype=dtype,
                              name=name, save_original_input=save_original_input)  # fmt: skip
         else:
             col = tp.mode == "column"
-            k = in_features if col else tp.local("in_features", in_features)
-            n = tp.local("out_features", out_features) if col else out_features
+            k, n = tp.local_features(in_features, out_features)
             lin = BasicLinear(k, n, device=device, dtype=dtype, name=name,
                               save_original_input=save_original_input)  # fmt: skip
             pre, post = (tp.before_column(), []) if col else ([], tp.after_row())
             ops: list[torch.nn.Module] = [*pre, lin, *post]
-            self._linear_index = len(pre)
-            self._bias_index = len(ops)
+            bias_index = len(ops)
             if bias:
                 b = Bias(n, device=device, dtype=dtype, name=name)
                 if not col and tp.sequence_parallel:
                     reduce_grad_over(b, "bias", tp.group)  # added to this rank's tokens only
                 ops.append(b)
             Sequential.__init__(self, *ops)
+            self._linear_index, self._bias_index = len(pre), bias_index
             self.in_features, self.out_features = in_features, out_features
         self.tp = tp
         self.tp_size, self.parallel_mode = tp.size, tp.mode
         self.sequence_parallel = sequence_parallel
         i, j = self._linear_index, self._bias_index
-        names = {f"{i}.weight": "weight"}
-        if bias:
-            names[f"{j}.bias"] = "bias"
+        names = linear_te_names(i, j if bias else None)
         use_te_state_dict_names(self, {**names, f"{i}._extra_state": "_extra_state"})
-
-    @property
-    def weight(self) -> torch.nn.Parameter:
-        return self[self._linear_index].weight  # type: ignore[return-value]
-
-    @property
-    def bias(self) -> torch.nn.Parameter | None:
-        j = self._bias_index
-        return self[j].bias if len(self) > j and isinstance(self[j], Bias) else None  # type: ignore[return-value]

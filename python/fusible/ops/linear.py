@@ -11,7 +11,26 @@ from fusible.ops.sequential import Sequential
 __all__ = ["Linear"]
 
 
-class Linear(Sequential):
+class LinearParameters(Sequential):
+    """``weight`` and ``bias`` of a Sequential holding a ``BasicLinear`` at ``_linear_index``
+    and, where it has one, its ``Bias`` at ``_bias_index`` (shared by ``ops.Linear`` and the
+    modules built around a Linear)."""
+
+    _linear_index = 0
+    _bias_index = 1
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self[self._linear_index].weight  # type: ignore[return-value]
+
+    @property
+    def bias(self) -> torch.nn.Parameter | None:
+        # isinstance, not a length check: ops may be appended (a residual add, a dropout).
+        j = self._bias_index
+        return self[j].bias if len(self) > j and isinstance(self[j], Bias) else None  # type: ignore[return-value]
+
+
+class Linear(LinearParameters):
     """``y = x @ weight.T + bias``; ``weight`` is ``[out_features, in_features]``.
     ``save_original_input``: see :class:`~fusible.ops.BasicLinear`."""
 
@@ -34,12 +53,3 @@ class Linear(Sequential):
             ops.append(Bias(out_features, device=device, dtype=dtype, name=name))
         super().__init__(*ops)
         self.in_features, self.out_features = in_features, out_features
-
-    @property
-    def weight(self) -> torch.nn.Parameter:
-        return self[0].weight  # type: ignore[return-value]
-
-    @property
-    def bias(self) -> torch.nn.Parameter | None:
-        # isinstance, not a length check: ops may be appended (a residual add, a dropout).
-        return self[1].bias if len(self) > 1 and isinstance(self[1], Bias) else None  # type: ignore[return-value]

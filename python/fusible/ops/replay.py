@@ -1146,6 +1146,16 @@ def _same(a: Any, b: Any) -> str | None:
     return None
 
 
+def _differing_pair(why: str | None, what: str, pairs: Any) -> str | None:
+    """``why`` if set, else the first pair of ``pairs`` that differs (``_same``), as
+    ``"<what> <index>: <why>"``; every pair is compared."""
+    for k, (a, b) in enumerate(pairs):
+        w = _same(a, b)
+        if why is None and w is not None:
+            why = f"{what} {k}: {w}"
+    return why
+
+
 class _State:
     """Copies of the mutable state a step may change: the recipe-state buffers of the plan and
     the RNG states (so that replay and the Python executor run from the same state)."""
@@ -1242,16 +1252,10 @@ def _check_forward(
     names = [n for n, _ in tr.traced]
     if names != rec.names:
         why = "the Python executor called other operators than the recording"
-    for k, (a, b) in enumerate(zip(outs, r_outs, strict=True)):
-        w = _same(a, b)
-        if why is None and w is not None:
-            why = f"forward output {k}: {w}"
+    why = _differing_pair(why, "forward output", zip(outs, r_outs, strict=True))
     if why is None and len(tensors) != len(r_saved):
         why = f"{len(tensors)} saved tensors vs {len(r_saved)}"
-    for k, (a, b) in enumerate(zip(tensors, r_saved, strict=False)):
-        w = _same(a, b)
-        if why is None and w is not None:
-            why = f"saved tensor {k}: {w}"
+    why = _differing_pair(why, "saved tensor", zip(tensors, r_saved, strict=False))
     why = why or after_p.diff(after_r)
     if why is not None:
         before.restore()
@@ -1288,10 +1292,7 @@ def _check_backward(
     why = None
     if [n for n, _ in tr.traced] != brec.names:
         why = "the Python executor called other operators than the recording"
-    for k, (a, b) in enumerate(zip(out, r_grads, strict=True)):
-        w = _same(a, b)
-        if why is None and w is not None:
-            why = f"gradient {k}: {w}"
+    why = _differing_pair(why, "gradient", zip(out, r_grads, strict=True))
     why = why or after_p.diff(after_r)
     if why is not None:
         before.restore()

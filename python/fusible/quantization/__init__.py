@@ -8,6 +8,7 @@ is ``docs/quantization.md``.
 manager is ``fusible.autocast`` (also ``fusible.quantization.autocast.autocast``).
 """
 
+from fusible.quantization import recipe
 from fusible.quantization.autocast import (
     DEFAULT_GROUP,
     DEFAULT_RECIPE,
@@ -41,16 +42,7 @@ from fusible.quantization.quantizers import (
     ScalingBuffers,
     quantizer_for_recipe,
 )
-from fusible.quantization.recipe import (
-    CustomRecipe,
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    Format,
-    MXFP8BlockScaling,
-    Recipe,
-    RoleRules,
-)
+from fusible.quantization.recipe import *  # noqa: F403  (the recipes, in __all__ below)
 from fusible.quantization.roles import (
     BACKWARD_BUCKETS,
     FORWARD_BUCKETS,
@@ -80,23 +72,17 @@ __all__ = [
     "FORWARD_BUCKETS",
     "STANDARD_BUCKETS",
     "AutocastState",
-    "CustomRecipe",
     "CustomRecipeState",
-    "DelayedScaling",
     "DelayedScalingRecipeState",
     "Float8BlockData",
     "Float8BlockQuantizer",
-    "Float8BlockScaling",
     "Float8BlockScalingRecipeState",
     "Float8BlockTensor",
-    "Float8CurrentScaling",
     "Float8CurrentScalingQuantizer",
     "Float8CurrentScalingRecipeState",
     "Float8Data",
     "Float8Quantizer",
     "Float8Tensor",
-    "Format",
-    "MXFP8BlockScaling",
     "MXFP8BlockScalingRecipeState",
     "MXFP8Data",
     "MXFP8Quantizer",
@@ -105,9 +91,7 @@ __all__ = [
     "QuantizedTensor",
     "Quantizer",
     "QuantizerRole",
-    "Recipe",
     "RecipeState",
-    "RoleRules",
     "ScalingBuffers",
     "as_role",
     "as_roles",
@@ -127,3 +111,4 @@ __all__ = [
     "recipe_state_to_dict",
     "update_delayed_scaling",
 ]
+__all__ += recipe.__all__

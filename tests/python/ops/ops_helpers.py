@@ -1,4 +1,5 @@
-"""Shared pieces of the ops tests: recipes, pre-quantized inputs, FP64 references."""
+"""Shared pieces of the ops tests: recipes, pre-quantized inputs, FP64 references, counting the
+weight quantizations."""
 
 from __future__ import annotations
 
@@ -49,3 +50,41 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def tol(dtype: torch.dtype) -> float:
     """Relative tolerance of one rounding to ``dtype`` plus fp32 accumulation."""
     return {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+
+
+# ---- counting weight quantizations --------------------------------------------------------------
+
+QUANTIZE_OPS = ("quantize_fp8", "quantize_fp8_current", "quantize_mxfp8", "quantize_fp8_block",
+                "grouped_quantize_fp8")  # fmt: skip
+
+
+class CountingOps:
+    """Stands in for ``torch.ops.fusible`` inside quantizers.py (or for ``fusible._kernels`` in a
+    module that calls them): quantize calls whose input is one of ``weights()`` (same storage and
+    shape) are recorded in ``calls`` as the weight's index. A grouped cast takes a list; an input
+    of an expert it skips (``m_splits`` 0) is not recorded."""
+
+    def __init__(self, real, weights):
+        self._real, self._weights, self.calls = real, weights, []
+
+    def __getattr__(self, name):
+        fn = getattr(self._real, name)
+        if name not in QUANTIZE_OPS:
+            return fn
+
+        def counted(x, *args, **kwargs):
+            ts = x if isinstance(x, list) else [x]  # the grouped cast takes a list
+            if isinstance(x, list) and len(x) > 1 and args and len(args[0]) == len(x):
+                ts = [t for t, m in zip(x, args[0], strict=True) if m]  # m_splits 0: skipped
+            for t in ts:
+                for i, w in enumerate(self._weights()):
+                    if t.data_ptr() == w.data_ptr() and t.shape == w.shape:
+                        self.calls.append(i)
+            return fn(x, *args, **kwargs)
+
+        return counted
+
+    def take(self) -> list[int]:
+        """Indices of the weights quantized since the last call, in call order."""
+        out, self.calls = self.calls, []
+        return out

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from ops_helpers import E4M3, E5M2, RECIPES, prequantized, rel_err, tol
+from ops_helpers import E4M3, E5M2, RECIPES, CountingOps, prequantized, rel_err, tol
 
 import fusible
 from fusible import _kernels as K
@@ -438,38 +438,6 @@ def test_saves_per_expert_what_backward_reads(recipe_name):
 
 # ---- weight workspaces: one per expert ----------------------------------------------------
 
-QUANTIZE_OPS = ("quantize_fp8", "quantize_fp8_current", "quantize_mxfp8", "quantize_fp8_block",
-                "grouped_quantize_fp8")  # fmt: skip
-
-
-class _CountingOps:
-    """Stands in for ``torch.ops.fusible`` in quantizers.py: records which of ``weights()``
-    (matched by storage and shape) each quantize call reads."""
-
-    def __init__(self, real, weights):
-        self._real, self._weights, self.calls = real, weights, []
-
-    def __getattr__(self, name):
-        fn = getattr(self._real, name)
-        if name not in QUANTIZE_OPS:
-            return fn
-
-        def counted(x, *args, **kwargs):
-            ts = x if isinstance(x, list) else [x]  # the grouped cast takes a list
-            if isinstance(x, list) and len(x) > 1 and args and len(args[0]) == len(x):
-                ts = [t for t, m in zip(x, args[0], strict=True) if m]  # m_splits 0: skipped
-            for t in ts:
-                for i, w in enumerate(self._weights()):
-                    if t.data_ptr() == w.data_ptr() and t.shape == w.shape:
-                        self.calls.append(i)
-            return fn(x, *args, **kwargs)
-
-        return counted
-
-    def take(self):
-        out, self.calls = sorted(self.calls), []
-        return out
-
 
 class _Both:
     """The weight casts of the per-GEMM quantizers and of the grouped path together."""
@@ -486,9 +454,9 @@ def test_workspaces_per_expert(recipe_name, monkeypatch):
     rec = RECIPES[recipe_name]
     op = _grouped(3, 32, 32)
     model = ops.Sequential(op)
-    count = _CountingOps(Q._ops, op.weights)
+    count = CountingOps(Q._ops, op.weights)
     monkeypatch.setattr(Q, "_ops", count)
-    monkeypatch.setattr(GL, "K", _CountingOps(GL.K, op.weights))
+    monkeypatch.setattr(GL, "K", CountingOps(GL.K, op.weights))
     count = _Both(count, GL.K)
     splits = (32, 0, 64)  # expert 1 empty: its weight is still cached on a True step
     x, g = torch.randn(96, 32), torch.randn(96, 32)

@@ -27,7 +27,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from ops_helpers import E4M3, rel_err
+from ops_helpers import E4M3, QUANTIZE_OPS, rel_err
 
 import fusible
 from fusible import ops, recipe
@@ -45,7 +45,6 @@ from fusible.quantization import (
 from fusible.quantization import quantizers as Q
 
 TOKENS, HIDDEN, FFN = 32, 64, 96  # weights [96, 64] / [64, 96]: no activation has their shape
-QUANTIZE_OPS = ("quantize_fp8", "quantize_fp8_current", "quantize_mxfp8", "quantize_fp8_block")
 BF16 = torch.bfloat16
 
 # Recipes quantized_model_init supports. "custom": per-op formats by role (fc1 per-tensor FP8,

@@ -18,7 +18,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from ops_helpers import E4M3, RECIPES
+from ops_helpers import E4M3, RECIPES, CountingOps
 from torch.utils.checkpoint import checkpoint
 
 import fusible
@@ -35,38 +35,8 @@ from fusible.quantization import (
 )
 from fusible.quantization import quantizers as Q
 
-QUANTIZE_OPS = ("quantize_fp8", "quantize_fp8_current", "quantize_mxfp8", "quantize_fp8_block")
 FP8_RECIPES = sorted(k for k, v in RECIPES.items() if v is not None)  # current delayed mxfp8 custom
 TOKENS, HIDDEN, FFN = 32, 64, 96  # weights [96, 64] and [64, 96]; activations [32, *]
-
-
-# ---- counting weight quantizations --------------------------------------------------------------
-
-
-class _CountingOps:
-    """Stands in for ``torch.ops.fusible`` inside quantizers.py: quantize calls whose input is
-    one of ``weights()`` (same storage and shape) are recorded in ``calls``."""
-
-    def __init__(self, real, weights):
-        self._real, self._weights, self.calls = real, weights, []
-
-    def __getattr__(self, name):
-        fn = getattr(self._real, name)
-        if name not in QUANTIZE_OPS:
-            return fn
-
-        def counted(x, *args, **kwargs):
-            for i, w in enumerate(self._weights()):
-                if x.data_ptr() == w.data_ptr() and x.shape == w.shape:
-                    self.calls.append((name, i))
-            return fn(x, *args, **kwargs)
-
-        return counted
-
-    def take(self) -> list[int]:
-        """Indices of the weights quantized since the last call, in call order."""
-        out, self.calls = [i for _, i in self.calls], []
-        return out
 
 
 def _linears(model):
@@ -75,11 +45,11 @@ def _linears(model):
 
 @pytest.fixture
 def counter(monkeypatch):
-    """``counter(*models)``: a _CountingOps over the models' Linear weights (read at call time,
+    """``counter(*models)``: a CountingOps over the models' Linear weights (read at call time,
     so replaced parameters are followed)."""
 
     def install(*models):
-        ops_ = _CountingOps(Q._ops, lambda: [op.weight for m in models for op in _linears(m)])
+        ops_ = CountingOps(Q._ops, lambda: [op.weight for m in models for op in _linears(m)])
         monkeypatch.setattr(Q, "_ops", ops_)
         # A replayed step calls the operators it recorded, not the Python handles counted here.
         monkeypatch.setattr(replay.CONFIG, "enabled", False)
@@ -175,7 +145,7 @@ def test_quantize_weight_hit_miss_update(kind, monkeypatch):
     w = torch.randn(FFN, HIDDEN)
     quantizer = QUANTIZERS[kind]()
     ref = quantizer.quantize(w, rowwise=True, columnwise=True)
-    ops_ = _CountingOps(Q._ops, lambda: [w])
+    ops_ = CountingOps(Q._ops, lambda: [w])
     monkeypatch.setattr(Q, "_ops", ops_)
 
     # Miss, update: quantized once, both copies (any later GEMM can use the cache), kept.
