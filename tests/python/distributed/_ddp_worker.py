@@ -36,7 +36,11 @@ MAKERS: dict[str, Callable[[], torch.nn.Module]] = {
     "lnmlp": lambda: fusible.LayerNormMLP(H, F),
     "seq": lambda: ops.Sequential(ops.LayerNorm(H), ops.Linear(H, F), ops.GELU(), ops.Linear(F, H)),
 }
-OUT = {"linear": F, "lnmlp": H, "seq": H}
+# Two fusible modules of a 1 MiB weight each (fp32 4096 x 64): at bucket_cap_mb=1 dynamo's
+# DDPOptimizer splits the compiled graph between them.
+MAKERS["seqbig"] = lambda: torch.nn.Sequential(fusible.Linear(H, 4096), fusible.Linear(4096, H))
+MAKERS["opsbig"] = lambda: ops.Sequential(ops.Linear(H, 4096), ops.GELU(), ops.Linear(4096, H))
+OUT = {"linear": F, "lnmlp": H, "seq": H, "seqbig": H, "opsbig": H}
 # Weights quantized through the workspace cache (one per Linear).
 CACHED = {"linear": 1, "lnmlp": 2, "seq": 2}
 CASES: list[Any] = []
@@ -164,7 +168,7 @@ def train(kind: str, rec_name: str, steps: int = 3, **ddp_kw: Any) -> None:
         check_params(f"{tag} after the step", module, refs[base.RANK])
 
 
-for _kind in MAKERS:
+for _kind in ("linear", "lnmlp", "seq"):
     for _rec in RECIPES:
         case(f"train_{_kind}_{_rec}")(lambda k=_kind, r=_rec: train(k, r))
 # DDP's other reducer settings: .grad a view of the bucket; the graph declared static.
@@ -234,7 +238,7 @@ def accumulate(kind: str, rec_name: str, micro: int = 3) -> None:
         check_params(f"{kind} {rec_name} step {s} after the step", module, refs[base.RANK])
 
 
-for _kind in MAKERS:
+for _kind in ("linear", "lnmlp", "seq"):
     for _rec in ("delayed", "current", "mxfp8", "blockwise"):
         case(f"nosync_{_kind}_{_rec}")(lambda k=_kind, r=_rec: accumulate(k, r))
 case("nosync_lnmlp_none")(lambda: accumulate("lnmlp", "none"))
@@ -303,8 +307,70 @@ def delayed_amax(kind: str) -> None:
                                  "(the case shows nothing)")  # fmt: skip
 
 
-for _kind in MAKERS:
+for _kind in ("linear", "lnmlp", "seq"):
     case(f"delayed_amax_group_{_kind}")(lambda k=_kind: delayed_amax(k))
+
+
+# ---- torch.compile -----------------------------------------------------------------------------
+
+
+def cmp(what: str, a: torch.Tensor, b: torch.Tensor, loose: bool) -> None:
+    if not loose:
+        exact(what, a, b)
+    elif not torch.allclose(a, b, rtol=1e-6, atol=1e-5):
+        raise AssertionError(f"{what}: max err {(a - b).abs().max().item()}")
+
+
+def compiled(kind: str, rec_name: str, backend: str = "aot_eager", graphs_wanted: int = 1) -> None:
+    """``torch.compile`` of the DDP-wrapped module against eager DDP of the same weights, two SGD
+    steps: outputs, gradients and parameters bit for bit (``aot_eager`` runs the eager kernels;
+    under inductor the bias gradient -- an fp32 ``sum(0)`` inductor reassociates -- and what
+    follows from it, the bias and the next output, within rtol 1e-6 / atol 1e-5, as in
+    _fsdpc_worker.py), identical on the ranks, no recompilation at step 1.
+
+    ``bucket_cap_mb=1``: dynamo's DDPOptimizer refuses a bucket cap below DDP's 1 MiB first
+    bucket (torch 2.13). It splits the graph at bucket boundaries between graph nodes into
+    ``graphs_wanted`` compiled graphs (a fusible ``Sequential``'s run is one node, so the split
+    falls between fusible modules, not inside one)."""
+    # Each compiled DDP model is one more cache entry of DDP.forward's code object: past
+    # dynamo's default limit of 8 the later ones would run eagerly (silently, but for the graph
+    # count below), as for FSDP2 (docs/distributed.md).
+    torch._dynamo.config.recompile_limit = 64
+    rec = RECIPES[rec_name]
+    ddp, module, _ = build(kind, bucket_cap_mb=1)
+    eager, emod, _ = build(kind, bucket_cap_mb=1)
+    comp = torch.compile(ddp, backend=backend)
+    loose = backend == "inductor"
+    from torch._dynamo.utils import counters
+
+    graphs = counters["aot_autograd"]["total"]
+    opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (module, emod)]
+    for k in range(2):
+        tag = f"compile {kind} {rec_name} {backend} step {k}"
+        x, dy = inputs(k, base.RANK, OUT[kind])
+        y = fwd_bwd(comp, x, dy, rec)
+        ye = fwd_bwd(eager, x, dy, rec)
+        cmp(f"{tag} output", y, ye, loose and k > 0)
+        for (name, p), q in zip(module.named_parameters(), emod.parameters(), strict=True):
+            cmp(f"{tag} grad {name}", p.grad, q.grad, loose and name.endswith("bias"))
+            same_on_ranks(f"{tag} grad {name}", p.grad)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for (name, p), q in zip(module.named_parameters(), emod.parameters(), strict=True):
+            cmp(f"{tag} {name} after the step", p.detach(), q.detach(), loose and "bias" in name)
+            same_on_ranks(f"{tag} {name} after the step", p.detach())
+    graphs = counters["aot_autograd"]["total"] - graphs  # two steps: no recompilation
+    if graphs != graphs_wanted:
+        raise AssertionError(f"compile {kind} {rec_name}: {graphs} graphs, wanted {graphs_wanted}")
+
+
+for _rec in ("none", "delayed", "current", "mxfp8"):
+    case(f"compile_linear_{_rec}")(lambda r=_rec: compiled("linear", r))
+for _rec in ("none", "current"):
+    case(f"compile_seqbig_{_rec}")(lambda r=_rec: compiled("seqbig", r, graphs_wanted=2))
+case("compile_opsbig_current")(lambda: compiled("opsbig", "current"))
+case("compile_linear_current_inductor")(lambda: compiled("linear", "current", "inductor"))
 
 
 if __name__ == "__main__":
