@@ -26,6 +26,9 @@ import fusible
 from fusible import ops
 from fusible import recipe as R
 from fusible.ops.workspace import WorkspaceCache
+from fusible.optim import MasterWeightOptimizer
+from fusible.quantization.data import qdata_tensors
+from fusible.quantization.tensor import QuantizedTensor
 
 S, H, F = base.S, base.H, base.F  # per rank: 64 tokens (MXFP8 / blockwise: 32-multiples)
 LR = 0.25
@@ -171,11 +174,15 @@ def train(kind: str, rec_name: str, steps: int = 3, **ddp_kw: Any) -> None:
 for _kind in ("linear", "lnmlp", "seq"):
     for _rec in RECIPES:
         case(f"train_{_kind}_{_rec}")(lambda k=_kind, r=_rec: train(k, r))
-# DDP's other reducer settings: .grad a view of the bucket; the graph declared static.
+# DDP's other reducer settings: .grad a view of the bucket; the graph declared static; the
+# autograd graph searched for unused parameters (every fusible parameter gets a gradient).
 case("train_lnmlp_current_bucket_view")(
     lambda: train("lnmlp", "current", gradient_as_bucket_view=True)
 )
 case("train_seq_mxfp8_static_graph")(lambda: train("seq", "mxfp8", static_graph=True))
+case("train_lnmlp_delayed_find_unused")(
+    lambda: train("lnmlp", "delayed", find_unused_parameters=True)
+)
 
 
 # ---- no_sync + is_first_microbatch --------------------------------------------------------------
@@ -371,6 +378,62 @@ for _rec in ("none", "current"):
     case(f"compile_seqbig_{_rec}")(lambda r=_rec: compiled("seqbig", r, graphs_wanted=2))
 case("compile_opsbig_current")(lambda: compiled("opsbig", "current"))
 case("compile_linear_current_inductor")(lambda: compiled("linear", "current", "inductor"))
+
+
+# ---- quantized_model_init weights ---------------------------------------------------------------
+
+
+def qbytes(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A quantized weight's stored tensors (FP8 data as bytes, scales) by field name."""
+    return {k: (t.view(torch.uint8) if t.element_size() == 1 else t)
+            for k, t in qdata_tensors(w.qdata).items()}  # fmt: skip
+
+
+def qinit(rec_name: str) -> None:
+    """A ``Linear`` built inside ``quantized_model_init`` (its weight a ``QuantizedTensor``),
+    each rank seeded differently: DDP's broadcast at construction makes every rank's stored
+    weight rank 0's, byte for byte (data and scales). Three steps of
+    ``MasterWeightOptimizer(SGD)``: gradients the per-rank references' averaged and the
+    re-quantized weights identical across the ranks and equal to the reference's, bit for
+    bit."""
+    rec = RECIPES[rec_name]
+    refs = []
+    for _ in range(base.WORLD):
+        torch.manual_seed(0)  # rank 0's seed
+        with fusible.quantized_model_init(recipe=rec):
+            refs.append(fusible.Linear(H, F))
+    torch.manual_seed(base.RANK)
+    with fusible.quantized_model_init(recipe=rec):
+        module = fusible.Linear(H, F)
+    if not isinstance(module.weight, QuantizedTensor):
+        raise AssertionError(f"qinit {rec_name}: the weight is a {type(module.weight)}")
+    ddp = DDP(module, bucket_cap_mb=BUCKET_MB)
+    for k, t in qbytes(module.weight).items():
+        exact(f"qinit {rec_name} broadcast weight {k}", t, qbytes(refs[0].weight)[k])
+    opts = [MasterWeightOptimizer(torch.optim.SGD, m.parameters(), lr=LR)
+            for m in (module, *refs)]  # fmt: skip
+    for step in range(3):
+        tag = f"qinit {rec_name} step {step}"
+        x, dy = inputs(step, base.RANK, F)
+        fwd_bwd(ddp, x, dy, rec)
+        for r, ref in enumerate(refs):
+            fwd_bwd(ref, *inputs(step, r, F), rec)
+        check_grads(tag, module, refs)
+        for ps in zip(*(r.parameters() for r in refs), strict=True):
+            g = mean([p.grad for p in ps])
+            for p in ps:
+                p.grad = g.clone()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for k, t in qbytes(module.weight).items():
+            exact(f"{tag} weight {k} after the step", t, qbytes(refs[base.RANK].weight)[k])
+            same_on_ranks(f"{tag} weight {k} after the step", t)
+        exact(f"{tag} bias after the step", module.bias.detach(), refs[base.RANK].bias.detach())
+
+
+for _rec in ("current", "mxfp8"):
+    case(f"qinit_linear_{_rec}")(lambda r=_rec: qinit(r))
 
 
 if __name__ == "__main__":

@@ -18,12 +18,14 @@ CASES = [
     *(f"train_{k}_{r}" for k in _KINDS for r in _RECIPES),
     "train_lnmlp_current_bucket_view",
     "train_seq_mxfp8_static_graph",
+    "train_lnmlp_delayed_find_unused",
     *(f"nosync_{k}_{r}" for k in _KINDS for r in _RECIPES[1:]),
     "nosync_lnmlp_none",
     *(f"delayed_amax_group_{k}" for k in _KINDS),
     *(f"compile_linear_{r}" for r in _RECIPES[:4]),
     "compile_seqbig_none", "compile_seqbig_current", "compile_opsbig_current",
     "compile_linear_current_inductor",
+    "qinit_linear_current", "qinit_linear_mxfp8",
 ]  # fmt: skip
 
 results, test_case = two_rank_suite(_WORKER, CASES, 120, "DDP", "ddp")
