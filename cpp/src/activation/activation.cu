@@ -17,8 +17,11 @@
 // of rows) and hands them to the shared blockwise tile cast (common/block_cast.cuh), which writes
 // both copies; the high-precision output, amax and the dbias column sums (staged through shared
 // memory and summed in row order, the ranges of rows aligned to activation.h's groups) as above.
+//
+// The backward with dbias and no transposed or MXFP8 copy may instead run act_walk_kernel (each
+// thread walks the rows of its group down 8 columns, the column sums in registers: same order,
+// same bits), where its grid fills the GPU; act_launch says when.
 #include <cstdlib>
-#include <string>
 
 #include "activation/activation_impl.h"
 #include "common/block_cast.cuh"

@@ -11,13 +11,14 @@ spreads the parameters over several buckets (counted by a comm hook)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import _tp_worker as base
 import torch
 import torch.distributed as dist
+from _fsdpw_worker import counting
 from _tp_worker import exact, rand
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -25,7 +26,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fusible
 from fusible import ops
 from fusible import recipe as R
-from fusible.ops.workspace import WorkspaceCache
 from fusible.optim import MasterWeightOptimizer
 from fusible.quantization.data import qdata_tensors
 from fusible.quantization.tensor import QuantizedTensor
@@ -186,29 +186,6 @@ case("train_lnmlp_delayed_find_unused")(
 
 
 # ---- no_sync + is_first_microbatch --------------------------------------------------------------
-
-
-@contextmanager
-def counting() -> Iterator[dict[str, int]]:
-    """Workspace cache hits (a lookup that returned the cached workspace) and stores (the weight
-    quantized and cached), as in _fsdpw_worker.py."""
-    n = {"hit": 0, "store": 0}
-    lookup, store = WorkspaceCache.lookup, WorkspaceCache.store
-
-    def counted_lookup(self: Any, *a: Any, **k: Any) -> Any:
-        ws = lookup(self, *a, **k)
-        n["hit"] += ws is not None
-        return ws
-
-    def counted_store(self: Any, *a: Any, **k: Any) -> None:
-        n["store"] += 1
-        store(self, *a, **k)
-
-    WorkspaceCache.lookup, WorkspaceCache.store = counted_lookup, counted_store  # type: ignore[method-assign]
-    try:
-        yield n
-    finally:
-        WorkspaceCache.lookup, WorkspaceCache.store = lookup, store  # type: ignore[method-assign]
 
 
 def accumulate(kind: str, rec_name: str, micro: int = 3) -> None:
@@ -419,13 +396,7 @@ def qinit(rec_name: str) -> None:
         for r, ref in enumerate(refs):
             fwd_bwd(ref, *inputs(step, r, F), rec)
         check_grads(tag, module, refs)
-        for ps in zip(*(r.parameters() for r in refs), strict=True):
-            g = mean([p.grad for p in ps])
-            for p in ps:
-                p.grad = g.clone()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+        sgd_step(opts, module, refs)
         for k, t in qbytes(module.weight).items():
             exact(f"{tag} weight {k} after the step", t, qbytes(refs[base.RANK].weight)[k])
             same_on_ranks(f"{tag} weight {k} after the step", t)
