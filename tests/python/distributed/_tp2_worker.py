@@ -13,7 +13,7 @@ from typing import Any
 import _tp_worker as base
 import torch
 import torch.distributed as dist
-from _tp_worker import RECIPES, close, exact, rand, run, toks
+from _tp_worker import RECIPES, close, exact, load, rand, run, toks
 
 import fusible
 from fusible.ops import registry
@@ -317,59 +317,87 @@ case("transformer_layer_current")(lambda: transformer_layer("current", False))
 # ---- GroupedLinear ------------------------------------------------------------------------------
 
 
+#: Every recipe: the shared four and Float8BlockScaling (the sizes below are multiples of 32).
+GROUPED_RECIPES: dict[str, Any] = {**RECIPES, "blockwise": fusible.recipe.Float8BlockScaling()}
+
+
+def _grouped(
+    ws: list[torch.Tensor], bs: list[torch.Tensor] | None, sl: slice, col: bool, **tp: Any
+) -> Any:
+    """A GroupedLinear holding the columns (``col``) or rows of every expert in ``ws`` (and
+    ``bs``) that ``sl`` selects: the whole module for ``sl`` = ``slice(None)``; ``tp``: the
+    tensor-parallel arguments (then the sizes are the full ones)."""
+    n_out, k_in = ws[0].shape
+    w = [x[sl] if col else x[:, sl] for x in ws]
+    if not tp:
+        n_out, k_in = w[0].shape
+    m = fusible.GroupedLinear(len(ws), k_in, n_out, bias=bs is not None, **tp)
+    load(m, **{f"weight{i}": x for i, x in enumerate(w)},
+         **{f"bias{i}": x[sl] for i, x in enumerate(bs or [])})  # fmt: skip
+    return m
+
+
 def grouped(rec_name: str, mode: str) -> None:
-    rec, g, r = RECIPES[rec_name], dist.group.WORLD, base.RANK
+    """Column- / row-parallel GroupedLinear (3 experts, m_splits [32, 0, 32]: MXFP8's
+    32-multiples, an empty expert) against the single-process GroupedLinear of each rank's
+    shard, fed what the rank is fed: what a rank computes alone (column: the output, every
+    weight and bias gradient; row: the input gradient, every weight gradient) bit for bit; the
+    sum over the ranks (column: the input gradient, by the backward all-reduce; row: the
+    output, by the forward all-reduce) bit for bit against the shards' results added in rank
+    order (a + b is order-free). Delayed scaling: first step, amaxes reduced over the group
+    (after the step every scale is the same on every rank). Then against the full-size module:
+    see ``_GROUPED_FULL_TOL``."""
+    rec, g, r = GROUPED_RECIPES[rec_name], dist.group.WORLD, base.RANK
     n, splits = 3, [32, 0, 32]
     col = mode == "column"
-    ws = [rand(F, H, seed=100 + i) for i in range(n)] if col else [rand(H, F, seed=100 + i)
-                                                                  for i in range(n)]  # fmt: skip
-    bs = [rand(F, seed=110 + i) for i in range(n)]
     k_in, n_out = (H, F) if col else (F, H)
+    ws = [rand(n_out, k_in, seed=100 + i) for i in range(n)]
+    bs = [rand(F, seed=110 + i) for i in range(n)] if col else None
     x, dy = rand(sum(splits), k_in, seed=120), rand(sum(splits), n_out, seed=121)
+    feed = lambda q: (x, dy[:, base.cols(F, q)]) if col else (x[:, base.cols(F, q)], dy)  # noqa: E731
+    tp = _grouped(ws, bs, base.cols(F, r), col, tp_group=g, parallel_mode=mode)
+    y, dx = run(tp, *feed(r), rec, g, m_splits=splits)
+    summed_parts, mine = [], None
+    for q in range(base.WORLD):
+        ref = _grouped(ws, bs, base.cols(F, q), col)
+        yq, dxq = run(ref, *feed(q), rec, m_splits=splits)
+        summed_parts.append(dxq if col else yq)
+        if q == r:
+            mine = (yq, dxq, ref)
+    yr, dxr, ref = mine  # type: ignore[misc]
+    exact("y" if col else "dx", y if col else dx, yr if col else dxr)
+    base.summed("dx" if col else "y", dx if col else y, base.total(summed_parts))
+    for i in range(n):
+        exact(f"dW{i}", getattr(tp, f"weight{i}").grad, getattr(ref, f"weight{i}").grad)
+        if col:
+            exact(f"db{i}", getattr(tp, f"bias{i}").grad, getattr(ref, f"bias{i}").grad)
+    if rec_name == "delayed":  # the amaxes were max-reduced over the group: one scale each
+        s = base._scales(tp)
+        for other in base._gathered(s):
+            exact("delayed scales across ranks", other, s)
+    # The full-size module: the same weights unsplit, fed the whole input and output gradient.
+    full = _grouped(ws, bs, slice(None), col)
+    yf, dxf = run(full, x, dy, rec, m_splits=splits)
     c = base.cols(F, r)
-    tp = fusible.GroupedLinear(n, k_in, n_out, bias=col, tp_group=g, parallel_mode=mode)
-    if col:
-        ref = fusible.GroupedLinear(n, k_in, n_out // base.WORLD, bias=True)
-    else:
-        ref = fusible.GroupedLinear(n, F, H, bias=False)
-    with torch.no_grad():
-        for i in range(n):
-            getattr(tp, f"weight{i}").copy_(ws[i][c] if col else ws[i][:, c])
-            getattr(ref, f"weight{i}").copy_(ws[i][c] if col else ws[i])
-            if col:
-                getattr(tp, f"bias{i}").copy_(bs[i][c])
-                getattr(ref, f"bias{i}").copy_(bs[i][c])
-    xi = (x if col else x[:, c]).clone().requires_grad_()
-    with fusible.autocast(enabled=rec is not None, recipe=rec):
-        y = tp(xi, splits)
-    y.backward(dy[:, c] if col else dy)
-    xr = x.clone().requires_grad_()
-    with fusible.autocast(enabled=rec is not None, recipe=rec):
-        yr = ref(xr, splits)
-    yr.backward(dy[:, c] if col else dy)
-    tol = 1e-5 if rec is None else 0.25
-    if col:  # this rank's shard as a single-process GroupedLinear: the same arithmetic
-        exact("y", y, yr)
-        exact("dW0", tp.weight0.grad, ref.weight0.grad)
-        close("dx vs full", xi.grad, _full_dx_col(ws, bs, x, dy, splits), tol)
-    else:
-        close("y vs full", y, yr, tol)
-        close("dx vs full", xi.grad, xr.grad[:, c], tol)
-        close("dW0 vs full", tp.weight0.grad, ref.weight0.grad[:, c], tol)
+    tol = _GROUPED_FULL_TOL[rec_name]
+    close("y vs full", y, yf[:, c] if col else yf, tol)
+    close("dx vs full", dx, dxf if col else dxf[:, c], tol)
+    for i in range(n):
+        gf = getattr(full, f"weight{i}").grad
+        close(f"dW{i} vs full", getattr(tp, f"weight{i}").grad, gf[c] if col else gf[:, c], tol)
 
 
-def _full_dx_col(ws: Any, bs: Any, x: torch.Tensor, dy: torch.Tensor, splits: Any) -> Any:
-    full = fusible.GroupedLinear(len(ws), H, F)
-    with torch.no_grad():
-        for i, (w, b) in enumerate(zip(ws, bs, strict=True)):
-            getattr(full, f"weight{i}").copy_(w)
-            getattr(full, f"bias{i}").copy_(b)
-    xf = x.clone().requires_grad_()
-    full(xf, splits).backward(torch.cat([dy[:, base.cols(F, q)] for q in range(base.WORLD)], 1))
-    return xf.grad
+#: Against the full-size module, relative to the largest value. ``1e-5`` (fp32 rounding: a sum
+#: split over the ranks) where a shard's FP8 bits are the whole's: no recipe; delayed, first
+#: step (every scale still its initial 1); MXFP8 (32-blocks, each inside one rank's 64 features).
+#: 0.25 (FP8 rounding, as LayerNormMLP's) where a shard has its own scale: current (one per
+#: tensor: the shard's amax is not the whole's) and blockwise (a 128x128 weight tile, a 1x128
+#: activation / gradient block covers both ranks' 64 features; power-of-2 scales, so the bits
+#: differ only where the shard's amax is a binade below the whole's).
+_GROUPED_FULL_TOL = {"none": 1e-5, "delayed": 1e-5, "current": 0.25, "mxfp8": 1e-5,
+                     "blockwise": 0.25}  # fmt: skip
 
-
-for _r in ("none", "current"):
+for _r in GROUPED_RECIPES:
     for _m in ("column", "row"):
         case(f"grouped_{_m}_{_r}")(lambda r=_r, m=_m: grouped(r, m))
 

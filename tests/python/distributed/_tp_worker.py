@@ -94,10 +94,15 @@ def toks(t: torch.Tensor, r: int) -> torch.Tensor:
     return t.chunk(WORLD, 0)[r]
 
 
-def run(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, rec: Any, group: Any = None):
+def run(
+    module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, rec: Any, group: Any = None,
+    **kw: Any,
+):  # fmt: skip
+    """One forward (``module(x, **kw)`` under ``rec``, amaxes reduced over ``group``) and
+    backward of ``dy``: the output and the input gradient."""
     x = x.detach().clone().requires_grad_()
     with fusible.autocast(enabled=rec is not None, recipe=rec, amax_reduction_group=group):
-        y = module(x)
+        y = module(x, **kw)
     y.backward(dy)
     return y.detach(), x.grad
 

@@ -15,7 +15,7 @@ CASES = [
     "fp8_gather_bits", *(f"fp8_gather_fused_{r}" for r in _RECIPES), "fp8_gather_explain",
     *(f"transformer_layer_{r}_sp" for r in _RECIPES), "transformer_layer_none",
     "transformer_layer_current",
-    *(f"grouped_{m}_{r}" for r in ("none", "current") for m in ("column", "row")),
+    *(f"grouped_{m}_{r}" for r in (*_RECIPES, "blockwise") for m in ("column", "row")),
     "compile_none", "compile_current", "bad_input_tp2",
 ]  # fmt: skip
 
