@@ -843,29 +843,11 @@ TEST(NormAmaxAccumulate, MaxCombinesIntoPresetValue) {
   const fus_tensor xm{x.data(), FUS_FLOAT32, rows, cols}, gm{gamma.data(), FUS_FLOAT32, 1, cols};
   const fus_context ctx = cpu_ctx();
   auto run = [&](float* amax, int acc) {
-    fus_quantized q{FUS_SCALING_PER_TENSOR,
-                    FUS_FLOAT8_E4M3,
-                    rows,
-                    cols,
-                    data.data(),
-                    nullptr,
-                    &scale_inv,
-                    nullptr,
-                    &scale,
-                    amax,
-                    0,
-                    0.0f,
-                    acc};
+    fus_quantized q = per_tensor_out(FUS_FLOAT8_E4M3, rows, cols, data.data(), nullptr, &scale_inv,
+                                     &scale, amax, acc);
     return fus_norm_forward(FUS_NORM_RMSNORM, &xm, &gm, nullptr, 1e-5f, 0, nullptr, &q, nullptr,
                             rstd.data(), &ctx);
   };
-  float own = -1.0f;
-  ASSERT_EQ(run(&own, 0), FUS_SUCCESS) << fus_last_error();
-  ASSERT_GT(own, 0.0f);
-  for (float preset : {0.0f, own / 2, own * 2, qnan()}) {
-    float amax = preset;
-    ASSERT_EQ(run(&amax, 1), FUS_SUCCESS) << fus_last_error();
-    EXPECT_EQ(f2u(amax), std::max(f2u(preset), f2u(own))) << preset;
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_amax_accumulates(run));
   EXPECT_EQ(run(nullptr, 1), FUS_ERROR_INVALID_ARGUMENT);
 }

@@ -752,18 +752,8 @@ TEST(PerTensor, EmptyInputWithNullData) {
   for (auto [rows, cols] : {std::pair<int64_t, int64_t>{0, 5}, {5, 0}, {0, 0}}) {
     float scale = 4.0f, scale_inv = -1.0f, amax = -1.0f;
     fus_tensor t{nullptr, FUS_FLOAT32, rows, cols};
-    fus_quantized q{FUS_SCALING_PER_TENSOR,
-                    kE4M3,
-                    rows,
-                    cols,
-                    nullptr,
-                    nullptr,
-                    &scale_inv,
-                    nullptr,
-                    &scale,
-                    &amax,
-                    0,
-                    0.0f};
+    fus_quantized q =
+        per_tensor_out(kE4M3, rows, cols, nullptr, nullptr, &scale_inv, &scale, &amax);
     const fus_context ctx = cpu_ctx();
     ASSERT_EQ(fus_quantize(&t, &q, &ctx), FUS_SUCCESS) << fus_last_error();
     EXPECT_EQ(amax, 0.0f);
@@ -1458,18 +1448,7 @@ struct ErrFixture : ::testing::Test {
                        rs = std::vector<uint8_t>(4), cs = std::vector<uint8_t>(4);
   float scale = 1.0f, scale_inv = 0.0f, amax = -7.0f;
   fus_tensor in{x.data(), FUS_FLOAT32, 3, 4};
-  fus_quantized q{FUS_SCALING_PER_TENSOR,
-                  kE4M3,
-                  3,
-                  4,
-                  row.data(),
-                  col.data(),
-                  &scale_inv,
-                  nullptr,
-                  &scale,
-                  &amax,
-                  0,
-                  0.0f};
+  fus_quantized q = per_tensor_out(kE4M3, 3, 4, row.data(), col.data(), &scale_inv, &scale, &amax);
   fus_context ctx = cpu_ctx();
   std::vector<float> yv = std::vector<float>(12);
   fus_tensor out{yv.data(), FUS_FLOAT32, 3, 4};
@@ -2225,19 +2204,8 @@ TEST(AmaxAccumulate, BadFlagNullAmaxAndCurrentScalingAreRejected) {
   float scale = 1.0f, scale_inv = 0.0f;
   std::vector<uint8_t> data(16);
   const fus_tensor in{x.data(), FUS_FLOAT32, 4, 4};
-  fus_quantized q{FUS_SCALING_PER_TENSOR,
-                  FUS_FLOAT8_E4M3,
-                  4,
-                  4,
-                  data.data(),
-                  nullptr,
-                  &scale_inv,
-                  nullptr,
-                  &scale,
-                  &amax,
-                  0,
-                  0.0f,
-                  1};
+  fus_quantized q =
+      per_tensor_out(FUS_FLOAT8_E4M3, 4, 4, data.data(), nullptr, &scale_inv, &scale, &amax, 1);
   const fus_context ctx = cpu_ctx();
   EXPECT_EQ(fus_quantize_current_scaling(&in, &q, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(fus_last_error()).find("amax_accumulate must be 0"), std::string::npos);
