@@ -165,6 +165,15 @@ const std::vector<fus_dtype> kHpTypes = {FUS_FLOAT32, FUS_FLOAT16, FUS_BFLOAT16}
 
 std::string shape_name(int64_t r, int64_t c) { return std::to_string(r) + "x" + std::to_string(c); }
 
+using Shape = std::pair<int64_t, int64_t>;
+
+// Parameters (shape, input dtype, FP8 format), named "RxC_<input>_<format>".
+using ShapeTypeFormat = std::tuple<Shape, fus_dtype, fus_dtype>;
+std::string ShapeTypeFormatName(const ::testing::TestParamInfo<ShapeTypeFormat>& info) {
+  return shape_name(std::get<0>(info.param).first, std::get<0>(info.param).second) + "_" +
+         fmt_name(std::get<1>(info.param)) + "_" + fmt_name(std::get<2>(info.param));
+}
+
 class Fp8FormatTest : public ::testing::TestWithParam<fus_dtype> {};
 std::string FormatName(const ::testing::TestParamInfo<fus_dtype>& info) {
   return fmt_name(info.param);
@@ -666,7 +675,7 @@ TEST(Bf16, EncodeRoundsToNearestEven) {
 // Per-tensor quantize with a transposed copy
 // =================================================================================================
 
-using PerTensorParam = std::tuple<std::pair<int64_t, int64_t>, fus_dtype, fus_dtype>;
+using PerTensorParam = ShapeTypeFormat;
 class PerTensorTest : public ::testing::TestWithParam<PerTensorParam> {};
 
 TEST_P(PerTensorTest, RowwiseMatchesReferenceAndColumnwiseIsItsTranspose) {
@@ -707,19 +716,11 @@ TEST_P(PerTensorTest, RowwiseMatchesReferenceAndColumnwiseIsItsTranspose) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, PerTensorTest,
-    ::testing::Combine(::testing::Values(std::make_pair<int64_t, int64_t>(1, 1),
-                                         std::make_pair<int64_t, int64_t>(7, 13),
-                                         std::make_pair<int64_t, int64_t>(127, 33),
-                                         std::make_pair<int64_t, int64_t>(1, 4097),
-                                         std::make_pair<int64_t, int64_t>(4097, 1),
-                                         std::make_pair<int64_t, int64_t>(65, 129),
-                                         std::make_pair<int64_t, int64_t>(0, 9),
-                                         std::make_pair<int64_t, int64_t>(9, 0)),
-                       ::testing::ValuesIn(kHpTypes), ::testing::ValuesIn(kFormats)),
-    [](const ::testing::TestParamInfo<PerTensorParam>& info) {
-      return shape_name(std::get<0>(info.param).first, std::get<0>(info.param).second) + "_" +
-             fmt_name(std::get<1>(info.param)) + "_" + fmt_name(std::get<2>(info.param));
-    });
+    ::testing::Combine(
+        ::testing::ValuesIn(std::vector<Shape>{
+            {1, 1}, {7, 13}, {127, 33}, {1, 4097}, {4097, 1}, {65, 129}, {0, 9}, {9, 0}}),
+        ::testing::ValuesIn(kHpTypes), ::testing::ValuesIn(kFormats)),
+    ShapeTypeFormatName);
 
 TEST(PerTensor, OnlyOneCopyRequestedAndAmaxOptional) {
   const int64_t rows = 19, cols = 70;
@@ -1039,7 +1040,7 @@ std::vector<float> mx_test_values(int64_t rows, int64_t cols, uint32_t seed, boo
   return v;
 }
 
-using MxParam = std::tuple<std::pair<int64_t, int64_t>, fus_dtype, fus_dtype>;
+using MxParam = ShapeTypeFormat;
 class Mxfp8Test : public ::testing::TestWithParam<MxParam> {};
 
 TEST_P(Mxfp8Test, ScalesPerPartialBlockAndDataMatchReference) {
@@ -1107,19 +1108,11 @@ TEST_P(Mxfp8Test, ScalesPerPartialBlockAndDataMatchReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, Mxfp8Test,
-    ::testing::Combine(::testing::Values(std::make_pair<int64_t, int64_t>(33, 65),
-                                         std::make_pair<int64_t, int64_t>(1, 1),
-                                         std::make_pair<int64_t, int64_t>(32, 32),
-                                         std::make_pair<int64_t, int64_t>(31, 33),
-                                         std::make_pair<int64_t, int64_t>(64, 96),
-                                         std::make_pair<int64_t, int64_t>(1, 4097),
-                                         std::make_pair<int64_t, int64_t>(97, 1),
-                                         std::make_pair<int64_t, int64_t>(0, 7)),
-                       ::testing::ValuesIn(kHpTypes), ::testing::ValuesIn(kFormats)),
-    [](const ::testing::TestParamInfo<MxParam>& info) {
-      return shape_name(std::get<0>(info.param).first, std::get<0>(info.param).second) + "_" +
-             fmt_name(std::get<1>(info.param)) + "_" + fmt_name(std::get<2>(info.param));
-    });
+    ::testing::Combine(
+        ::testing::ValuesIn(std::vector<Shape>{
+            {33, 65}, {1, 1}, {32, 32}, {31, 33}, {64, 96}, {1, 4097}, {97, 1}, {0, 7}}),
+        ::testing::ValuesIn(kHpTypes), ::testing::ValuesIn(kFormats)),
+    ShapeTypeFormatName);
 
 // Blocks whose amax is exactly a power of two, just below, just above: through the API.
 TEST_P(Fp8FormatTest, Mxfp8BlockAmaxAtPowerOfTwoThroughApi) {
@@ -1387,7 +1380,7 @@ ApiCall transpose_call(const TransposeSetup& s) {
   return res << "\n  " << bad << " bytes wrong";
 }
 
-using TransposeParam = std::tuple<std::pair<int64_t, int64_t>, fus_dtype>;
+using TransposeParam = std::tuple<Shape, fus_dtype>;
 std::string TransposeParamName(const ::testing::TestParamInfo<TransposeParam>& info) {
   return shape_name(std::get<0>(info.param).first, std::get<0>(info.param).second) + "_" +
          fmt_name(std::get<1>(info.param));
@@ -1407,17 +1400,13 @@ TEST_P(TransposeTest, EveryByteMovesToItsTransposedPlace) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, TransposeTest,
-    ::testing::Combine(
-        ::testing::Values(
-            std::make_pair<int64_t, int64_t>(1, 1), std::make_pair<int64_t, int64_t>(1, 17),
-            std::make_pair<int64_t, int64_t>(17, 1), std::make_pair<int64_t, int64_t>(2, 3),
-            std::make_pair<int64_t, int64_t>(31, 33), std::make_pair<int64_t, int64_t>(64, 64),
-            std::make_pair<int64_t, int64_t>(127, 4097), std::make_pair<int64_t, int64_t>(4097, 3),
-            std::make_pair<int64_t, int64_t>(0, 5), std::make_pair<int64_t, int64_t>(5, 0)),
-        ::testing::ValuesIn(kFormats)),
-    TransposeParamName);
+const std::vector<Shape> kTransposeShapes = {{1, 1},   {1, 17},     {17, 1},   {2, 3}, {31, 33},
+                                             {64, 64}, {127, 4097}, {4097, 3}, {0, 5}, {5, 0}};
+
+INSTANTIATE_TEST_SUITE_P(Shapes, TransposeTest,
+                         ::testing::Combine(::testing::ValuesIn(kTransposeShapes),
+                                            ::testing::ValuesIn(kFormats)),
+                         TransposeParamName);
 
 // The transpose of a per-tensor rowwise copy is the columnwise copy fus_quantize writes.
 TEST(Transpose, OfRowwiseCopyIsTheQuantizedColumnwiseCopy) {
@@ -1780,13 +1769,8 @@ std::vector<float> edgy_values(size_t n, uint32_t seed) {
 const std::vector<std::pair<int64_t, int64_t>> kCudaShapes = {
     {1, 1}, {7, 13}, {33, 65}, {127, 33}, {1, 4097}, {4097, 1}, {257, 4099}, {1024, 1024}, {0, 5}};
 
-using CudaParam = std::tuple<std::pair<int64_t, int64_t>, fus_dtype, fus_dtype>;
+using CudaParam = ShapeTypeFormat;
 class CudaVsCpuTest : public ::testing::TestWithParam<CudaParam> {};
-
-std::string CudaParamName(const ::testing::TestParamInfo<CudaParam>& info) {
-  return shape_name(std::get<0>(info.param).first, std::get<0>(info.param).second) + "_" +
-         fmt_name(std::get<1>(info.param)) + "_" + fmt_name(std::get<2>(info.param));
-}
 
 void expect_same_quantize(const DualResult& r, const QuantizeSetup& s) {
   ASSERT_EQ(r.cpu_status, FUS_SUCCESS);
@@ -1890,7 +1874,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaVsCpuTest,
                          ::testing::Combine(::testing::ValuesIn(kCudaShapes),
                                             ::testing::ValuesIn(kHpTypes),
                                             ::testing::ValuesIn(kFormats)),
-                         CudaParamName);
+                         ShapeTypeFormatName);
 
 TEST(CudaVsCpu, Every251stFloatPatternPerTensorAndMxfp8) {
   FUSTEST_REQUIRE_CUDA();
@@ -2000,18 +1984,14 @@ TEST_P(CudaVsCpuTransposeTest, SameBytes) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, CudaVsCpuTransposeTest,
-    ::testing::Combine(
-        ::testing::Values(
-            std::make_pair<int64_t, int64_t>(1, 1), std::make_pair<int64_t, int64_t>(256, 512),
-            std::make_pair<int64_t, int64_t>(129, 77), std::make_pair<int64_t, int64_t>(4096, 16),
-            std::make_pair<int64_t, int64_t>(16, 4096), std::make_pair<int64_t, int64_t>(1, 4097),
-            std::make_pair<int64_t, int64_t>(4097, 1), std::make_pair<int64_t, int64_t>(127, 128),
-            std::make_pair<int64_t, int64_t>(128, 127), std::make_pair<int64_t, int64_t>(144, 272),
-            std::make_pair<int64_t, int64_t>(255, 1023), std::make_pair<int64_t, int64_t>(0, 5)),
-        ::testing::ValuesIn(kFormats)),
-    TransposeParamName);
+const std::vector<Shape> kCudaTransposeShapes = {{1, 1},     {256, 512}, {129, 77},   {4096, 16},
+                                                 {16, 4096}, {1, 4097},  {4097, 1},   {127, 128},
+                                                 {128, 127}, {144, 272}, {255, 1023}, {0, 5}};
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaVsCpuTransposeTest,
+                         ::testing::Combine(::testing::ValuesIn(kCudaTransposeShapes),
+                                            ::testing::ValuesIn(kFormats)),
+                         TransposeParamName);
 
 // More tiles than resident blocks: every block walks several, full and partial (1040 = 8 * 128 +
 // 16 rows, 16400 = 128 * 128 + 16 columns), on the 16-byte path.
