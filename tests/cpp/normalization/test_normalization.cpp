@@ -146,11 +146,12 @@ TEST_P(NormForward, MatchesFp64Reference) {
 const std::vector<std::pair<int64_t, int64_t>> kShapes = {
     {1, 1}, {7, 7}, {127, 127}, {1, 4097}, {4097, 7}, {33, 1024}, {5, 768}, {3, 16384}, {2, 20000}};
 
-INSTANTIATE_TEST_SUITE_P(Shapes, NormForward,
-                         ::testing::Combine(::testing::Values(FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM),
-                                            ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
-                                                              FUS_BFLOAT16),
-                                            ::testing::ValuesIn(kShapes)));
+// Every kind, input dtype and shape: the NormForward and NormBackward cases.
+const auto kKindTypeShape = ::testing::Combine(
+    ::testing::Values(FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM),
+    ::testing::Values(FUS_FLOAT32, FUS_FLOAT16, FUS_BFLOAT16), ::testing::ValuesIn(kShapes));
+
+INSTANTIATE_TEST_SUITE_P(Shapes, NormForward, kKindTypeShape);
 
 TEST(NormForwardStats, ConstantRowGivesZeroVarianceAndBeta) {
   FwdSetup s;
@@ -412,11 +413,7 @@ TEST_P(NormBackward, MatchesFp64Reference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, NormBackward,
-                         ::testing::Combine(::testing::Values(FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM),
-                                            ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
-                                                              FUS_BFLOAT16),
-                                            ::testing::ValuesIn(kShapes)));
+INSTANTIATE_TEST_SUITE_P(Shapes, NormBackward, kKindTypeShape);
 
 TEST(NormBackwardEdge, ZeroRowsGivesZeroGradients) {
   BwdSetup s;
