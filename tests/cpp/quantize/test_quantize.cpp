@@ -528,6 +528,23 @@ TEST(Fp8Sample, QuantizeApiMatchesReferenceOnEvery251stFloatPattern) {
 // fp16 and bf16 conversions
 // =================================================================================================
 
+// A float and the 16-bit code it rounds to.
+struct Encode16 {
+  float x;
+  uint16_t want;
+};
+
+// enc (the library's encoding) and ref_enc (the reference) give k.want for every k.x, and enc
+// the code with the sign bit flipped for -k.x.
+template <size_t N, typename Enc, typename RefEnc>
+void expect_encodes(const Encode16 (&ks)[N], Enc enc, RefEnc ref_enc) {
+  for (const auto& k : ks) {
+    EXPECT_EQ(enc(k.x), k.want) << fdesc(k.x);
+    EXPECT_EQ(ref_enc(k.x), k.want) << "reference: " << fdesc(k.x);
+    EXPECT_EQ(enc(-k.x), k.want ^ 0x8000u) << fdesc(-k.x);
+  }
+}
+
 TEST(Half, DecodeAll65536CodesMatchesReference) {
   for (uint32_t h = 0; h < 65536; ++h) {
     const float got = fu::half_to_float(static_cast<uint16_t>(h));
@@ -563,10 +580,7 @@ TEST(Half, RoundTripsAll65536Codes) {
 }
 
 TEST(Half, EncodeRoundsToNearestEven) {
-  struct K {
-    float x;
-    uint16_t want;
-  } ks[] = {
+  const Encode16 ks[] = {
       {1.0f + std::ldexp(1.0f, -11), 0x3c00},  // tie -> even 1.0
       {1.0f + std::ldexp(3.0f, -11), 0x3c02},  // tie -> even 0x3c02
       {std::nextafter(1.0f + std::ldexp(1.0f, -11), 2.0f), 0x3c01},
@@ -586,11 +600,9 @@ TEST(Half, EncodeRoundsToNearestEven) {
       {-1e-30f, 0x8000},
       {-0.0f, 0x8000},
   };
-  for (const auto& k : ks) {
-    EXPECT_EQ(fu::float_to_half(k.x), k.want) << fdesc(k.x);
-    EXPECT_EQ(ref::half_encode(k.x), k.want) << "reference: " << fdesc(k.x);
-    EXPECT_EQ(fu::float_to_half(-k.x), k.want ^ 0x8000u) << fdesc(-k.x);
-  }
+  expect_encodes(
+      ks, [](float x) { return fu::float_to_half(x); },
+      [](float x) { return ref::half_encode(x); });
   EXPECT_EQ(fu::float_to_half(qnan(false)) & 0xfe00u, 0x7e00u);
   EXPECT_EQ(fu::float_to_half(qnan(true)) & 0xfe00u, 0xfe00u);
 }
@@ -632,10 +644,7 @@ TEST(Bf16, DecodeAndRoundTripAll65536Codes) {
 }
 
 TEST(Bf16, EncodeRoundsToNearestEven) {
-  struct K {
-    float x;
-    uint16_t want;
-  } ks[] = {
+  const Encode16 ks[] = {
       {1.0f + std::ldexp(1.0f, -8), 0x3f80},  // tie -> even
       {1.0f + std::ldexp(3.0f, -8), 0x3f82},  // tie -> even
       {std::nextafter(1.0f + std::ldexp(1.0f, -8), 2.0f), 0x3f81},
@@ -651,11 +660,9 @@ TEST(Bf16, EncodeRoundsToNearestEven) {
       {u2f(0x007fffffu), 0x0080},  // largest subnormal rounds up to the smallest normal
       {-0.0f, 0x8000},
   };
-  for (const auto& k : ks) {
-    EXPECT_EQ(fu::float_to_bf16(k.x), k.want) << fdesc(k.x);
-    EXPECT_EQ(ref::bf16_encode(k.x), k.want) << "reference: " << fdesc(k.x);
-    EXPECT_EQ(fu::float_to_bf16(-k.x), k.want ^ 0x8000u) << fdesc(-k.x);
-  }
+  expect_encodes(
+      ks, [](float x) { return fu::float_to_bf16(x); },
+      [](float x) { return ref::bf16_encode(x); });
   EXPECT_EQ(fu::float_to_bf16(qnan(false)), 0x7fc0);
   EXPECT_EQ(fu::float_to_bf16(qnan(true)), 0xffc0);
   EXPECT_EQ(fu::float_to_bf16(u2f(0x7f800001u)) & 0xffc0u, 0x7fc0u)
