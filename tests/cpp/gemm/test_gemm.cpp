@@ -113,29 +113,12 @@ struct Case {
   uint32_t seed = 1;
 
   // Chainable setters of the fields most cases set together.
-  Case& size(int64_t m_, int64_t n_, int64_t k_) {
-    m = m_;
-    n = n_;
-    k = k_;
-    return *this;
-  }
-  Case& types(fus_dtype a, fus_dtype b, fus_dtype d) {
-    at = a;
-    bt = b;
-    dt = d;
-    return *this;
-  }
+  Case& size(int64_t m_, int64_t n_, int64_t k_) { return (m = m_, n = n_, k = k_), *this; }
+  Case& types(fus_dtype a, fus_dtype b, fus_dtype d) { return (at = a, bt = b, dt = d), *this; }
   Case& types(fus_dtype ab, fus_dtype d) { return types(ab, ab, d); }  // both operands ab
-  Case& trans(bool ta, bool tb) {
-    transa = ta;
-    transb = tb;
-    return *this;
-  }
+  Case& trans(bool ta, bool tb) { return (transa = ta, transb = tb), *this; }
   Case& scales(float a_inv, float b_inv, float d) {
-    a_scale_inv = a_inv;
-    b_scale_inv = b_inv;
-    d_scale = d;
-    return *this;
+    return (a_scale_inv = a_inv, b_scale_inv = b_inv, d_scale = d), *this;
   }
 
   // Epilogue tensor dtypes per fusible/gemm.h.
