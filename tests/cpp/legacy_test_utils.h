@@ -188,6 +188,16 @@ inline float special_value(std::mt19937& g) {
   }
 }
 
+// Element i of a high-precision byte buffer of dtype dt = x (rounded to fp16 / bf16).
+inline void store_hp_bytes(std::vector<uint8_t>& out, fus_dtype dt, int64_t i, float x) {
+  if (dt == FUS_FLOAT32) {
+    std::memcpy(&out[i * 4], &x, 4);
+  } else {
+    const uint16_t h = dt == FUS_BFLOAT16 ? fusible::float_to_bf16(x) : fusible::float_to_half(x);
+    std::memcpy(&out[i * 2], &h, 2);
+  }
+}
+
 // n elements of a high-precision dtype, as bytes.
 inline std::vector<uint8_t> random_hp(fus_dtype dt, int64_t n, Values v, std::mt19937& g,
                                       float scale = 1.0f) {
@@ -196,12 +206,7 @@ inline std::vector<uint8_t> random_hp(fus_dtype dt, int64_t n, Values v, std::mt
   for (int64_t i = 0; i < n; ++i) {
     float x = nd(g);
     if (v == Values::kSpecial && g() % 8 == 0) x = special_value(g);
-    if (dt == FUS_FLOAT32) {
-      std::memcpy(&out[i * 4], &x, 4);
-    } else {
-      const uint16_t h = dt == FUS_BFLOAT16 ? fusible::float_to_bf16(x) : fusible::float_to_half(x);
-      std::memcpy(&out[i * 2], &h, 2);
-    }
+    store_hp_bytes(out, dt, i, x);
   }
   return out;
 }

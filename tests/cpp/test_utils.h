@@ -270,24 +270,7 @@ struct HostMatrix {
   }
 };
 
-// Value of an output element stored in dtype (for dequantize outputs).
-inline double load_as_double(const std::vector<uint8_t>& bytes, fus_dtype dt, size_t i) {
-  if (dt == FUS_FLOAT32) {
-    float f;
-    std::memcpy(&f, &bytes[4 * i], 4);
-    return f;
-  }
-  uint16_t h;
-  std::memcpy(&h, &bytes[2 * i], 2);
-  return dt == FUS_FLOAT16 ? ref::half_decode(h) : ref::bf16_decode(h);
-}
-
-// Expected bits of an output element: float v rounded to dt. NaN is left to the caller.
-inline uint32_t encode_output(float v, fus_dtype dt) {
-  if (dt == FUS_FLOAT32) return f2u(v);
-  if (dt == FUS_FLOAT16) return ref::half_encode(v);
-  return ref::bf16_encode(v);
-}
+// Bits of an output element stored in dtype (fp32, fp16 or bf16).
 inline uint32_t stored_bits(const std::vector<uint8_t>& bytes, fus_dtype dt, size_t i) {
   if (dt == FUS_FLOAT32) {
     uint32_t u;
@@ -297,6 +280,21 @@ inline uint32_t stored_bits(const std::vector<uint8_t>& bytes, fus_dtype dt, siz
   uint16_t h;
   std::memcpy(&h, &bytes[2 * i], 2);
   return h;
+}
+
+// Value of an output element stored in dtype (for dequantize outputs).
+inline double load_as_double(const std::vector<uint8_t>& bytes, fus_dtype dt, size_t i) {
+  const uint32_t u = stored_bits(bytes, dt, i);
+  if (dt == FUS_FLOAT32) return u2f(u);
+  const uint16_t h = static_cast<uint16_t>(u);
+  return dt == FUS_FLOAT16 ? ref::half_decode(h) : ref::bf16_decode(h);
+}
+
+// Expected bits of an output element: float v rounded to dt. NaN is left to the caller.
+inline uint32_t encode_output(float v, fus_dtype dt) {
+  if (dt == FUS_FLOAT32) return f2u(v);
+  if (dt == FUS_FLOAT16) return ref::half_encode(v);
+  return ref::bf16_encode(v);
 }
 
 // ---- random data ---------------------------------------------------------------------------------
@@ -470,6 +468,32 @@ template <typename T>
   }
   if (bad == 0) return ::testing::AssertionSuccess();
   return res << "\n  " << what << ": " << bad << " of " << x.size() << " elements differ";
+}
+
+// ---- per-tensor outputs ----------------------------------------------------------------------
+
+// A per-tensor scaled FP8 output over caller buffers (columnwise copy optional).
+inline fus_quantized per_tensor_out(fus_dtype fmt, int64_t rows, int64_t cols, void* row, void* col,
+                                    float* scale_inv, float* scale, float* amax,
+                                    int amax_accumulate = 0) {
+  return fus_quantized{
+      FUS_SCALING_PER_TENSOR, fmt, rows, cols, row, col, scale_inv, nullptr, scale, amax, 0, 0.0f,
+      amax_accumulate};
+}
+
+// amax_accumulate: run(amax, acc) (one cast into a per-tensor output) with acc 0 writes its own
+// amax (> 0); with acc 1 it stores max(preset, own) for every preset (NaN: the larger bits). Wrap
+// the call in ASSERT_NO_FATAL_FAILURE.
+template <typename Run>
+void expect_amax_accumulates(Run run) {
+  float own = -1.0f;
+  ASSERT_EQ(run(&own, 0), FUS_SUCCESS) << fus_last_error();
+  ASSERT_GT(own, 0.0f);
+  for (float preset : {0.0f, own / 2, own * 2, qnan()}) {
+    float amax = preset;
+    ASSERT_EQ(run(&amax, 1), FUS_SUCCESS) << fus_last_error();
+    EXPECT_EQ(f2u(amax), std::max(f2u(preset), f2u(own))) << preset;
+  }
 }
 
 // ---- errors --------------------------------------------------------------------------------------

@@ -7,9 +7,6 @@
 namespace fusible {
 namespace {
 
-constexpr std::initializer_list<fus_dtype> kHighPrecision = {FUS_FLOAT32, FUS_FLOAT16,
-                                                             FUS_BFLOAT16};
-
 // One row of FUS_ACTIVATION_TABLE (fusible/activation.h), indexed by the kind's value.
 struct KindRow {
   const char* name;    // "gelu"

@@ -9,6 +9,10 @@
 
 namespace fusible {
 
+// The high-precision dtypes a family's inputs and outputs may have (for check_matrix).
+inline constexpr std::initializer_list<fus_dtype> kHighPrecision = {FUS_FLOAT32, FUS_FLOAT16,
+                                                                    FUS_BFLOAT16};
+
 // Throws FUS_ERROR_INVALID_ARGUMENT "<fn>: <what>" unless cond.
 inline void require(bool cond, const char* fn, const std::string& what) {
   if (!cond) throw Error(FUS_ERROR_INVALID_ARGUMENT, std::string(fn) + ": " + what);

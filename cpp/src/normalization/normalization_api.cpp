@@ -9,9 +9,6 @@
 namespace fusible {
 namespace {
 
-constexpr std::initializer_list<fus_dtype> kHighPrecision = {FUS_FLOAT32, FUS_FLOAT16,
-                                                             FUS_BFLOAT16};
-
 // One row of FUS_NORM_KIND_TABLE (fusible/normalization.h), indexed by the kind's value.
 struct KindRow {
   const char* name;    // "layernorm"

@@ -9,8 +9,6 @@
 namespace fusible {
 namespace {
 
-constexpr std::initializer_list<fus_dtype> kHighPrecision = {FUS_FLOAT32, FUS_FLOAT16,
-                                                             FUS_BFLOAT16};
 constexpr std::initializer_list<fus_dtype> kFp8 = {FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2};
 
 bool is_blockwise(fus_scaling_mode mode) {

@@ -851,32 +851,15 @@ TEST(ActAmaxAccumulate, ForwardAndBackwardMaxCombineIntoPresetValue) {
   const fus_tensor xm{x.data(), FUS_FLOAT32, rows, cols}, gm{grad.data(), FUS_FLOAT32, rows, cols};
   const fus_context ctx = cpu_ctx();
   for (int bwd = 0; bwd < 2; ++bwd) {
+    SCOPED_TRACE(bwd);
     auto run = [&](float* amax, int acc) {
-      fus_quantized q{FUS_SCALING_PER_TENSOR,
-                      FUS_FLOAT8_E4M3,
-                      rows,
-                      cols,
-                      data.data(),
-                      nullptr,
-                      &scale_inv,
-                      nullptr,
-                      &scale,
-                      amax,
-                      0,
-                      0.0f,
-                      acc};
+      fus_quantized q = per_tensor_out(FUS_FLOAT8_E4M3, rows, cols, data.data(), nullptr,
+                                       &scale_inv, &scale, amax, acc);
       if (bwd)
         return fus_activation_backward(FUS_ACT_GELU, &gm, &xm, nullptr, &q, nullptr, nullptr, 0,
                                        &ctx);
       return fus_activation_forward(FUS_ACT_GELU, &xm, nullptr, &q, &ctx);
     };
-    float own = -1.0f;
-    ASSERT_EQ(run(&own, 0), FUS_SUCCESS) << fus_last_error();
-    ASSERT_GT(own, 0.0f);
-    for (float preset : {0.0f, own / 2, own * 2, qnan()}) {
-      float amax = preset;
-      ASSERT_EQ(run(&amax, 1), FUS_SUCCESS) << fus_last_error();
-      EXPECT_EQ(f2u(amax), std::max(f2u(preset), f2u(own))) << bwd << " " << preset;
-    }
+    ASSERT_NO_FATAL_FAILURE(expect_amax_accumulates(run));
   }
 }

@@ -112,6 +112,15 @@ struct Case {
   int value_exp = 1;           // HP operand values ~ normal * 2^[-value_exp, value_exp]
   uint32_t seed = 1;
 
+  // Chainable setters of the fields most cases set together.
+  Case& size(int64_t m_, int64_t n_, int64_t k_) { return (m = m_, n = n_, k = k_), *this; }
+  Case& types(fus_dtype a, fus_dtype b, fus_dtype d) { return (at = a, bt = b, dt = d), *this; }
+  Case& types(fus_dtype ab, fus_dtype d) { return types(ab, ab, d); }  // both operands ab
+  Case& trans(bool ta, bool tb) { return (transa = ta, transb = tb), *this; }
+  Case& scales(float a_inv, float b_inv, float d) {
+    return (a_scale_inv = a_inv, b_scale_inv = b_inv, d_scale = d), *this;
+  }
+
   // Epilogue tensor dtypes per fusible/gemm.h.
   Case& finish() {
     vec_dtype = dt;
@@ -450,13 +459,7 @@ TEST(GemmCpu, HighPrecisionAllTransposesAndOddSizes) {
         for (int tb = 0; tb < 2; ++tb) {
           for (const Size& sz : kOddSizes) {
             Case c;
-            c.m = sz.m;
-            c.n = sz.n;
-            c.k = sz.k;
-            c.at = c.bt = dt;
-            c.dt = out_fp32 ? kF32 : dt;
-            c.transa = ta;
-            c.transb = tb;
+            c.size(sz.m, sz.n, sz.k).types(dt, out_fp32 ? kF32 : dt).trans(ta, tb);
             c.seed = seed++;
             EXPECT_TRUE(run_and_check_cpu(c.finish()));
           }
@@ -474,13 +477,7 @@ TEST(GemmCpu, BlockBoundariesOfTheTiledLoops) {
     for (int ta = 0; ta < 2; ++ta) {
       for (int tb = 0; tb < 2; ++tb) {
         Case c;
-        c.m = sz.m;
-        c.n = sz.n;
-        c.k = sz.k;
-        c.at = c.bt = kBF16;
-        c.dt = kF32;
-        c.transa = ta;
-        c.transb = tb;
+        c.size(sz.m, sz.n, sz.k).types(kBF16, kF32).trans(ta, tb);
         c.ep = FUS_GEMM_EPILOGUE_DGELU_BGRAD;
         c.seed = seed++;
         EXPECT_TRUE(run_and_check_cpu(c.finish()));
@@ -496,13 +493,7 @@ TEST(GemmCpu, EveryEpilogueEveryHighPrecisionOutput) {
       for (fus_dtype out : {in, kF32}) {
         for (const Size& sz : {Size{7, 13, 5}, Size{33, 40, 127}}) {
           Case c;
-          c.m = sz.m;
-          c.n = sz.n;
-          c.k = sz.k;
-          c.at = c.bt = in;
-          c.dt = out;
-          c.transa = (seed % 2) == 1;
-          c.transb = (seed % 3) == 1;
+          c.size(sz.m, sz.n, sz.k).types(in, out).trans((seed % 2) == 1, (seed % 3) == 1);
           c.ep = ep;
           c.alpha = (seed % 4 == 0) ? 0.75f : 1.0f;
           c.seed = seed++;
@@ -521,13 +512,7 @@ TEST(GemmCpu, AccumulateWithCAndResidualBias) {
         for (bool in_place : {false, true}) {
           for (float beta : {1.0f, -0.5f}) {
             Case c;
-            c.m = 13;
-            c.n = 7;
-            c.k = 31;
-            c.at = c.bt = in;
-            c.dt = out;
-            c.transa = in_place;
-            c.transb = !in_place;
+            c.size(13, 7, 31).types(in, out).trans(in_place, !in_place);
             c.ep = ep;
             c.beta = beta;
             c.c_is_d = in_place;
@@ -543,9 +528,7 @@ TEST(GemmCpu, AccumulateWithCAndResidualBias) {
 TEST(GemmCpu, BetaZeroNeverReadsC) {
   // beta == 0: C is not read, so NaN in it must not reach D (BLAS convention).
   Case cs;
-  cs.m = 3;
-  cs.n = 4;
-  cs.k = 5;
+  cs.size(3, 4, 5);
   cs.finish();
   Problem p(cs);
   Buffers bufs = p.init;
@@ -572,17 +555,10 @@ TEST(GemmCpu, Fp8OperandsWithScalesAllMixes) {
     for (fus_dtype out : {kF32, kBF16, kF16, kE4M3, kE5M2}) {
       for (const Size& sz : {Size{1, 1, 1}, Size{7, 13, 5}, Size{13, 16, 127}, Size{127, 32, 64}}) {
         Case c;
-        c.m = sz.m;
-        c.n = sz.n;
-        c.k = sz.k;
-        c.at = mix[0];
-        c.bt = mix[1];
-        c.dt = out;
-        c.transa = false;
-        c.transb = true;
-        c.a_scale_inv = (seed % 2) ? 0.5f : 1.0f / 3.0f;
-        c.b_scale_inv = (seed % 3) ? 0.375f : 3.0f;
-        c.d_scale = 1.0f / 64;
+        c.size(sz.m, sz.n, sz.k)
+            .types(mix[0], mix[1], out)
+            .trans(false, true)
+            .scales((seed % 2) ? 0.5f : 1.0f / 3.0f, (seed % 3) ? 0.375f : 3.0f, 1.0f / 64);
         c.want_amax = is_fp8(out) && (seed % 2 == 0);
         c.seed = seed++;
         EXPECT_TRUE(run_and_check_cpu(c.finish()));
@@ -596,18 +572,9 @@ TEST(GemmCpu, Fp8EveryEpilogue) {
   for (fus_gemm_epilogue ep : kAllEpilogues) {
     for (fus_dtype out : {kF32, kBF16, kF16, kE4M3, kE5M2}) {
       Case c;
-      c.m = 13;
-      c.n = 16;
-      c.k = 32;
-      c.at = kE4M3;
-      c.bt = (seed % 2) ? kE5M2 : kE4M3;
-      c.dt = out;
-      c.transa = false;
-      c.transb = true;
+      c.size(13, 16, 32).types(kE4M3, (seed % 2) ? kE5M2 : kE4M3, out).trans(false, true);
       c.ep = ep;
-      c.a_scale_inv = 0.25f;
-      c.b_scale_inv = 0.125f;
-      c.d_scale = 1.0f / 16;
+      c.scales(0.25f, 0.125f, 1.0f / 16);
       c.want_amax = is_fp8(out);
       c.seed = seed++;
       EXPECT_TRUE(run_and_check_cpu(c.finish()));
@@ -617,11 +584,7 @@ TEST(GemmCpu, Fp8EveryEpilogue) {
 
 TEST(GemmCpu, Fp8OutputAmaxIsMaxAbsOfTheUnscaledResult) {
   Case c;
-  c.m = 5;
-  c.n = 16;
-  c.k = 16;
-  c.at = c.bt = kE4M3;
-  c.dt = kE4M3;
+  c.size(5, 16, 16).types(kE4M3, kE4M3);
   c.transb = true;
   c.want_amax = true;
   c.d_scale = 1.0f / 128;
@@ -636,11 +599,7 @@ TEST(GemmCpu, Fp8OutputAmaxIsMaxAbsOfTheUnscaledResult) {
 TEST(GemmCpu, Fp8OutputSaturates) {
   // A huge d_scale: every nonzero output saturates to +-448 (E4M3 has no inf).
   Case c;
-  c.m = 4;
-  c.n = 16;
-  c.k = 16;
-  c.at = c.bt = kE4M3;
-  c.dt = kE4M3;
+  c.size(4, 16, 16).types(kE4M3, kE4M3);
   c.transb = true;
   c.d_scale = 1e30f;
   c.finish();
@@ -665,10 +624,7 @@ TEST(GemmCpu, SummationOrderIsAscendingKInFp32BitForBit) {
       c.m = 70;
       c.n = 260;
       c.k = 300;  // crosses the 64 x 256 tiles and the 256-deep K panels
-      c.at = c.bt = fp8 ? kE4M3 : kF32;
-      c.dt = kF32;
-      c.transa = false;
-      c.transb = true;
+      c.types(fp8 ? kE4M3 : kF32, kF32).trans(false, true);
       c.ep = ep;
       c.alpha = 0.7f;
       c.beta = (ep == FUS_GEMM_EPILOGUE_BIAS && !fp8) ? 0.3f : 0.0f;
@@ -723,29 +679,21 @@ TEST(GemmCpu, EmptyProblems) {
   // K == 0: t = beta * C (+ bias), epilogue still applied. M or N == 0: dbias zero, amax zero.
   for (fus_gemm_epilogue ep : kAllEpilogues) {
     Case c;
-    c.m = 3;
-    c.n = 5;
-    c.k = 0;
-    c.at = c.bt = kBF16;
-    c.dt = kF32;
+    c.size(3, 5, 0).types(kBF16, kF32);
     c.ep = ep;
     c.seed = 700 + static_cast<uint32_t>(ep);
     EXPECT_TRUE(run_and_check_cpu(c.finish()));
   }
   {
     Case c;
-    c.m = 3;
-    c.n = 5;
-    c.k = 0;
+    c.size(3, 5, 0);
     c.beta = 1.0f;
     c.ep = FUS_GEMM_EPILOGUE_BIAS;
     EXPECT_TRUE(run_and_check_cpu(c.finish()));
   }
   for (const Size& sz : {Size{0, 5, 3}, Size{4, 0, 3}, Size{0, 0, 0}}) {
     Case c;
-    c.m = sz.m;
-    c.n = sz.n;
-    c.k = sz.k;
+    c.size(sz.m, sz.n, sz.k);
     c.ep = FUS_GEMM_EPILOGUE_DGELU_BGRAD;
     c.finish();
     Problem p(c);
@@ -755,11 +703,7 @@ TEST(GemmCpu, EmptyProblems) {
   }
   {
     Case c;
-    c.m = 0;
-    c.n = 16;
-    c.k = 16;
-    c.at = c.bt = kE4M3;
-    c.dt = kE4M3;
+    c.size(0, 16, 16).types(kE4M3, kE4M3);
     c.transb = true;
     c.want_amax = true;
     c.finish();
@@ -1174,36 +1118,23 @@ TEST(GemmCuda, BadShapesReportErrorsNotCrashes) {
 
 TEST(GemmCpu, UnsupportedFp8CombinationsNameTheReason) {
   Case c;
-  c.m = 4;
-  c.n = 16;
-  c.k = 16;
+  c.size(4, 16, 16);
   c.at = c.bt = kE4M3;
   c.transb = true;
-  c.dt = kE5M2;
-  c.finish();
-  {
+  auto rejected = [&c](std::initializer_list<const char*> words) {
+    c.finish();
     Problem p(c);
     Buffers bufs = p.init;
-    EXPECT_TRUE(
-        is_error(run_cpu(bufs, p.call()), FUS_ERROR_UNSUPPORTED, {"float8_e5m2", "E5M2 operand"}));
-  }
+    return is_error(run_cpu(bufs, p.call()), FUS_ERROR_UNSUPPORTED, words);
+  };
+  c.dt = kE5M2;
+  EXPECT_TRUE(rejected({"float8_e5m2", "E5M2 operand"}));
   c.dt = kF32;
   c.ep = FUS_GEMM_EPILOGUE_DGELU_BGRAD;
-  c.finish();
-  {
-    Problem p(c);
-    Buffers bufs = p.init;
-    EXPECT_TRUE(
-        is_error(run_cpu(bufs, p.call()), FUS_ERROR_UNSUPPORTED, {"DGELU_BGRAD", "float32"}));
-  }
+  EXPECT_TRUE(rejected({"DGELU_BGRAD", "float32"}));
   c.dt = kE4M3;
   c.ep = FUS_GEMM_EPILOGUE_DGELU;
-  c.finish();
-  {
-    Problem p(c);
-    Buffers bufs = p.init;
-    EXPECT_TRUE(is_error(run_cpu(bufs, p.call()), FUS_ERROR_UNSUPPORTED, {"DGELU", "FP8 output"}));
-  }
+  EXPECT_TRUE(rejected({"DGELU", "FP8 output"}));
 }
 
 TEST(GemmCuda, Fp8FastAccumulation) {

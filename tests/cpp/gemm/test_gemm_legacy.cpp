@@ -269,12 +269,7 @@ std::vector<uint8_t> random_matrix(fus_dtype dt, int64_t n, Values v, std::mt199
     float x = nd(g);
     if (v == Values::kFewBits) x = fusible::bits_as_float(fusible::float_as_bits(x) & 0xffff0000u);
     if (v == Values::kSpecial && g() % 16 == 0) x = special_value(g);
-    if (dt == kF32) {
-      std::memcpy(&out[i * 4], &x, 4);
-    } else {
-      const uint16_t h = dt == kBF16 ? fusible::float_to_bf16(x) : fusible::float_to_half(x);
-      std::memcpy(&out[i * 2], &h, 2);
-    }
+    legacy_test::store_hp_bytes(out, dt, i, x);
   }
   return out;
 }

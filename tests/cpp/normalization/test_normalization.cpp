@@ -146,11 +146,12 @@ TEST_P(NormForward, MatchesFp64Reference) {
 const std::vector<std::pair<int64_t, int64_t>> kShapes = {
     {1, 1}, {7, 7}, {127, 127}, {1, 4097}, {4097, 7}, {33, 1024}, {5, 768}, {3, 16384}, {2, 20000}};
 
-INSTANTIATE_TEST_SUITE_P(Shapes, NormForward,
-                         ::testing::Combine(::testing::Values(FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM),
-                                            ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
-                                                              FUS_BFLOAT16),
-                                            ::testing::ValuesIn(kShapes)));
+// Every kind, input dtype and shape: the NormForward and NormBackward cases.
+const auto kKindTypeShape = ::testing::Combine(
+    ::testing::Values(FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM),
+    ::testing::Values(FUS_FLOAT32, FUS_FLOAT16, FUS_BFLOAT16), ::testing::ValuesIn(kShapes));
+
+INSTANTIATE_TEST_SUITE_P(Shapes, NormForward, kKindTypeShape);
 
 TEST(NormForwardStats, ConstantRowGivesZeroVarianceAndBeta) {
   FwdSetup s;
@@ -412,11 +413,7 @@ TEST_P(NormBackward, MatchesFp64Reference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, NormBackward,
-                         ::testing::Combine(::testing::Values(FUS_NORM_LAYERNORM, FUS_NORM_RMSNORM),
-                                            ::testing::Values(FUS_FLOAT32, FUS_FLOAT16,
-                                                              FUS_BFLOAT16),
-                                            ::testing::ValuesIn(kShapes)));
+INSTANTIATE_TEST_SUITE_P(Shapes, NormBackward, kKindTypeShape);
 
 TEST(NormBackwardEdge, ZeroRowsGivesZeroGradients) {
   BwdSetup s;
@@ -843,29 +840,11 @@ TEST(NormAmaxAccumulate, MaxCombinesIntoPresetValue) {
   const fus_tensor xm{x.data(), FUS_FLOAT32, rows, cols}, gm{gamma.data(), FUS_FLOAT32, 1, cols};
   const fus_context ctx = cpu_ctx();
   auto run = [&](float* amax, int acc) {
-    fus_quantized q{FUS_SCALING_PER_TENSOR,
-                    FUS_FLOAT8_E4M3,
-                    rows,
-                    cols,
-                    data.data(),
-                    nullptr,
-                    &scale_inv,
-                    nullptr,
-                    &scale,
-                    amax,
-                    0,
-                    0.0f,
-                    acc};
+    fus_quantized q = per_tensor_out(FUS_FLOAT8_E4M3, rows, cols, data.data(), nullptr, &scale_inv,
+                                     &scale, amax, acc);
     return fus_norm_forward(FUS_NORM_RMSNORM, &xm, &gm, nullptr, 1e-5f, 0, nullptr, &q, nullptr,
                             rstd.data(), &ctx);
   };
-  float own = -1.0f;
-  ASSERT_EQ(run(&own, 0), FUS_SUCCESS) << fus_last_error();
-  ASSERT_GT(own, 0.0f);
-  for (float preset : {0.0f, own / 2, own * 2, qnan()}) {
-    float amax = preset;
-    ASSERT_EQ(run(&amax, 1), FUS_SUCCESS) << fus_last_error();
-    EXPECT_EQ(f2u(amax), std::max(f2u(preset), f2u(own))) << preset;
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_amax_accumulates(run));
   EXPECT_EQ(run(nullptr, 1), FUS_ERROR_INVALID_ARGUMENT);
 }

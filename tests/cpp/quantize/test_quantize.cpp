@@ -165,6 +165,15 @@ const std::vector<fus_dtype> kHpTypes = {FUS_FLOAT32, FUS_FLOAT16, FUS_BFLOAT16}
 
 std::string shape_name(int64_t r, int64_t c) { return std::to_string(r) + "x" + std::to_string(c); }
 
+using Shape = std::pair<int64_t, int64_t>;
+
+// Parameters (shape, input dtype, FP8 format), named "RxC_<input>_<format>".
+using ShapeTypeFormat = std::tuple<Shape, fus_dtype, fus_dtype>;
+std::string ShapeTypeFormatName(const ::testing::TestParamInfo<ShapeTypeFormat>& info) {
+  return shape_name(std::get<0>(info.param).first, std::get<0>(info.param).second) + "_" +
+         fmt_name(std::get<1>(info.param)) + "_" + fmt_name(std::get<2>(info.param));
+}
+
 class Fp8FormatTest : public ::testing::TestWithParam<fus_dtype> {};
 std::string FormatName(const ::testing::TestParamInfo<fus_dtype>& info) {
   return fmt_name(info.param);
@@ -519,6 +528,23 @@ TEST(Fp8Sample, QuantizeApiMatchesReferenceOnEvery251stFloatPattern) {
 // fp16 and bf16 conversions
 // =================================================================================================
 
+// A float and the 16-bit code it rounds to.
+struct Encode16 {
+  float x;
+  uint16_t want;
+};
+
+// enc (the library's encoding) and ref_enc (the reference) give k.want for every k.x, and enc
+// the code with the sign bit flipped for -k.x.
+template <size_t N, typename Enc, typename RefEnc>
+void expect_encodes(const Encode16 (&ks)[N], Enc enc, RefEnc ref_enc) {
+  for (const auto& k : ks) {
+    EXPECT_EQ(enc(k.x), k.want) << fdesc(k.x);
+    EXPECT_EQ(ref_enc(k.x), k.want) << "reference: " << fdesc(k.x);
+    EXPECT_EQ(enc(-k.x), k.want ^ 0x8000u) << fdesc(-k.x);
+  }
+}
+
 TEST(Half, DecodeAll65536CodesMatchesReference) {
   for (uint32_t h = 0; h < 65536; ++h) {
     const float got = fu::half_to_float(static_cast<uint16_t>(h));
@@ -554,10 +580,7 @@ TEST(Half, RoundTripsAll65536Codes) {
 }
 
 TEST(Half, EncodeRoundsToNearestEven) {
-  struct K {
-    float x;
-    uint16_t want;
-  } ks[] = {
+  const Encode16 ks[] = {
       {1.0f + std::ldexp(1.0f, -11), 0x3c00},  // tie -> even 1.0
       {1.0f + std::ldexp(3.0f, -11), 0x3c02},  // tie -> even 0x3c02
       {std::nextafter(1.0f + std::ldexp(1.0f, -11), 2.0f), 0x3c01},
@@ -577,11 +600,9 @@ TEST(Half, EncodeRoundsToNearestEven) {
       {-1e-30f, 0x8000},
       {-0.0f, 0x8000},
   };
-  for (const auto& k : ks) {
-    EXPECT_EQ(fu::float_to_half(k.x), k.want) << fdesc(k.x);
-    EXPECT_EQ(ref::half_encode(k.x), k.want) << "reference: " << fdesc(k.x);
-    EXPECT_EQ(fu::float_to_half(-k.x), k.want ^ 0x8000u) << fdesc(-k.x);
-  }
+  expect_encodes(
+      ks, [](float x) { return fu::float_to_half(x); },
+      [](float x) { return ref::half_encode(x); });
   EXPECT_EQ(fu::float_to_half(qnan(false)) & 0xfe00u, 0x7e00u);
   EXPECT_EQ(fu::float_to_half(qnan(true)) & 0xfe00u, 0xfe00u);
 }
@@ -623,10 +644,7 @@ TEST(Bf16, DecodeAndRoundTripAll65536Codes) {
 }
 
 TEST(Bf16, EncodeRoundsToNearestEven) {
-  struct K {
-    float x;
-    uint16_t want;
-  } ks[] = {
+  const Encode16 ks[] = {
       {1.0f + std::ldexp(1.0f, -8), 0x3f80},  // tie -> even
       {1.0f + std::ldexp(3.0f, -8), 0x3f82},  // tie -> even
       {std::nextafter(1.0f + std::ldexp(1.0f, -8), 2.0f), 0x3f81},
@@ -642,11 +660,9 @@ TEST(Bf16, EncodeRoundsToNearestEven) {
       {u2f(0x007fffffu), 0x0080},  // largest subnormal rounds up to the smallest normal
       {-0.0f, 0x8000},
   };
-  for (const auto& k : ks) {
-    EXPECT_EQ(fu::float_to_bf16(k.x), k.want) << fdesc(k.x);
-    EXPECT_EQ(ref::bf16_encode(k.x), k.want) << "reference: " << fdesc(k.x);
-    EXPECT_EQ(fu::float_to_bf16(-k.x), k.want ^ 0x8000u) << fdesc(-k.x);
-  }
+  expect_encodes(
+      ks, [](float x) { return fu::float_to_bf16(x); },
+      [](float x) { return ref::bf16_encode(x); });
   EXPECT_EQ(fu::float_to_bf16(qnan(false)), 0x7fc0);
   EXPECT_EQ(fu::float_to_bf16(qnan(true)), 0xffc0);
   EXPECT_EQ(fu::float_to_bf16(u2f(0x7f800001u)) & 0xffc0u, 0x7fc0u)
@@ -666,7 +682,7 @@ TEST(Bf16, EncodeRoundsToNearestEven) {
 // Per-tensor quantize with a transposed copy
 // =================================================================================================
 
-using PerTensorParam = std::tuple<std::pair<int64_t, int64_t>, fus_dtype, fus_dtype>;
+using PerTensorParam = ShapeTypeFormat;
 class PerTensorTest : public ::testing::TestWithParam<PerTensorParam> {};
 
 TEST_P(PerTensorTest, RowwiseMatchesReferenceAndColumnwiseIsItsTranspose) {
@@ -707,19 +723,11 @@ TEST_P(PerTensorTest, RowwiseMatchesReferenceAndColumnwiseIsItsTranspose) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, PerTensorTest,
-    ::testing::Combine(::testing::Values(std::make_pair<int64_t, int64_t>(1, 1),
-                                         std::make_pair<int64_t, int64_t>(7, 13),
-                                         std::make_pair<int64_t, int64_t>(127, 33),
-                                         std::make_pair<int64_t, int64_t>(1, 4097),
-                                         std::make_pair<int64_t, int64_t>(4097, 1),
-                                         std::make_pair<int64_t, int64_t>(65, 129),
-                                         std::make_pair<int64_t, int64_t>(0, 9),
-                                         std::make_pair<int64_t, int64_t>(9, 0)),
-                       ::testing::ValuesIn(kHpTypes), ::testing::ValuesIn(kFormats)),
-    [](const ::testing::TestParamInfo<PerTensorParam>& info) {
-      return shape_name(std::get<0>(info.param).first, std::get<0>(info.param).second) + "_" +
-             fmt_name(std::get<1>(info.param)) + "_" + fmt_name(std::get<2>(info.param));
-    });
+    ::testing::Combine(
+        ::testing::ValuesIn(std::vector<Shape>{
+            {1, 1}, {7, 13}, {127, 33}, {1, 4097}, {4097, 1}, {65, 129}, {0, 9}, {9, 0}}),
+        ::testing::ValuesIn(kHpTypes), ::testing::ValuesIn(kFormats)),
+    ShapeTypeFormatName);
 
 TEST(PerTensor, OnlyOneCopyRequestedAndAmaxOptional) {
   const int64_t rows = 19, cols = 70;
@@ -752,18 +760,8 @@ TEST(PerTensor, EmptyInputWithNullData) {
   for (auto [rows, cols] : {std::pair<int64_t, int64_t>{0, 5}, {5, 0}, {0, 0}}) {
     float scale = 4.0f, scale_inv = -1.0f, amax = -1.0f;
     fus_tensor t{nullptr, FUS_FLOAT32, rows, cols};
-    fus_quantized q{FUS_SCALING_PER_TENSOR,
-                    kE4M3,
-                    rows,
-                    cols,
-                    nullptr,
-                    nullptr,
-                    &scale_inv,
-                    nullptr,
-                    &scale,
-                    &amax,
-                    0,
-                    0.0f};
+    fus_quantized q =
+        per_tensor_out(kE4M3, rows, cols, nullptr, nullptr, &scale_inv, &scale, &amax);
     const fus_context ctx = cpu_ctx();
     ASSERT_EQ(fus_quantize(&t, &q, &ctx), FUS_SUCCESS) << fus_last_error();
     EXPECT_EQ(amax, 0.0f);
@@ -1049,7 +1047,7 @@ std::vector<float> mx_test_values(int64_t rows, int64_t cols, uint32_t seed, boo
   return v;
 }
 
-using MxParam = std::tuple<std::pair<int64_t, int64_t>, fus_dtype, fus_dtype>;
+using MxParam = ShapeTypeFormat;
 class Mxfp8Test : public ::testing::TestWithParam<MxParam> {};
 
 TEST_P(Mxfp8Test, ScalesPerPartialBlockAndDataMatchReference) {
@@ -1117,19 +1115,11 @@ TEST_P(Mxfp8Test, ScalesPerPartialBlockAndDataMatchReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, Mxfp8Test,
-    ::testing::Combine(::testing::Values(std::make_pair<int64_t, int64_t>(33, 65),
-                                         std::make_pair<int64_t, int64_t>(1, 1),
-                                         std::make_pair<int64_t, int64_t>(32, 32),
-                                         std::make_pair<int64_t, int64_t>(31, 33),
-                                         std::make_pair<int64_t, int64_t>(64, 96),
-                                         std::make_pair<int64_t, int64_t>(1, 4097),
-                                         std::make_pair<int64_t, int64_t>(97, 1),
-                                         std::make_pair<int64_t, int64_t>(0, 7)),
-                       ::testing::ValuesIn(kHpTypes), ::testing::ValuesIn(kFormats)),
-    [](const ::testing::TestParamInfo<MxParam>& info) {
-      return shape_name(std::get<0>(info.param).first, std::get<0>(info.param).second) + "_" +
-             fmt_name(std::get<1>(info.param)) + "_" + fmt_name(std::get<2>(info.param));
-    });
+    ::testing::Combine(
+        ::testing::ValuesIn(std::vector<Shape>{
+            {33, 65}, {1, 1}, {32, 32}, {31, 33}, {64, 96}, {1, 4097}, {97, 1}, {0, 7}}),
+        ::testing::ValuesIn(kHpTypes), ::testing::ValuesIn(kFormats)),
+    ShapeTypeFormatName);
 
 // Blocks whose amax is exactly a power of two, just below, just above: through the API.
 TEST_P(Fp8FormatTest, Mxfp8BlockAmaxAtPowerOfTwoThroughApi) {
@@ -1397,7 +1387,7 @@ ApiCall transpose_call(const TransposeSetup& s) {
   return res << "\n  " << bad << " bytes wrong";
 }
 
-using TransposeParam = std::tuple<std::pair<int64_t, int64_t>, fus_dtype>;
+using TransposeParam = std::tuple<Shape, fus_dtype>;
 std::string TransposeParamName(const ::testing::TestParamInfo<TransposeParam>& info) {
   return shape_name(std::get<0>(info.param).first, std::get<0>(info.param).second) + "_" +
          fmt_name(std::get<1>(info.param));
@@ -1417,17 +1407,13 @@ TEST_P(TransposeTest, EveryByteMovesToItsTransposedPlace) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, TransposeTest,
-    ::testing::Combine(
-        ::testing::Values(
-            std::make_pair<int64_t, int64_t>(1, 1), std::make_pair<int64_t, int64_t>(1, 17),
-            std::make_pair<int64_t, int64_t>(17, 1), std::make_pair<int64_t, int64_t>(2, 3),
-            std::make_pair<int64_t, int64_t>(31, 33), std::make_pair<int64_t, int64_t>(64, 64),
-            std::make_pair<int64_t, int64_t>(127, 4097), std::make_pair<int64_t, int64_t>(4097, 3),
-            std::make_pair<int64_t, int64_t>(0, 5), std::make_pair<int64_t, int64_t>(5, 0)),
-        ::testing::ValuesIn(kFormats)),
-    TransposeParamName);
+const std::vector<Shape> kTransposeShapes = {{1, 1},   {1, 17},     {17, 1},   {2, 3}, {31, 33},
+                                             {64, 64}, {127, 4097}, {4097, 3}, {0, 5}, {5, 0}};
+
+INSTANTIATE_TEST_SUITE_P(Shapes, TransposeTest,
+                         ::testing::Combine(::testing::ValuesIn(kTransposeShapes),
+                                            ::testing::ValuesIn(kFormats)),
+                         TransposeParamName);
 
 // The transpose of a per-tensor rowwise copy is the columnwise copy fus_quantize writes.
 TEST(Transpose, OfRowwiseCopyIsTheQuantizedColumnwiseCopy) {
@@ -1458,18 +1444,7 @@ struct ErrFixture : ::testing::Test {
                        rs = std::vector<uint8_t>(4), cs = std::vector<uint8_t>(4);
   float scale = 1.0f, scale_inv = 0.0f, amax = -7.0f;
   fus_tensor in{x.data(), FUS_FLOAT32, 3, 4};
-  fus_quantized q{FUS_SCALING_PER_TENSOR,
-                  kE4M3,
-                  3,
-                  4,
-                  row.data(),
-                  col.data(),
-                  &scale_inv,
-                  nullptr,
-                  &scale,
-                  &amax,
-                  0,
-                  0.0f};
+  fus_quantized q = per_tensor_out(kE4M3, 3, 4, row.data(), col.data(), &scale_inv, &scale, &amax);
   fus_context ctx = cpu_ctx();
   std::vector<float> yv = std::vector<float>(12);
   fus_tensor out{yv.data(), FUS_FLOAT32, 3, 4};
@@ -1801,13 +1776,8 @@ std::vector<float> edgy_values(size_t n, uint32_t seed) {
 const std::vector<std::pair<int64_t, int64_t>> kCudaShapes = {
     {1, 1}, {7, 13}, {33, 65}, {127, 33}, {1, 4097}, {4097, 1}, {257, 4099}, {1024, 1024}, {0, 5}};
 
-using CudaParam = std::tuple<std::pair<int64_t, int64_t>, fus_dtype, fus_dtype>;
+using CudaParam = ShapeTypeFormat;
 class CudaVsCpuTest : public ::testing::TestWithParam<CudaParam> {};
-
-std::string CudaParamName(const ::testing::TestParamInfo<CudaParam>& info) {
-  return shape_name(std::get<0>(info.param).first, std::get<0>(info.param).second) + "_" +
-         fmt_name(std::get<1>(info.param)) + "_" + fmt_name(std::get<2>(info.param));
-}
 
 void expect_same_quantize(const DualResult& r, const QuantizeSetup& s) {
   ASSERT_EQ(r.cpu_status, FUS_SUCCESS);
@@ -1911,7 +1881,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaVsCpuTest,
                          ::testing::Combine(::testing::ValuesIn(kCudaShapes),
                                             ::testing::ValuesIn(kHpTypes),
                                             ::testing::ValuesIn(kFormats)),
-                         CudaParamName);
+                         ShapeTypeFormatName);
 
 TEST(CudaVsCpu, Every251stFloatPatternPerTensorAndMxfp8) {
   FUSTEST_REQUIRE_CUDA();
@@ -2021,18 +1991,14 @@ TEST_P(CudaVsCpuTransposeTest, SameBytes) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, CudaVsCpuTransposeTest,
-    ::testing::Combine(
-        ::testing::Values(
-            std::make_pair<int64_t, int64_t>(1, 1), std::make_pair<int64_t, int64_t>(256, 512),
-            std::make_pair<int64_t, int64_t>(129, 77), std::make_pair<int64_t, int64_t>(4096, 16),
-            std::make_pair<int64_t, int64_t>(16, 4096), std::make_pair<int64_t, int64_t>(1, 4097),
-            std::make_pair<int64_t, int64_t>(4097, 1), std::make_pair<int64_t, int64_t>(127, 128),
-            std::make_pair<int64_t, int64_t>(128, 127), std::make_pair<int64_t, int64_t>(144, 272),
-            std::make_pair<int64_t, int64_t>(255, 1023), std::make_pair<int64_t, int64_t>(0, 5)),
-        ::testing::ValuesIn(kFormats)),
-    TransposeParamName);
+const std::vector<Shape> kCudaTransposeShapes = {{1, 1},     {256, 512}, {129, 77},   {4096, 16},
+                                                 {16, 4096}, {1, 4097},  {4097, 1},   {127, 128},
+                                                 {128, 127}, {144, 272}, {255, 1023}, {0, 5}};
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaVsCpuTransposeTest,
+                         ::testing::Combine(::testing::ValuesIn(kCudaTransposeShapes),
+                                            ::testing::ValuesIn(kFormats)),
+                         TransposeParamName);
 
 // More tiles than resident blocks: every block walks several, full and partial (1040 = 8 * 128 +
 // 16 rows, 16400 = 128 * 128 + 16 columns), on the 16-byte path.
@@ -2225,19 +2191,8 @@ TEST(AmaxAccumulate, BadFlagNullAmaxAndCurrentScalingAreRejected) {
   float scale = 1.0f, scale_inv = 0.0f;
   std::vector<uint8_t> data(16);
   const fus_tensor in{x.data(), FUS_FLOAT32, 4, 4};
-  fus_quantized q{FUS_SCALING_PER_TENSOR,
-                  FUS_FLOAT8_E4M3,
-                  4,
-                  4,
-                  data.data(),
-                  nullptr,
-                  &scale_inv,
-                  nullptr,
-                  &scale,
-                  &amax,
-                  0,
-                  0.0f,
-                  1};
+  fus_quantized q =
+      per_tensor_out(FUS_FLOAT8_E4M3, 4, 4, data.data(), nullptr, &scale_inv, &scale, &amax, 1);
   const fus_context ctx = cpu_ctx();
   EXPECT_EQ(fus_quantize_current_scaling(&in, &q, 0, &ctx), FUS_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(fus_last_error()).find("amax_accumulate must be 0"), std::string::npos);
