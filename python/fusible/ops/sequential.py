@@ -49,8 +49,7 @@ def _traced_activate(seq_uid: str, recipe_key: str | None) -> int:
     reconstructed after the graph. Only constants cross into it. Returns 0 (a constant)."""
     seq = _SEQ_BY_UID[seq_uid]
     for m in seq._modules.values():
-        w = getattr(m, "_parameters", {}).get("weight")
-        if isinstance(w, QuantizedTensor):
+        if any(isinstance(p, QuantizedTensor) for p in getattr(m, "_parameters", {}).values()):
             # Checked here, in plain Python: dynamo cannot even wrap such a parameter.
             raise RuntimeError(_COMPILE_UNSUPPORTED.format(op=type(m).__name__))
     seq._runs()  # cached here, outside the trace

@@ -2,7 +2,8 @@
 
 Inside ``with fusible.quantized_model_init(recipe):``, every Linear-bearing op built
 (``ops.BasicLinear``, hence ``ops.Linear``, ``fusible.Linear``, ``LayerNormLinear``,
-``LayerNormMLP``) stores its weight as an ``nn.Parameter`` holding a :class:`QuantizedTensor`
+``LayerNormMLP``; ``ops.GroupedLinear`` / ``fusible.GroupedLinear``, each expert's weight) stores
+its weight as an ``nn.Parameter`` holding a :class:`QuantizedTensor`
 (``Float8Tensor`` / ``MXFP8Tensor`` / ``Float8BlockTensor``) whose nominal dtype is the dtype the
 op was built with. The
 quantizer is the one ``recipe`` gives the op's *weight role* (``weight:linear``, or the module's

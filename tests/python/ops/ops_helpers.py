@@ -3,6 +3,7 @@ weight quantizations."""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import torch
@@ -88,3 +89,39 @@ class CountingOps:
         """Indices of the weights quantized since the last call, in call order."""
         out, self.calls = self.calls, []
         return out
+
+
+def weight_init_recipes(other: str) -> dict[str, recipe.Recipe]:
+    """The recipes ``quantized_model_init`` supports, by name: "custom" gives the weights whose
+    role names ``other`` (a role pattern's name part) MXFP8 and the rest per-tensor FP8;
+    "custom_hp" keeps those weights in high precision."""
+    rule = f"weight:*:{other}"
+    current = recipe.Float8CurrentScaling()
+    return {
+        "current": current,
+        "mxfp8": recipe.MXFP8BlockScaling(),
+        "blockwise": recipe.Float8BlockScaling(),
+        "custom": recipe.CustomRecipe.from_rules({rule: recipe.MXFP8BlockScaling(), "*": current}),
+        "custom_hp": recipe.CustomRecipe.from_rules({rule: None, "*": current}),
+    }
+
+
+def save_load(obj: Any) -> Any:
+    """``obj`` through ``torch.save`` and ``torch.load(weights_only=True)``."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def assert_same_results(got: dict[str, Any], want: dict[str, Any], device: str, what: str = ""):
+    """Two steps' results (name -> tensor) agree: bit for bit on CPU; on a GPU within 1e-6
+    relative (same operands and kernels; the GEMM algorithm cuBLASLt picks may differ)."""
+    assert got.keys() == want.keys()
+    for k in got:
+        a, b = got[k], want[k]
+        assert type(a) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape, (what, k)
+        if device == "cpu":
+            assert torch.equal(a, b), f"{what}: {k} differs"
+        else:
+            assert rel_err(a, b) <= 1e-6, f"{what}: {k} differs"

@@ -27,7 +27,14 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from ops_helpers import E4M3, QUANTIZE_OPS, rel_err
+from ops_helpers import (
+    E4M3,
+    QUANTIZE_OPS,
+    assert_same_results,
+    rel_err,
+    save_load,
+    weight_init_recipes,
+)
 
 import fusible
 from fusible import ops, recipe
@@ -49,17 +56,7 @@ BF16 = torch.bfloat16
 
 # Recipes quantized_model_init supports. "custom": per-op formats by role (fc1 per-tensor FP8,
 # fc2 MXFP8); "custom_hp": fc2's weight stays in high precision.
-QRECIPES = {
-    "current": recipe.Float8CurrentScaling(),
-    "mxfp8": recipe.MXFP8BlockScaling(),
-    "blockwise": recipe.Float8BlockScaling(),
-    "custom": recipe.CustomRecipe.from_rules(
-        {"weight:*:fc2": recipe.MXFP8BlockScaling(), "*": recipe.Float8CurrentScaling()}
-    ),
-    "custom_hp": recipe.CustomRecipe.from_rules(
-        {"weight:*:fc2": None, "*": recipe.Float8CurrentScaling()}
-    ),
-}
+QRECIPES = weight_init_recipes("fc2")
 # Which class each Linear's weight is, in model order (None: a plain high-precision Parameter).
 EXPECTED_TYPES = {
     "current": (Float8Tensor, Float8Tensor),
@@ -171,17 +168,6 @@ def _step(model, x, dy, rec, **kw):
     assert all(g is not None for g in grads.values())
     got = {f"y{i}": o.detach() for i, o in enumerate(outs)}
     return {**got, "dx": x.grad, **({"dr": r.grad} if extra else {}), **grads}
-
-
-def _assert_results(got, want, device, what=""):
-    assert got.keys() == want.keys()
-    for k in got:
-        a, b = got[k], want[k]
-        assert type(a) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape, (what, k)
-        if device == "cpu":
-            assert torch.equal(a, b), f"{what}: {k} differs"
-        else:  # same operands and kernels; allow for GEMM algorithm choice on the GPU
-            assert rel_err(a, b) <= 1e-6, f"{what}: {k} differs"
 
 
 class _QuantizeCalls:
@@ -342,7 +328,7 @@ def test_step_equals_original_weights_reference(recipe_name, dtype, kind, fused,
         # ...and none for a stored weight, forward or backward (dgrad's transposed copy is a
         # byte transpose).
         assert quantize_calls.weight_calls(model) == 0
-    _assert_results(got, want, devices, f"{recipe_name} {kind}")
+    assert_same_results(got, want, devices, f"{recipe_name} {kind}")
     for op in _linears(model):
         w = op.weight
         assert type(w.grad) is torch.Tensor and w.grad.dtype == dtype and w.grad.shape == w.shape
@@ -365,7 +351,7 @@ def test_step_equals_dequantized_weights_reference(recipe_name, kind, devices):
     got, want = _step(model, x, dy, rec), _step(ref, x, dy, rec)
     if any(t is MXFP8Tensor for t in EXPECTED_TYPES[recipe_name]):
         got, want = {"y0": got["y0"]}, {"y0": want["y0"]}
-    _assert_results(got, want, devices, f"{recipe_name} {kind}")
+    assert_same_results(got, want, devices, f"{recipe_name} {kind}")
 
 
 @pytest.mark.parametrize("recipe_name", ["current", "mxfp8"])
@@ -377,7 +363,7 @@ def test_is_first_microbatch_is_ignored(recipe_name, devices, quantize_calls):
     quantize_calls.clear()
     for fm in (True, False, None):
         got = _step(model, x, dy, rec, is_first_microbatch=fm)
-        _assert_results(got, want, devices, f"is_first_microbatch={fm}")
+        assert_same_results(got, want, devices, f"is_first_microbatch={fm}")
         assert quantize_calls.weight_calls(model) == 0
         assert all(op.workspace_cache.workspace is None for op in _linears(model))
 
@@ -393,7 +379,7 @@ def test_frozen_quantized_weights(recipe_name, devices):
             op.weight.requires_grad_(False)
     x, dy = _data(devices, BF16)
     got, want = _step(model, x, dy, rec), _step(ref, x, dy, rec)
-    _assert_results(got, want, devices, "frozen")
+    assert_same_results(got, want, devices, "frozen")
     assert all(op.weight.grad is None for op in _linears(model))
 
 
@@ -404,7 +390,7 @@ def test_without_autocast_uses_the_dequantized_weight(recipe_name, dtype, device
     ref = _reference(model, "layernorm_mlp", dtype, devices)
     x, dy = _data(devices, dtype)
     quantize_calls.clear()
-    _assert_results(_step(model, x, dy, None), _step(ref, x, dy, None), devices, "no autocast")
+    assert_same_results(_step(model, x, dy, None), _step(ref, x, dy, None), devices, "no autocast")
     assert quantize_calls.weight_calls(model) == 0
 
 
@@ -418,7 +404,7 @@ def test_another_format_quantizes_the_dequantized_weight(stored, active, devices
     quantize_calls.weight_calls(ref)
     got = _step(model, x, dy, rec)
     assert quantize_calls.weight_calls(model) == 2  # the dequantized weights, by the active recipe
-    _assert_results(got, want, devices, f"{stored} weights under {active}")
+    assert_same_results(got, want, devices, f"{stored} weights under {active}")
 
 
 def test_per_tensor_weight_under_delayed_scaling_is_used_as_is(devices, quantize_calls):
@@ -436,7 +422,7 @@ def test_per_tensor_weight_under_delayed_scaling_is_used_as_is(devices, quantize
     quantize_calls.weight_calls(ref)
     got = _step(model, x, dy, delayed)
     assert quantize_calls.weight_calls(model) == 0
-    _assert_results(got, want, devices, "delayed")
+    assert_same_results(got, want, devices, "delayed")
 
 
 def test_fp32_per_tensor_requantization_within_an_ulp():
@@ -594,13 +580,6 @@ def test_master_weight_optimizer_zero_grad_and_accumulation():
     assert all(m.grad is None for _, m in opt.master_weights)
 
 
-def _save_load(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 def _train(model, opt, rec, steps, seed):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -615,7 +594,7 @@ def test_master_weight_optimizer_state_dict_round_trip(recipe_name):
     model = _build("layernorm_mlp", rec)
     opt = MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-2)
     _train(model, opt, rec, 2, seed=5)
-    model_sd, opt_sd = _save_load(model.state_dict()), _save_load(opt.state_dict())
+    model_sd, opt_sd = save_load(model.state_dict()), save_load(opt.state_dict())
     assert len(opt_sd["master_weights"]) == 2 and opt_sd["optimizer"]["state"]
     # A fresh model and optimizer (another initialisation) restored from the checkpoint.
     other = _build("layernorm_mlp", rec, seed=9)
@@ -735,7 +714,7 @@ def test_state_dict_saves_dequantized_weights_and_loads_requantized(recipe_name,
     assert {k for k in sd["fc1._extra_state"] if k.startswith("weight.")} == {
         f"weight.{f}" for f in fields
     }
-    loaded = _save_load(sd)  # plain tensors: weights_only=True
+    loaded = save_load(sd)  # plain tensors: weights_only=True
     # Into a quantized model: restored in place, the same bits as saved.
     other = _build("layernorm_mlp", rec, seed=7, device=devices)
     weights = [op.weight for op in _linears(other)]
@@ -905,7 +884,7 @@ def test_compiled_step_equals_eager():
     want = _step(model, x, dy, rec)
     torch._dynamo.reset()
     got = _step(torch.compile(model, fullgraph=True), x, dy, rec)
-    _assert_results(got, want, "cpu", "compiled")
+    assert_same_results(got, want, "cpu", "compiled")
 
 
 # ---- CUDA graphs ---------------------------------------------------------------------------------

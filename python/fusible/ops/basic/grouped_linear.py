@@ -14,7 +14,12 @@ import torch
 from fusible import _kernels as K
 from fusible.ops import _compute as C
 from fusible.ops.basic.linear import _inference, blockwise_multiple
-from fusible.ops.op import BasicOperation
+from fusible.ops.basic.quantized_weight import (
+    _COMPILE_UNSUPPORTED,
+    QuantizedWeightOp,
+    _stored_matches,
+    kaiming_init,
+)
 from fusible.ops.workspace import WorkspaceCache, quantize_weight
 from fusible.quantization import QuantizerRole
 from fusible.quantization.model_init import get_quantized_model_init_recipe
@@ -56,7 +61,7 @@ def gemm_index(role: QuantizerRole) -> int | None:
 GROUPED_KERNELS_ON_CUDA = os.environ.get("FUSIBLE_GROUPED_KERNELS_ON_CUDA", "1") != "0"
 
 
-class GroupedLinear(BasicOperation):
+class GroupedLinear(QuantizedWeightOp):
     """``num_gemms`` linear layers over consecutive groups of rows (tokens grouped by expert):
     with ``x`` of ``sum(m_splits)`` rows (``(..., in_features)``, the leading dimensions
     flattened), rows ``[s_i, s_i + m_splits[i])`` give ``y_i = x_i @ weight{i}.T + bias{i}``,
@@ -109,8 +114,16 @@ class GroupedLinear(BasicOperation):
     invalidated on its own (an in-place update of ``weight3`` re-quantizes expert 3 only); see
     ``fusible.ops.workspace`` for ``is_first_microbatch``.
 
-    Weights built inside ``fusible.quantized_model_init`` (stored quantized) are not supported
-    yet: construction there raises ``NotImplementedError``.
+    **Quantized weights** (built inside ``fusible.quantized_model_init``, or an
+    ``nn.Parameter(QuantizedTensor)`` assigned to ``weight<i>``): as for ``ops.Linear`` (see
+    ``BasicLinear``), each expert's weight is stored quantized with the quantizer the recipe
+    gives its own weight role, used as it is where the autocast recipe's weight quantizer asks
+    for its format (no weight cast, no workspace cache: ``is_first_microbatch`` is ignored for
+    it; a per-tensor weight's transposed copy for dgrad is a byte transpose in backward, freed
+    after) and as its exact dequantization otherwise; the weight gradients are plain tensors of
+    the nominal dtype; ``state_dict()`` holds the dequantized weights and their exact data in
+    ``_extra_state`` (``weight<i>.data``, ...). The grouped kernels serve stored per-tensor FP8
+    weights under delayed and current scaling; every other case runs the per-expert loop.
     """
 
     role_scope = "grouped_linear"
@@ -135,12 +148,6 @@ class GroupedLinear(BasicOperation):
                        ("out_features", out_features)):  # fmt: skip
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"GroupedLinear: {arg} must be a positive int, got {v!r}")
-        if get_quantized_model_init_recipe() is not None:
-            raise NotImplementedError(
-                "GroupedLinear: weights built inside fusible.quantized_model_init are not "
-                "supported yet; build the GroupedLinear outside the quantized_model_init region "
-                "(its weights then stay high precision and are quantized per step)"
-            )
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias = bool(bias)
         for i in range(num_gemms):
@@ -151,14 +158,16 @@ class GroupedLinear(BasicOperation):
                 b = torch.zeros(out_features, device=device, dtype=dtype)
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(b))
         self.workspace_caches = [WorkspaceCache() for _ in range(num_gemms)]
+        # The quantized_model_init recipe active at construction (None: high-precision weights).
+        self.weight_init_recipe = get_quantized_model_init_recipe()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Each weight kaiming-uniform (as ``torch.nn.Linear``), biases zero; a no-op on
-        ``meta`` (``to_empty()`` then ``reset_parameters()`` materialises)."""
-        for w in self.weights():
-            if w.device.type != "meta":
-                torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        """Each weight kaiming-uniform (as ``torch.nn.Linear``; a quantized one re-quantized in
+        place, one built inside ``quantized_model_init`` quantized after), biases zero; a no-op
+        on ``meta`` (``to_empty()`` then ``reset_parameters()`` materialises)."""
+        for i in range(self.num_gemms):
+            self._reset_quantized_weight(f"weight{i}", kaiming_init)
         with torch.no_grad():
             for b in self.biases():
                 if b.device.type != "meta":
@@ -192,6 +201,11 @@ class GroupedLinear(BasicOperation):
             for b in buckets
         ]
 
+    def weight_roles(self) -> dict[str, QuantizerRole]:
+        k, step = FORWARD_BUCKETS.index("weight"), len(FORWARD_BUCKETS)
+        roles = self.get_quantizer_roles(True)
+        return {f"weight{i}": roles[i * step + k] for i in range(self.num_gemms)}
+
     def gemm_quantizers(self, fwd: bool, bucket: str) -> list[Quantizer | None]:
         """The quantizer of ``bucket`` for each GEMM, in order (all None without a recipe)."""
         state = self.recipe_state(fwd)
@@ -203,8 +217,9 @@ class GroupedLinear(BasicOperation):
 
     def workspace_specs(self) -> list[tuple[int | None, torch.Tensor, Quantizer]]:
         ws = self.weights()
+        # A quantized weight is its own workspace.
         return [(i, ws[i], q) for i, q in enumerate(self.gemm_quantizers(True, "weight"))
-                if q is not None]  # fmt: skip
+                if q is not None and not isinstance(ws[i], QuantizedTensor)]  # fmt: skip
 
     def kernels(self, fwd: bool) -> list[str]:
         qw = self.gemm_quantizers(True, "weight")[0]
@@ -212,18 +227,42 @@ class GroupedLinear(BasicOperation):
         if isinstance(qw, Float8BlockQuantizer):
             how = " blockwise FP8 (cuBLASLt block scaling on CUDA, dequantized operands on CPU)"
         n = self.num_gemms
-        kind = self._fp8_kind(fwd)
-        if kind is not None:
+        note, cast_all = self._stored_weights_note(fwd)
+        wcast = qw is not None and cast_all
+        if self._fp8_kind(fwd) is not None:
             if fwd:
-                return [f"grouped (x{n}, empty experts skipped): grouped_quantize_fp8(input), "
-                        "grouped_quantize_fp8(weight), grouped_gemm(fprop)"]  # fmt: skip
-            return [f"grouped (x{n}): grouped_quantize_fp8(grad_output), grouped_gemm(dgrad), "
-                    "grouped_gemm(wgrad), grouped_bias_grad"]  # fmt: skip
-        if fwd:
-            quant = "quantize(input, weight), " if qw is not None else ""
-            return [f"per expert (x{n}, empty experts skipped): {quant}gemm(fprop){how}"]
-        quant = "quantize(grad_output), " if qw is not None else ""
-        return [f"per expert (x{n}): {quant}gemm(dgrad){how}, gemm(wgrad){how}"]
+                wq = "grouped_quantize_fp8(weight), " if wcast else ""
+                step = (f"grouped (x{n}, empty experts skipped): grouped_quantize_fp8(input), "
+                        f"{wq}grouped_gemm(fprop)")  # fmt: skip
+            else:
+                step = (f"grouped (x{n}): grouped_quantize_fp8(grad_output), grouped_gemm(dgrad), "
+                        "grouped_gemm(wgrad), grouped_bias_grad")  # fmt: skip
+        elif fwd:
+            quant = ("quantize(input, weight), " if wcast else "quantize(input), ") if qw else ""
+            step = f"per expert (x{n}, empty experts skipped): {quant}gemm(fprop){how}"
+        else:
+            quant = "quantize(grad_output), " if qw is not None else ""
+            step = f"per expert (x{n}): {quant}gemm(dgrad){how}, gemm(wgrad){how}"
+        return [*note, step]
+
+    def _stored_weights_note(self, fwd: bool) -> tuple[list[str], bool]:
+        """What stored quantized weights add to a pass in ``explain()``, and whether any weight
+        is still cast (a high-precision one, or a stored one of another format: dequantized)."""
+        stored = self.quantized_weights()
+        qws = dict(zip(self.weight_roles(), self.gemm_quantizers(True, "weight"), strict=True))
+        used = {k: w for k, w in stored.items()
+                if _stored_matches(w.qdata, qws[k], need_columnwise=True)}  # fmt: skip
+        note = []
+        if used:
+            name = type(next(iter(used.values()))).__name__
+            if fwd:
+                note.append(f"(stored {name} weights used as is: no weight quantize)")
+            elif any(type(w.qdata) is Float8Data for w in used.values()):
+                note.append(f"fp8 byte transpose of each stored {name} weight (for dgrad)")
+        if len(used) < len(stored) and fwd:
+            name = type(next(iter(stored.values()))).__name__
+            note.append(f"dequantize(stored {name} weights: another format is active)")
+        return note, len(used) < self.num_gemms
 
     # ---- per-call split sizes ------------------------------------------------------------------
 
@@ -301,12 +340,6 @@ class GroupedLinear(BasicOperation):
         self._check_input(x, splits)
         n = self.num_gemms
         ws, bs = params[:n], params[n:]
-        for i, w in enumerate(ws):
-            if isinstance(w, QuantizedTensor):
-                raise TypeError(
-                    f"GroupedLinear: weight{i} is a QuantizedTensor; quantized weights are not "
-                    "supported by GroupedLinear yet (assign a high-precision parameter)"
-                )
         dtype = x.dtype
         prg = ctx.params_requires_grad or (False,) * len(params)
         grad = not _inference()
@@ -329,8 +362,10 @@ class GroupedLinear(BasicOperation):
         for i in range(n):
             m, qx, qw, w = splits[i], qxs[i], qws[i], ws[i]
             b = bs[i] if bs else None
+            if isinstance(w, QuantizedTensor):
+                w = _stored_weight(w, qw, need_dgrad)
             wq: Any = w
-            if qw is not None and (m or cache.get(i, False)):
+            if qw is not None and isinstance(w, torch.Tensor) and (m or cache.get(i, False)):
                 # An empty expert's weight is quantized only to fill its cache.
                 wq, made = quantize_weight(
                     w, qw, given.get(i), cache.get(i, False), columnwise=need_dgrad
@@ -421,6 +456,7 @@ class GroupedLinear(BasicOperation):
             xq, wq = saved_x[i], saved_w[i]
             plain = isinstance(g, torch.Tensor)
             if need_dgrad:
+                wq = C.ensure_fp8_copy(wq, "c")  # a stored FP8 weight: transposed on demand
                 if plain and isinstance(wq, torch.Tensor):
                     dxs.append(g @ wq.to(g.dtype))
                 else:
@@ -512,8 +548,11 @@ class GroupedLinear(BasicOperation):
         n = self.num_gemms
         ws, bs = list(params[:n]), list(params[n:])
         dtype = x.dtype
-        if any(isinstance(w, QuantizedTensor) or w.dtype != ws[0].dtype for w in ws):
-            return None  # the loop raises for quantized weights, and takes mixed dtypes
+        if any(w.dtype != ws[0].dtype for w in ws):
+            return None  # the loop takes mixed dtypes
+        stored = [isinstance(w, QuantizedTensor) for w in ws]
+        if any(stored) and torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILE_UNSUPPORTED.format(op="GroupedLinear"))
         kind = self._fp8_kind(True)
         qxs = self.gemm_quantizers(True, "input")
         if kind is None:
@@ -525,6 +564,8 @@ class GroupedLinear(BasicOperation):
                 return None
             if epilogue and not K.gemm_epilogue_supported(dtype, dtype, dtype, epilogue):
                 return None
+            # Stored weights: their exact dequantization, as the loop computes with.
+            ws = [w.dequantize() if st else w for w, st in zip(ws, stored, strict=True)]
             return self._forward_hp(ctx, x, ws, bs, splits, epilogue)
         if not self._aligned(x, dtype) or any(b.dtype != bs[0].dtype for b in bs):
             return None
@@ -537,14 +578,22 @@ class GroupedLinear(BasicOperation):
         grad = not _inference()
         need_dgrad = grad and ctx.input_requires_grad
         need_wgrad = tuple(grad and bool(r) for r in prg[:n])
+        # Stored weights: per-tensor FP8 of the active format used as they are; the others (MXFP8,
+        # blockwise) as their exact dequantization, cast like high-precision weights (they have
+        # no workspace cache: see workspace_specs).
+        used = [_used_as_is(w, q) for w, q in zip(ws, qws, strict=True)]
+        ws = [w.dequantize() if st and not u else w
+              for w, st, u in zip(ws, stored, used, strict=True)]  # fmt: skip
         keyed = isinstance(ctx.cache_weight, dict)
         cache = ctx.cache_weight if keyed else {}
         given = ctx.workspace if keyed else {}
-        # Weights: cache hits as they are; the others cast in one call (an empty expert's weight
-        # only to fill its cache, as in the loop).
-        wqs: list[Any] = list(ws)
+        # Weights: stored ones and cache hits as they are; the others cast in one call (an empty
+        # expert's weight only to fill its cache, as in the loop).
+        wqs: list[Any] = [w.qdata if u else w for w, u in zip(ws, used, strict=True)]
         todo = []
         for i in range(n):
+            if used[i]:
+                continue
             update = cache.get(i, False)
             if not (splits[i] or update):
                 continue
@@ -646,9 +695,11 @@ class GroupedLinear(BasicOperation):
         dx = None
         if need_dgrad:
             if idx:
+                # A stored FP8 weight's transposed copy: a byte transpose, freed after dgrad.
+                wts = [C.ensure_fp8_copy(saved_w[i], "c") for i in idx]
                 dx2 = K.grouped_gemm(
-                    [gs[i].data for i in idx], [saved_w[i].data_t for i in idx], [],
-                    [gs[i].scale_inv for i in idx], [saved_w[i].scale_inv for i in idx], dtype,
+                    [gs[i].data for i in idx], [w.data_t for w in wts], [],
+                    [gs[i].scale_inv for i in idx], [w.scale_inv for w in wts], dtype,
                     None, False, True,
                 )[0]  # fmt: skip
             else:
@@ -686,6 +737,28 @@ class GroupedLinear(BasicOperation):
             got = K.grouped_bias_grad(dy2, list(splits), b_dtypes[0]).unbind(0)
             dbs = [db if need_bgrad[i] else None for i, db in enumerate(got)]
         return dx, dws + (dbs if self.use_bias else []), []
+
+
+def _used_as_is(w: torch.Tensor, qw: Quantizer | None) -> bool:
+    """Whether the grouped path reads weight ``w`` as it is stored: a per-tensor FP8
+    ``QuantizedTensor`` whose format the active weight quantizer ``qw`` asks for."""
+    return (
+        isinstance(w, QuantizedTensor)
+        and type(w.qdata) is Float8Data
+        and _stored_matches(w.qdata, qw, need_columnwise=True)
+    )
+
+
+def _stored_weight(w: QuantizedTensor, qw: Quantizer | None, need_dgrad: bool) -> Any:
+    """A stored quantized weight as the loop's GEMMs read it: its data as they are where the
+    active weight quantizer ``qw`` asks for that format (a per-tensor weight's rowwise copy;
+    backward transposes it), else its exact dequantization (then quantized by ``qw`` like a
+    high-precision weight, or used as it is without a recipe)."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError(_COMPILE_UNSUPPORTED.format(op="GroupedLinear"))
+    if _stored_matches(w.qdata, qw, need_columnwise=need_dgrad):
+        return C.ensure_fp8_copy(w.qdata, "r")
+    return w.dequantize()
 
 
 def check_splits(m_splits: Any, num_gemms: int, owner: str = "GroupedLinear") -> tuple[Any, ...]:

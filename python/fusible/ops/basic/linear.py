@@ -17,13 +17,13 @@ from fusible.ops.basic.bias import Bias
 from fusible.ops.basic.quantized_weight import _COMPILE_UNSUPPORTED as _COMPILE_UNSUPPORTED
 from fusible.ops.basic.quantized_weight import (
     QuantizedWeightOp,
-    _same_quantization,
     _stored_matches,
+    kaiming_init,
 )
 from fusible.ops.op import BasicOperation, OpContext
 from fusible.ops.workspace import WorkspaceCache, quantize_weight
 from fusible.quantization import QuantizerRole
-from fusible.quantization.model_init import get_quantized_model_init_recipe, weight_init_quantizer
+from fusible.quantization.model_init import get_quantized_model_init_recipe
 from fusible.quantization.quantizers import (
     Float8BlockData,
     Float8BlockQuantizer,
@@ -136,37 +136,7 @@ class BasicLinear(QuantizedWeightOp):
         (re-quantized with its quantizer); a weight built inside ``quantized_model_init`` (and
         still high precision, e.g. built on ``meta`` and materialised with ``to_empty()``) is
         initialised, then quantized."""
-        w = self.weight
-        if w.device.type == "meta":
-            return
-        if isinstance(w, QuantizedTensor):
-            value = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-            torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5))
-            with torch.no_grad():
-                w.copy_(value)
-            return
-        torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-        if self.weight_init_recipe is not None:
-            self._quantize_weight_param(self.weight_init_recipe)
-
-    def set_role_scope(self, scope: str, name: str | None = None) -> None:
-        """Re-scope the roles (see :class:`BasicOperation`). A weight built inside
-        ``quantized_model_init`` follows: when its new role's quantizer has another format, it
-        is re-quantized from its dequantized value (one more rounding; pass ``scope`` / ``name``
-        to the constructor to quantize the initial weight once)."""
-        super().set_role_scope(scope, name)
-        recipe = getattr(self, "weight_init_recipe", None)
-        w = getattr(self, "weight", None)
-        if recipe is None or not isinstance(w, QuantizedTensor):
-            return
-        q = weight_init_quantizer(recipe, self.get_quantizer_roles(True)[1], w.device)
-        old = w.quantizer
-        if q is not None and old is not None and _same_quantization(q, old):
-            w._quantizer = q  # the stored bits are what q makes of the initial weight
-            return
-        self.weight = torch.nn.Parameter(w.dequantize(), requires_grad=w.requires_grad)
-        if q is not None:
-            self._quantize_weight_param(recipe)
+        self._reset_quantized_weight("weight", kaiming_init)
 
     @property
     def save_original_input(self) -> bool:

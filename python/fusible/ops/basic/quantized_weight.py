@@ -1,10 +1,12 @@
-"""The quantized-weight lifecycle of an op with a ``weight`` parameter (BasicLinear): a weight
-quantized at build (``fusible.quantized_model_init``), converted by ``.to()`` / ``.cuda()``
-without losing its quantization, saved dequantized and loaded re-quantized (bit for bit when the
-checkpoint holds the exact data), and the checks the GEMM path makes on the stored copies."""
+"""The quantized-weight lifecycle of an op with weight parameters (BasicLinear: ``weight``;
+GroupedLinear: ``weight0 ..``): a weight quantized at build (``fusible.quantized_model_init``),
+converted by ``.to()`` / ``.cuda()`` without losing its quantization, saved dequantized and
+loaded re-quantized (bit for bit when the checkpoint holds the exact data), and the checks the
+GEMM path makes on the stored copies."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -29,51 +31,121 @@ from fusible.quantization.quantizers import (
     same_layout,
 )
 from fusible.quantization.recipe import Recipe
+from fusible.quantization.roles import QuantizerRole
 
-__all__ = ["QuantizedWeightOp"]
+__all__ = ["QuantizedWeightOp", "kaiming_init"]
+
+
+def kaiming_init(w: torch.Tensor) -> None:
+    """``torch.nn.Linear``'s weight initialisation, in place."""
+    torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
 
 
 class QuantizedWeightOp(BasicOperation):
-    """Base of an op whose ``weight`` may be a ``QuantizedTensor`` parameter: how that weight is
-    made, moved, saved and loaded. The op sets ``weight`` and ``weight_init_recipe``."""
+    """Base of an op whose weight parameters may be ``QuantizedTensor`` parameters: how such a
+    weight is made, moved, saved and loaded. The op sets ``weight_init_recipe`` and names its
+    weights and their roles in :meth:`weight_roles` (BasicLinear: ``weight``; GroupedLinear:
+    ``weight0 .. weight{n-1}``, each with its expert's role)."""
 
-    weight: torch.nn.Parameter
     weight_init_recipe: Recipe | None
 
-    def _quantize_weight_param(self, recipe: Recipe) -> None:
-        """Replace the high-precision weight by its quantization with the weight quantizer
-        ``recipe`` gives this op's weight role (kept high precision if that is None). Per-tensor
-        FP8 stores the rowwise copy only; MXFP8 and blockwise FP8 both."""
-        w = self.weight
-        role = self.get_quantizer_roles(True)[1]
-        q = weight_init_quantizer(recipe, role, w.device)
-        if q is None:
+    def weight_roles(self) -> dict[str, QuantizerRole]:
+        """Each weight parameter that may be stored quantized, by name, and its weight role (the
+        role whose quantizer stores it under ``quantized_model_init``)."""
+        return {"weight": self.get_quantizer_roles(True)[1]}
+
+    def quantized_weights(self) -> dict[str, QuantizedTensor]:
+        """The weight parameters stored quantized, by name."""
+        ps: dict[str, Any] = self._parameters
+        return {n: p for n in self.weight_roles() if isinstance(p := ps.get(n), QuantizedTensor)}
+
+    def _quantize_weight_param(self, recipe: Recipe, names: Any = None) -> None:
+        """Replace the high-precision weights ``names`` (default: every weight) by their
+        quantization with the weight quantizer ``recipe`` gives each one's role (kept high
+        precision where that is None). Per-tensor FP8 stores the rowwise copy only; MXFP8 and
+        blockwise FP8 both."""
+        for name, role in self.weight_roles().items():
+            w = self._parameters.get(name)
+            if (names is not None and name not in names) or w is None:
+                continue
+            if isinstance(w, QuantizedTensor):
+                continue
+            q = weight_init_quantizer(recipe, role, w.device)
+            if q is None:
+                continue
+            # Blockwise: both copies too (a 1x128 columnwise copy has its own scales; a 128x128
+            # one could be transposed on demand, but keeping it costs no second pass).
+            both = isinstance(q, (MXFP8Quantizer, Float8BlockQuantizer))
+            qdata, _ = quantize_weight(w.detach(), q, None, False, columnwise=both)
+            qt = QuantizedTensor.wrap(qdata, dtype=w.dtype, quantizer=q)
+            setattr(self, name, torch.nn.Parameter(qt, requires_grad=w.requires_grad))
+
+    def _reset_quantized_weight(self, name: str, init: Any) -> bool:
+        """Re-initialise weight ``name`` with ``init`` (an in-place initialiser such as
+        ``kaiming_uniform_``): a quantized weight in place (re-quantized with its quantizer), a
+        high-precision one built inside ``quantized_model_init`` initialised, then quantized.
+        False for a weight on ``meta`` (``to_empty()`` then ``reset_parameters()``
+        materialises)."""
+        w = self._parameters[name]
+        assert w is not None
+        if w.device.type == "meta":
+            return False
+        if isinstance(w, QuantizedTensor):
+            value = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+            init(value)
+            with torch.no_grad():
+                w.copy_(value)
+            return True
+        init(w)
+        if self.weight_init_recipe is not None:
+            self._quantize_weight_param(self.weight_init_recipe, (name,))
+        return True
+
+    def set_role_scope(self, scope: str, name: str | None = None) -> None:
+        """Re-scope the roles (see :class:`BasicOperation`). Weights built inside
+        ``quantized_model_init`` follow: when a new role's quantizer has another format, the
+        weight is re-quantized from its dequantized value (one more rounding; pass ``scope`` /
+        ``name`` to the constructor to quantize the initial weight once)."""
+        super().set_role_scope(scope, name)
+        recipe = getattr(self, "weight_init_recipe", None)
+        if recipe is None or not self.__dict__.get("_parameters"):
             return
-        # Blockwise: both copies too (a 1x128 columnwise copy has its own scales; a 128x128 one
-        # could be transposed on demand, but keeping it costs no second pass).
-        both = isinstance(q, (MXFP8Quantizer, Float8BlockQuantizer))
-        qdata, _ = quantize_weight(w.detach(), q, None, False, columnwise=both)
-        qt = QuantizedTensor.wrap(qdata, dtype=w.dtype, quantizer=q)
-        self.weight = torch.nn.Parameter(qt, requires_grad=w.requires_grad)
+        roles = self.weight_roles()
+        for pname, w in self.quantized_weights().items():
+            q = weight_init_quantizer(recipe, roles[pname], w.device)
+            old = w.quantizer
+            if q is not None and old is not None and _same_quantization(q, old):
+                w._quantizer = q  # the stored bits are what q makes of the initial weight
+                continue
+            plain = torch.nn.Parameter(w.dequantize(), requires_grad=w.requires_grad)
+            setattr(self, pname, plain)
+            if q is not None:
+                self._quantize_weight_param(recipe, (pname,))
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # nn.Module._apply would give a quantized weight the converted tensor's storage
         # (``param.data = fn(param)``, a dequantized copy for a dtype change): it is converted
         # here instead, see _convert_quantized.
-        w = self._parameters.get("weight")
-        if not isinstance(w, QuantizedTensor):
+        held = self.quantized_weights()
+        if not held:
             out = super()._apply(fn, recurse)
-            if self.weight_init_recipe is not None and self.weight.device.type != "meta":
+            if self.weight_init_recipe is not None and any(
+                p is not None and p.device.type != "meta"
+                for p in map(self._parameters.get, self.weight_roles())
+            ):
                 # Built on meta inside quantized_model_init, now materialised (to_empty()): FP8
                 # from here on; reset_parameters() or load_state_dict() fill in the values.
                 self._quantize_weight_param(self.weight_init_recipe)
             return out
-        self._parameters["weight"] = None
+        for n in held:
+            self._parameters[n] = None
         try:
             super()._apply(fn, recurse)
         finally:
-            self._parameters["weight"] = w
-        _convert_quantized(w, fn)
+            for n, w in held.items():
+                self._parameters[n] = w  # type: ignore[assignment]
+        for w in held.values():
+            _convert_quantized(w, fn)
         self._move_recipe_states()
         return self
 
@@ -81,48 +153,57 @@ class QuantizedWeightOp(BasicOperation):
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        w = self.weight
-        if isinstance(w, QuantizedTensor) and not keep_vars:
+        if keep_vars:
+            return
+        for name, w in self.quantized_weights().items():
             # A plain tensor of the nominal dtype: loadable with torch.load(weights_only=True)
             # and by a model with high-precision weights.
-            destination[prefix + "weight"] = w.dequantize()
+            destination[prefix + name] = w.dequantize()
 
     def get_extra_state(self) -> dict[str, torch.Tensor]:
-        """Recipe state, and a quantized weight's exact data and scales (copies) under
-        ``weight.<field>`` (``weight.data``, ``weight.scale_inv`` / ``weight.scale``,
-        ``weight.col_data``, ``weight.col_scale``), so that loading restores it bit for bit."""
+        """Recipe state, and each quantized weight's exact data and scales (copies) under
+        ``<weight>.<field>`` (``weight.data``, ``weight.scale_inv`` / ``weight.scale``,
+        ``weight.col_data``, ``weight.col_scale``; ``weight3.data`` for a GroupedLinear), so
+        that loading restores it bit for bit."""
         out = super().get_extra_state()
-        w = self.weight
-        if isinstance(w, QuantizedTensor):
-            for name, t in qdata_tensors(w.qdata).items():
-                out[f"weight.{name}"] = t.detach().clone()
+        for name, w in self.quantized_weights().items():
+            for field, t in qdata_tensors(w.qdata).items():
+                out[f"{name}.{field}"] = t.detach().clone()
         return out
 
     def set_extra_state(self, state: Any) -> None:
-        # ``weight.*`` entries are read by _load_from_state_dict (they need the checkpoint's
-        # weight); a model with a high-precision weight ignores them.
+        # ``<weight>.*`` entries are read by _load_from_state_dict (they need the checkpoint's
+        # weight); a model with high-precision weights ignores them.
         if isinstance(state, Mapping):
-            state = {k: v for k, v in state.items() if not str(k).startswith("weight.")}
+            names = self.weight_roles()
+            state = {k: v for k, v in state.items() if str(k).partition(".")[0] not in names}
         super().set_extra_state(state)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
-        w, key = self.weight, prefix + "weight"
-        value = state_dict.get(key)
-        if isinstance(value, QuantizedTensor):
-            state_dict[key] = value = value.dequantize()
+        before = {n: self._parameters.get(n) for n in self.weight_roles()}
+        values = {}
+        for name in before:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, QuantizedTensor):
+                state_dict[prefix + name] = value = value.dequantize()
+            values[name] = value
         super()._load_from_state_dict(state_dict, prefix, *args)
-        new = self.weight
-        if isinstance(w, QuantizedTensor) and new is not w and not isinstance(new, QuantizedTensor):
-            # load_state_dict(assign=True) put the checkpoint's plain tensor in: quantize it
-            # like the weight it replaced (same quantizer, same copies).
-            assert w.quantizer is not None
-            qdata = w.quantizer.quantize(new.detach(), rowwise=w.qdata.has_rowwise,
-                                         columnwise=w.qdata.has_columnwise)  # fmt: skip
-            qt = QuantizedTensor.wrap(qdata, dtype=new.dtype, quantizer=w.quantizer)
-            self.weight = new = torch.nn.Parameter(qt, requires_grad=new.requires_grad)
         extra = state_dict.get(prefix + "_extra_state")
-        if isinstance(new, QuantizedTensor) and isinstance(value, torch.Tensor):
-            _restore_exact(new, value, extra)
+        for name, w in before.items():
+            new = self._parameters.get(name)
+            replaced = new is not w and new is not None and not isinstance(new, QuantizedTensor)
+            if isinstance(w, QuantizedTensor) and replaced:
+                # load_state_dict(assign=True) put the checkpoint's plain tensor in: quantize it
+                # like the weight it replaced (same quantizer, same copies).
+                assert w.quantizer is not None
+                qdata = w.quantizer.quantize(new.detach(), rowwise=w.qdata.has_rowwise,
+                                             columnwise=w.qdata.has_columnwise)  # fmt: skip
+                qt = QuantizedTensor.wrap(qdata, dtype=new.dtype, quantizer=w.quantizer)
+                new = torch.nn.Parameter(qt, requires_grad=new.requires_grad)
+                setattr(self, name, new)
+            value = values[name]
+            if isinstance(new, QuantizedTensor) and isinstance(value, torch.Tensor):
+                _restore_exact(new, name, value, extra)
 
 
 _COMPILE_UNSUPPORTED = (
@@ -133,16 +214,17 @@ _COMPILE_UNSUPPORTED = (
 )
 
 
-def _restore_exact(w: QuantizedTensor, value: torch.Tensor, extra: Any) -> None:
+def _restore_exact(w: QuantizedTensor, name: str, value: torch.Tensor, extra: Any) -> None:
     """After ``w`` was re-quantized from a checkpoint's dequantized ``value``: if the checkpoint
-    also holds the exact quantized weight (``weight.*`` in its extra state) with ``w``'s layout,
+    also holds the exact quantized weight (``<name>.*`` in its extra state) with ``w``'s layout,
     and that is what ``value`` was dequantized from (it was not edited), write it into ``w`` in
     place. Re-quantizing a dequantized weight is not always exact: an MXFP8 columnwise copy, or
     a per-tensor scale derived from an amax that the nominal dtype rounds, can come out
     different."""
     if not isinstance(extra, Mapping):
         return
-    raw = {k[len("weight.") :]: v for k, v in extra.items() if str(k).startswith("weight.")}
+    head = f"{name}."
+    raw = {k[len(head) :]: v for k, v in extra.items() if str(k).startswith(head)}
     mine = qdata_tensors(w.qdata)
     if raw.keys() != mine.keys() or not all(isinstance(v, torch.Tensor) for v in raw.values()):
         return
