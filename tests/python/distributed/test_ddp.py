@@ -12,6 +12,7 @@ from pathlib import Path
 from _launch import two_rank_suite
 
 _WORKER = Path(__file__).with_name("_ddp_worker.py")
+TIMEOUT_S = 120
 _KINDS = ("linear", "lnmlp", "seq")
 _RECIPES = ("none", "delayed", "current", "mxfp8", "blockwise")
 CASES = [
@@ -28,7 +29,7 @@ CASES = [
     "qinit_linear_current", "qinit_linear_mxfp8",
 ]  # fmt: skip
 
-results, test_case = two_rank_suite(_WORKER, CASES, 120, "DDP", "ddp")
+results, test_case = two_rank_suite(_WORKER, CASES, TIMEOUT_S, "DDP", "ddp")
 
 
 def test_every_case_listed(results: list[dict[str, str]]) -> None:

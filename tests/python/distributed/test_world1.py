@@ -1,22 +1,24 @@
 """The distributed cases at world size 1: on one GPU through NCCL (the same workers with
 ``FUSIBLE_TEST_DIST_BACKEND=nccl``: CUDA tensors, NCCL collectives; skipped without a GPU and
-NCCL), and on CPU through gloo (the tp and fsdp suites: one rank is what users run to debug, and
-FSDP2 takes another path there). With one rank every split is the whole tensor, so this checks
-the single-rank paths and, on NCCL, the CUDA side of the parallel ops; the two-rank numerics are
-the two-rank suites'."""
+NCCL), and on CPU through gloo (the tp, fsdp and ddp suites: one rank is what users run to
+debug, and FSDP2 takes another path there). With one rank every split is the whole tensor, so
+this checks the single-rank paths and, on NCCL, the CUDA side of the parallel ops; the two-rank
+numerics are the two-rank suites'."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import pytest
+import test_ddp
 import test_fsdp_fp8
 import test_tensor_parallel
 import test_tp_fp8_gather
 import torch
 from _launch import check_case, run_workers
 
-_SUITES = {"tp": test_tensor_parallel, "tp2": test_tp_fp8_gather, "fsdp": test_fsdp_fp8}
+_SUITES = {"tp": test_tensor_parallel, "tp2": test_tp_fp8_gather, "fsdp": test_fsdp_fp8,
+           "ddp": test_ddp}  # fmt: skip
 # Cases written for two ranks: they check what only happens over more than one rank (a split
 # that does not divide, bytes moved by a collective FSDP2 skips on one rank, the amaxes agreed
 # between ranks, the comm ops in explain()), or build their inputs for two ranks' shapes.
@@ -31,11 +33,12 @@ _TWO_RANKS = {
     ("tp2", "bad_input_tp2"),
     ("fsdp", "all_gather_bytes"),
     ("fsdp", "bad_input"),
+    *(("ddp", f"delayed_amax_group_{k}") for k in ("linear", "lnmlp", "seq")),
 }
 
 _NCCL = (torch.cuda.is_available() and torch.distributed.is_available()
          and torch.distributed.is_nccl_available())  # fmt: skip
-_GLOO_SUITES = ("tp", "fsdp")
+_GLOO_SUITES = ("tp", "fsdp", "ddp")
 
 
 Results = Callable[[str, str], list[dict[str, str]]]
