@@ -37,6 +37,14 @@ fus_quantized per_tensor_view(at::ScalarType fp8_dtype, int64_t rows, int64_t co
                        accumulate ? 1 : 0};
 }
 
+// The fus_quantized view of data copies and their scales alone (no per-tensor scale or amax, no
+// blockwise parameters in the struct): the MXFP8 and blockwise casts and every dequantize.
+fus_quantized copies_view(fus_scaling_mode mode, fus_dtype dtype, int64_t rows, int64_t cols,
+                          void* data, void* data_t, void* scale, void* col_scale) {
+  return fus_quantized{mode,      dtype,   rows,    cols, data, data_t, scale,
+                       col_scale, nullptr, nullptr, 0,    0.0f, 0};
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, const Tensor& scale,
                                                         at::ScalarType fp8_dtype, bool rowwise,
                                                         bool columnwise,
@@ -94,19 +102,9 @@ Tensor dequantize_copy(const char* op, fus_scaling_mode mode, const Tensor& data
   if (!shapes_only(data)) {
     void* p = ptr(data);
     void* sc = ptr(scale);
-    const fus_quantized q{mode,
-                          code_of(data.scalar_type()),
-                          rows,
-                          cols,
-                          columnwise ? nullptr : p,
-                          columnwise ? p : nullptr,
-                          columnwise ? nullptr : sc,
-                          columnwise ? sc : nullptr,
-                          nullptr,
-                          nullptr,
-                          0,
-                          0.0f,
-                          0};
+    const fus_quantized q =
+        copies_view(mode, code_of(data.scalar_type()), rows, cols, columnwise ? nullptr : p,
+                    columnwise ? p : nullptr, columnwise ? nullptr : sc, columnwise ? sc : nullptr);
     fus_tensor o = mat(out, rows, cols);
     const fus_context ctx = context_of(data);
     check_status(op, fus_dequantize(&q, columnwise ? 1 : 0, &o, &ctx));
@@ -166,19 +164,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mxfp8(const Tensor& x, at::S
   Tensor col_scale =
       columnwise ? empty({ceil_div(rows, FUS_MXFP8_BLOCK), cols}, u8, x) : nothing(u8, x);
   if (!shapes_only(x)) {
-    fus_quantized q{FUS_SCALING_MXFP8,
-                    code_of(fp8_dtype),
-                    rows,
-                    cols,
-                    ptr(data),
-                    ptr(col),
-                    ptr(scale),
-                    ptr(col_scale),
-                    nullptr,
-                    nullptr,
-                    0,
-                    0.0f,
-                    0};
+    fus_quantized q = copies_view(FUS_SCALING_MXFP8, code_of(fp8_dtype), rows, cols, ptr(data),
+                                  ptr(col), ptr(scale), ptr(col_scale));
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize(&in, &q, &ctx));
@@ -230,19 +217,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8_block(const Tensor& x,
   Tensor col_scale =
       columnwise ? empty(block_scale_shape(block_dim, cols, rows), f32, x) : nothing(f32, x);
   if (!shapes_only(x)) {
-    fus_quantized q{block_dim == 1 ? FUS_SCALING_BLOCK_1D : FUS_SCALING_BLOCK_2D,
-                    code_of(fp8_dtype),
-                    rows,
-                    cols,
-                    ptr(data),
-                    ptr(data_t),
-                    ptr(scale),
-                    ptr(col_scale),
-                    nullptr,
-                    nullptr,
-                    0,
-                    0.0f,
-                    0};
+    fus_quantized q = copies_view(block_dim == 1 ? FUS_SCALING_BLOCK_1D : FUS_SCALING_BLOCK_2D,
+                                  code_of(fp8_dtype), rows, cols, ptr(data), ptr(data_t),
+                                  ptr(scale), ptr(col_scale));
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize_blockwise(&in, &q, power_2_scale ? 1 : 0,
