@@ -157,20 +157,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mxfp8(const Tensor& x, at::S
   check_fp8_dtype(op, fp8_dtype);
   require_a_copy(op, rowwise, columnwise);
   auto [rows, cols] = matrix_shape(op, x);
-  const auto u8 = at::kByte;
-  Tensor data = rowwise ? empty(x.sizes(), fp8_dtype, x) : nothing(fp8_dtype, x);
-  Tensor scale = rowwise ? empty({rows, ceil_div(cols, FUS_MXFP8_BLOCK)}, u8, x) : nothing(u8, x);
-  Tensor col = columnwise ? empty(x.sizes(), fp8_dtype, x) : nothing(fp8_dtype, x);
-  Tensor col_scale =
-      columnwise ? empty({ceil_div(rows, FUS_MXFP8_BLOCK), cols}, u8, x) : nothing(u8, x);
+  const std::vector<Tensor> outs =
+      copy_outputs(x.sizes(), x, kQuant_MXFP8, fp8_dtype, rowwise, columnwise);
   if (!shapes_only(x)) {
-    fus_quantized q = copies_view(FUS_SCALING_MXFP8, code_of(fp8_dtype), rows, cols, ptr(data),
-                                  ptr(col), ptr(scale), ptr(col_scale));
+    fus_quantized q = copies_view(FUS_SCALING_MXFP8, code_of(fp8_dtype), rows, cols, ptr(outs[0]),
+                                  ptr(outs[1]), ptr(outs[2]), ptr(outs[3]));
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize(&in, &q, &ctx));
   }
-  return {data, scale, col, col_scale};
+  return {outs[0], outs[2], outs[1], outs[3]};  // data, scale, col, col_scale
 }
 
 Tensor dequantize_mxfp8(const Tensor& data, const Tensor& scale, bool columnwise,
@@ -209,23 +205,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8_block(const Tensor& x,
   FUS_VALUE_CHECK(std::isfinite(amax_epsilon) && amax_epsilon >= 0.0, op,
                   "argument 'amax_epsilon' must be finite and >= 0, got ", amax_epsilon);
   auto [rows, cols] = matrix_shape(op, x);
-  const auto f32 = at::kFloat;
-  Tensor data = rowwise ? empty(x.sizes(), fp8_dtype, x) : nothing(fp8_dtype, x);
-  Tensor scale =
-      rowwise ? empty(block_scale_shape(block_dim, rows, cols), f32, x) : nothing(f32, x);
-  Tensor data_t = columnwise ? empty({cols, rows}, fp8_dtype, x) : nothing(fp8_dtype, x);
-  Tensor col_scale =
-      columnwise ? empty(block_scale_shape(block_dim, cols, rows), f32, x) : nothing(f32, x);
+  const int quant = block_dim == 1 ? kQuant_BLOCK_1D : kQuant_BLOCK_2D;
+  const std::vector<Tensor> outs =
+      copy_outputs(x.sizes(), x, quant, fp8_dtype, rowwise, columnwise);
   if (!shapes_only(x)) {
-    fus_quantized q = copies_view(block_dim == 1 ? FUS_SCALING_BLOCK_1D : FUS_SCALING_BLOCK_2D,
-                                  code_of(fp8_dtype), rows, cols, ptr(data), ptr(data_t),
-                                  ptr(scale), ptr(col_scale));
+    fus_quantized q = copies_view(scaling_mode_of(quant), code_of(fp8_dtype), rows, cols,
+                                  ptr(outs[0]), ptr(outs[1]), ptr(outs[2]), ptr(outs[3]));
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize_blockwise(&in, &q, power_2_scale ? 1 : 0,
                                             static_cast<float>(amax_epsilon), &ctx));
   }
-  return {data, scale, data_t, col_scale};
+  return {outs[0], outs[2], outs[1], outs[3]};  // data, scale, data_t, col_scale
 }
 
 Tensor dequantize_fp8_block(const Tensor& data, const Tensor& scale_inv, int64_t block_dim,
