@@ -37,6 +37,33 @@ fus_quantized per_tensor_view(at::ScalarType fp8_dtype, int64_t rows, int64_t co
                        accumulate ? 1 : 0};
 }
 
+// The fus_quantized view of data copies and their scales alone (no per-tensor scale or amax, no
+// blockwise parameters in the struct): the MXFP8 and blockwise casts and every dequantize.
+fus_quantized copies_view(fus_scaling_mode mode, fus_dtype dtype, int64_t rows, int64_t cols,
+                          void* data, void* data_t, void* scale, void* col_scale) {
+  return fus_quantized{mode,      dtype,   rows,    cols, data, data_t, scale,
+                       col_scale, nullptr, nullptr, 0,    0.0f, 0};
+}
+
+// x's cast into copies of `quant` (copy_outputs) by `cast(in, q, ctx)`, the C call, once the
+// operator has checked its arguments: {data, rowwise scales, columnwise copy, columnwise scales}.
+template <typename Cast>
+std::tuple<Tensor, Tensor, Tensor, Tensor> cast_copies(const char* op, const Tensor& x, int quant,
+                                                       at::ScalarType fp8_dtype, bool rowwise,
+                                                       bool columnwise, Cast cast) {
+  auto [rows, cols] = matrix_shape(op, x);
+  const std::vector<Tensor> outs =
+      copy_outputs(x.sizes(), x, quant, fp8_dtype, rowwise, columnwise);
+  if (!shapes_only(x)) {
+    fus_quantized q = copies_view(scaling_mode_of(quant), code_of(fp8_dtype), rows, cols,
+                                  ptr(outs[0]), ptr(outs[1]), ptr(outs[2]), ptr(outs[3]));
+    const fus_tensor in = mat(x, rows, cols);
+    const fus_context ctx = context_of(x);
+    check_status(op, cast(&in, &q, &ctx));
+  }
+  return {outs[0], outs[2], outs[1], outs[3]};
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, const Tensor& scale,
                                                         at::ScalarType fp8_dtype, bool rowwise,
                                                         bool columnwise,
@@ -94,19 +121,9 @@ Tensor dequantize_copy(const char* op, fus_scaling_mode mode, const Tensor& data
   if (!shapes_only(data)) {
     void* p = ptr(data);
     void* sc = ptr(scale);
-    const fus_quantized q{mode,
-                          code_of(data.scalar_type()),
-                          rows,
-                          cols,
-                          columnwise ? nullptr : p,
-                          columnwise ? p : nullptr,
-                          columnwise ? nullptr : sc,
-                          columnwise ? sc : nullptr,
-                          nullptr,
-                          nullptr,
-                          0,
-                          0.0f,
-                          0};
+    const fus_quantized q =
+        copies_view(mode, code_of(data.scalar_type()), rows, cols, columnwise ? nullptr : p,
+                    columnwise ? p : nullptr, columnwise ? nullptr : sc, columnwise ? sc : nullptr);
     fus_tensor o = mat(out, rows, cols);
     const fus_context ctx = context_of(data);
     check_status(op, fus_dequantize(&q, columnwise ? 1 : 0, &o, &ctx));
@@ -158,32 +175,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mxfp8(const Tensor& x, at::S
   check_tensor(op, "x", x, high_precision());
   check_fp8_dtype(op, fp8_dtype);
   require_a_copy(op, rowwise, columnwise);
-  auto [rows, cols] = matrix_shape(op, x);
-  const auto u8 = at::kByte;
-  Tensor data = rowwise ? empty(x.sizes(), fp8_dtype, x) : nothing(fp8_dtype, x);
-  Tensor scale = rowwise ? empty({rows, ceil_div(cols, FUS_MXFP8_BLOCK)}, u8, x) : nothing(u8, x);
-  Tensor col = columnwise ? empty(x.sizes(), fp8_dtype, x) : nothing(fp8_dtype, x);
-  Tensor col_scale =
-      columnwise ? empty({ceil_div(rows, FUS_MXFP8_BLOCK), cols}, u8, x) : nothing(u8, x);
-  if (!shapes_only(x)) {
-    fus_quantized q{FUS_SCALING_MXFP8,
-                    code_of(fp8_dtype),
-                    rows,
-                    cols,
-                    ptr(data),
-                    ptr(col),
-                    ptr(scale),
-                    ptr(col_scale),
-                    nullptr,
-                    nullptr,
-                    0,
-                    0.0f,
-                    0};
-    const fus_tensor in = mat(x, rows, cols);
-    const fus_context ctx = context_of(x);
-    check_status(op, fus_quantize(&in, &q, &ctx));
-  }
-  return {data, scale, col, col_scale};
+  return cast_copies(op, x, kQuant_MXFP8, fp8_dtype, rowwise, columnwise, fus_quantize);
 }
 
 Tensor dequantize_mxfp8(const Tensor& data, const Tensor& scale, bool columnwise,
@@ -221,34 +213,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8_block(const Tensor& x,
   require_a_copy(op, rowwise, columnwise);
   FUS_VALUE_CHECK(std::isfinite(amax_epsilon) && amax_epsilon >= 0.0, op,
                   "argument 'amax_epsilon' must be finite and >= 0, got ", amax_epsilon);
-  auto [rows, cols] = matrix_shape(op, x);
-  const auto f32 = at::kFloat;
-  Tensor data = rowwise ? empty(x.sizes(), fp8_dtype, x) : nothing(fp8_dtype, x);
-  Tensor scale =
-      rowwise ? empty(block_scale_shape(block_dim, rows, cols), f32, x) : nothing(f32, x);
-  Tensor data_t = columnwise ? empty({cols, rows}, fp8_dtype, x) : nothing(fp8_dtype, x);
-  Tensor col_scale =
-      columnwise ? empty(block_scale_shape(block_dim, cols, rows), f32, x) : nothing(f32, x);
-  if (!shapes_only(x)) {
-    fus_quantized q{block_dim == 1 ? FUS_SCALING_BLOCK_1D : FUS_SCALING_BLOCK_2D,
-                    code_of(fp8_dtype),
-                    rows,
-                    cols,
-                    ptr(data),
-                    ptr(data_t),
-                    ptr(scale),
-                    ptr(col_scale),
-                    nullptr,
-                    nullptr,
-                    0,
-                    0.0f,
-                    0};
-    const fus_tensor in = mat(x, rows, cols);
-    const fus_context ctx = context_of(x);
-    check_status(op, fus_quantize_blockwise(&in, &q, power_2_scale ? 1 : 0,
-                                            static_cast<float>(amax_epsilon), &ctx));
-  }
-  return {data, scale, data_t, col_scale};
+  const int quant = block_dim == 1 ? kQuant_BLOCK_1D : kQuant_BLOCK_2D;
+  return cast_copies(op, x, quant, fp8_dtype, rowwise, columnwise,
+                     [&](const fus_tensor* in, fus_quantized* q, const fus_context* ctx) {
+                       return fus_quantize_blockwise(in, q, power_2_scale ? 1 : 0,
+                                                     static_cast<float>(amax_epsilon), ctx);
+                     });
 }
 
 Tensor dequantize_fp8_block(const Tensor& data, const Tensor& scale_inv, int64_t block_dim,

@@ -245,33 +245,40 @@ void accumulate_into(std::optional<fus_quantized>& qv, std::vector<Tensor>& outs
   }
 }
 
-std::vector<Tensor> quant_outputs(at::IntArrayRef shape, const Tensor& like, int quant,
-                                  at::ScalarType fp8_dtype, bool rowwise, bool columnwise) {
+std::vector<Tensor> copy_outputs(at::IntArrayRef shape, const Tensor& like, int quant,
+                                 at::ScalarType fp8_dtype, bool rowwise, bool columnwise) {
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
   const int64_t cols = shape.empty() ? 1 : shape.back();
   const auto u8 = at::kByte;
-  if (quant == kQuantNone)
-    return {nothing(u8, like), nothing(u8, like), nothing(at::kFloat, like), nothing(u8, like),
-            nothing(at::kFloat, like)};
   Tensor data = rowwise ? empty(shape, fp8_dtype, like) : nothing(fp8_dtype, like);
-  Tensor amax = empty({1}, at::kFloat, like);
   if (quant == kQuant_PER_TENSOR || quant == kQuant_BLOCK_1D || quant == kQuant_BLOCK_2D) {
     Tensor data_t = columnwise ? empty({cols, rows}, fp8_dtype, like) : nothing(fp8_dtype, like);
     if (quant == kQuant_PER_TENSOR)
-      return {data, data_t, empty({1}, at::kFloat, like), nothing(u8, like), amax};
+      return {data, data_t, empty({1}, at::kFloat, like), nothing(u8, like)};
     const int64_t bd = quant == kQuant_BLOCK_1D ? 1 : 2;
     const auto f32 = at::kFloat;
     Tensor s = rowwise ? empty(block_scale_shape(bd, rows, cols), f32, like) : nothing(f32, like);
     Tensor cs =
         columnwise ? empty(block_scale_shape(bd, cols, rows), f32, like) : nothing(f32, like);
-    return {data, data_t, s, cs, amax};
+    return {data, data_t, s, cs};
   }
   Tensor col = columnwise ? empty(shape, fp8_dtype, like) : nothing(fp8_dtype, like);
   Tensor s = rowwise ? empty({rows, ceil_div(cols, FUS_MXFP8_BLOCK)}, u8, like) : nothing(u8, like);
   Tensor cs =
       columnwise ? empty({ceil_div(rows, FUS_MXFP8_BLOCK), cols}, u8, like) : nothing(u8, like);
-  return {data, col, s, cs, amax};
+  return {data, col, s, cs};
+}
+
+std::vector<Tensor> quant_outputs(at::IntArrayRef shape, const Tensor& like, int quant,
+                                  at::ScalarType fp8_dtype, bool rowwise, bool columnwise) {
+  const auto u8 = at::kByte;
+  if (quant == kQuantNone)
+    return {nothing(u8, like), nothing(u8, like), nothing(at::kFloat, like), nothing(u8, like),
+            nothing(at::kFloat, like)};
+  std::vector<Tensor> outs = copy_outputs(shape, like, quant, fp8_dtype, rowwise, columnwise);
+  outs.push_back(empty({1}, at::kFloat, like));
+  return outs;
 }
 
 std::optional<fus_quantized> quantized_view(int quant, at::ScalarType fp8_dtype, int64_t rows,

@@ -125,6 +125,12 @@ void accumulate_into(std::optional<fus_quantized>& qv, std::vector<Tensor>& outs
 int check_quant_args(const char* op, std::string_view quant, at::ScalarType fp8_dtype,
                      const OptTensor& scale, bool rowwise, bool columnwise, double amax_epsilon,
                      c10::Device device);
+// The copies of a cast (quant other than kQuantNone) of a tensor of `shape`, as fus_quantized
+// holds them: {data, the columnwise copy (data_t [cols, rows]; MXFP8: `shape`), rowwise scales
+// (per tensor: scale_inv [1]), columnwise scales (per tensor: none)}, each empty unless requested.
+std::vector<Tensor> copy_outputs(at::IntArrayRef shape, const Tensor& like, int quant,
+                                 at::ScalarType fp8_dtype, bool rowwise, bool columnwise);
+// copy_outputs and the amax [1] (all five empty for quant none).
 std::vector<Tensor> quant_outputs(at::IntArrayRef shape, const Tensor& like, int quant,
                                   at::ScalarType fp8_dtype, bool rowwise, bool columnwise);
 // The fus_quantized view of quant_outputs (outs[first .. first + 5)), or nullopt for quant none.

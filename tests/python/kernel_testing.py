@@ -1,4 +1,5 @@
-"""Helpers shared by the kernel test files (bit comparisons, ids, one torch thread, opcheck)."""
+"""Helpers shared by the kernel test files (bit comparisons, ids, one torch thread, opcheck, the
+fused ops' quantized outputs)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,34 @@ def fp8_allclose_supported(device) -> bool:
     except (NotImplementedError, RuntimeError):
         return False
     return True
+
+
+# opcheck's tests but test_schema: its mutation check calls torch.allclose, which has no float8
+# kernel (pytorch/pytorch#135998); for ops whose fp8 tensors are outputs only, so that no input
+# can be mutated.
+OPCHECK_WITHOUT_SCHEMA = (
+    "test_autograd_registration",
+    "test_faketensor",
+    "test_aot_dispatch_dynamic",
+)
+
+
+def opcheck_without_schema(op, args) -> None:
+    torch.library.opcheck(op, args, test_utils=list(OPCHECK_WITHOUT_SCHEMA))
+
+
+def assert_quantized_equals_quantize(out, y, quant, fp8_dtype, scale, rowwise, columnwise, what):
+    """A fused op's quantized outputs (``out[1:6]``: data, data_t or MXFP8 scales, amax) equal
+    fusible's own quantize_fp8 / quantize_mxfp8 of its high-precision output ``y``, bit for bit
+    (fused == unfused)."""
+    ops = torch.ops.fusible
+    if quant == "fp8":
+        want = ops.quantize_fp8(y, scale, fp8_dtype, rowwise, columnwise)
+        got = (out[1], out[2], out[3], out[5])
+    else:
+        want = ops.quantize_mxfp8(y, fp8_dtype, rowwise, columnwise)
+        got = (out[1], out[3], out[2], out[4])
+        amax = y.float().abs().max() if y.numel() else torch.tensor(0.0)
+        assert_bits_equal(out[5], amax.reshape(1), f"{what} amax")
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_bits_equal(g, w, f"{what} output {i}")

@@ -14,6 +14,7 @@ References:
 
 from __future__ import annotations
 
+import kernel_testing as kt
 import pytest
 import torch
 import torch.nn.functional as F
@@ -149,19 +150,6 @@ def test_dbias_dtype_follows_out_dtype_then_grad():
 # ---- quantized outputs == quantize(high-precision output) ---------------------------------------
 
 
-def _check_quantized(out, y, quant, fp8_dtype, scale, rowwise, columnwise, what):
-    if quant == "fp8":
-        want = ops.quantize_fp8(y, scale, fp8_dtype, rowwise, columnwise)
-        got = (out[1], out[2], out[3], out[5])
-    else:
-        want = ops.quantize_mxfp8(y, fp8_dtype, rowwise, columnwise)
-        got = (out[1], out[3], out[2], out[4])
-        amax = y.float().abs().max() if y.numel() else torch.tensor(0.0)
-        assert_bits_equal(out[5], amax.reshape(1), f"{what} amax")
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert_bits_equal(g, w, f"{what} output {i}")
-
-
 @pytest.mark.parametrize("fp8_dtype", (E4M3, E5M2), ids=_name)
 @pytest.mark.parametrize("quant", ("fp8", "mxfp8"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=_name)
@@ -175,7 +163,9 @@ def test_forward_quantized_equals_quantize_of_output(kind, dtype, quant, fp8_dty
                 out = fwd(x, kind, out_dtype, quant, fp8_dtype, scale, rowwise, columnwise)
                 y = fwd(x, kind, out_dtype=out_dtype or dtype)[0]
                 what = f"{shape} out_dtype={out_dtype} rowwise={rowwise} columnwise={columnwise}"
-                _check_quantized(out, y, quant, fp8_dtype, scale, rowwise, columnwise, what)
+                kt.assert_quantized_equals_quantize(
+                    out, y, quant, fp8_dtype, scale, rowwise, columnwise, what
+                )
                 if out_dtype is not None:
                     assert_bits_equal(out[0], y, f"{what} y")
 
@@ -207,7 +197,9 @@ def test_backward_quantized_equals_quantize_of_output(kind, dtype, quant, fp8_dt
                 )
                 full = bwd(g, x, kind, out_dtype=out_dtype or dtype, with_dbias=True)
                 what = f"{shape} out_dtype={out_dtype} rowwise={rowwise} columnwise={columnwise}"
-                _check_quantized(out, full[0], quant, fp8_dtype, scale, rowwise, columnwise, what)
+                kt.assert_quantized_equals_quantize(
+                    out, full[0], quant, fp8_dtype, scale, rowwise, columnwise, what
+                )
                 assert_bits_equal(out[6], full[6], f"{what} dbias")
 
 
@@ -344,10 +336,7 @@ def _opcheck_cases(device):
 @pytest.mark.parametrize("case", ["fwd_fp8", "fwd_mx", "bwd", "fwd_block", "bwd_block"])
 def test_opcheck(case, devices):
     name, args = _opcheck_cases(devices)[case]
-    # test_schema is left out: its mutation check calls torch.allclose, which has no float8
-    # kernel (pytorch/pytorch#135998); the ops take no fp8 inputs.
-    utils = ["test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
-    torch.library.opcheck(getattr(ops, name).default, args, test_utils=utils)
+    kt.opcheck_without_schema(getattr(ops, name).default, args)  # the ops take no fp8 inputs
 
 
 # ---- errors -------------------------------------------------------------------------------------

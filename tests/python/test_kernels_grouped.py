@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import _one_torch_thread, assert_bits_equal  # noqa: F401
+from kernel_testing import OPCHECK_WITHOUT_SCHEMA, _one_torch_thread, assert_bits_equal  # noqa: F401
 
 from fusible import _kernels as K
 
@@ -251,9 +251,7 @@ def test_opcheck(devices, index):
     op, args = list(_cases(devices))[index]
     # The FP8 outputs/inputs of the casts: SchemaCheckMode has no float8 allclose on every
     # build; the schema test runs for the bias gradient (no FP8 tensors).
-    utils = ["test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
-    if index == 3:
-        utils.insert(0, "test_schema")
+    utils = (["test_schema"] if index == 3 else []) + list(OPCHECK_WITHOUT_SCHEMA)
     torch.library.opcheck(op, args, test_utils=utils)
 
 

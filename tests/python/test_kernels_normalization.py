@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import kernel_testing as kt
 import pytest
 import torch
 import torch.nn.functional as F
@@ -150,17 +151,10 @@ def test_quantized_output_equals_quantize_of_output(kind, dtype, quant, fp8_dtyp
                 )
                 # The unfused path: the high-precision output (in x's dtype when none is asked).
                 y = norm(x, gamma, beta, kind, out_dtype=out_dtype or dtype)[0]
-                if quant == "fp8":
-                    want = ops.quantize_fp8(y, scale, fp8_dtype, rowwise, columnwise)
-                    got = (out[1], out[2], out[3], out[5])
-                else:
-                    want = ops.quantize_mxfp8(y, fp8_dtype, rowwise, columnwise)
-                    got = (out[1], out[3], out[2], out[4])
-                    amax = y.float().abs().max() if y.numel() else torch.tensor(0.0)
-                    assert_bits_equal(out[5], amax.reshape(1), "amax")
                 what = f"{shape} out_dtype={out_dtype} rowwise={rowwise} columnwise={columnwise}"
-                for i, (g, w) in enumerate(zip(got, want, strict=True)):
-                    assert_bits_equal(g, w, f"{what} output {i}")
+                kt.assert_quantized_equals_quantize(
+                    out, y, quant, fp8_dtype, scale, rowwise, columnwise, what
+                )
                 if out_dtype is not None:
                     assert_bits_equal(out[0], y, f"{what} y")
 
@@ -370,10 +364,7 @@ def _opcheck_cases(device):
 @pytest.mark.parametrize("case", ["fwd_fp8", "fwd_mx", "fwd_block", "bwd"])
 def test_opcheck(case, devices):
     name, args = _opcheck_cases(devices)[case]
-    # test_schema is left out: its mutation check calls torch.allclose, which has no float8
-    # kernel (pytorch/pytorch#135998); the ops take no fp8 inputs, so mutation is not a concern.
-    utils = ["test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
-    torch.library.opcheck(getattr(ops, name).default, args, test_utils=utils)
+    kt.opcheck_without_schema(getattr(ops, name).default, args)  # the ops take no fp8 inputs
 
 
 # ---- errors -------------------------------------------------------------------------------------

@@ -495,41 +495,29 @@ struct PortablePolicy {
 };
 
 #if FUS_CPU_X86
-struct Avx2Policy {
-  static constexpr int MR = 6, NR = 16;
-  static constexpr bool kFma = true;
-  static FUS_TARGET_AVX2 void micro(const float* a, const float* b, int64_t kc, float* c,
-                                    int64_t ldc, bool first) {
-    micro_avx2<false>(a, b, kc, c, ldc, first);
-  }
-  static FUS_TARGET_AVX2 void micro_fma(const float* a, const float* b, int64_t kc, float* c,
-                                        int64_t ldc, bool first) {
-    micro_avx2<true>(a, b, kc, c, ldc, first);
-  }
-  template <int W, typename L>
-  static FUS_TARGET_AVX2 void pack_depth(L load, int64_t ld, int64_t base, int64_t n, int64_t k0,
-                                         int64_t kc, float* dst, float* rows) {
-    pack_depth_contiguous_x86<W>(load, ld, base, n, k0, kc, dst, rows);
-  }
-};
-
-struct Avx512Policy {
-  static constexpr int MR = 8, NR = 32;
-  static constexpr bool kFma = true;
-  static FUS_TARGET_AVX512 void micro(const float* a, const float* b, int64_t kc, float* c,
-                                      int64_t ldc, bool first) {
-    micro_avx512<false>(a, b, kc, c, ldc, first);
-  }
-  static FUS_TARGET_AVX512 void micro_fma(const float* a, const float* b, int64_t kc, float* c,
-                                          int64_t ldc, bool first) {
-    micro_avx512<true>(a, b, kc, c, ldc, first);
-  }
-  template <int W, typename L>
-  static FUS_TARGET_AVX512 void pack_depth(L load, int64_t ld, int64_t base, int64_t n, int64_t k0,
-                                           int64_t kc, float* dst, float* rows) {
-    pack_depth_contiguous_x86<W>(load, ld, base, n, k0, kc, dst, rows);
-  }
-};
+// The x86 policies differ only in tile, target and micro-kernel; a target attribute cannot be a
+// template argument, hence a macro.
+#define FUS_X86_POLICY_(NAME, TARGET, MR_, NR_, MICRO)                                          \
+  struct NAME {                                                                                 \
+    static constexpr int MR = MR_, NR = NR_;                                                    \
+    static constexpr bool kFma = true;                                                          \
+    static TARGET void micro(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, \
+                             bool first) {                                                      \
+      MICRO<false>(a, b, kc, c, ldc, first);                                                    \
+    }                                                                                           \
+    static TARGET void micro_fma(const float* a, const float* b, int64_t kc, float* c,          \
+                                 int64_t ldc, bool first) {                                     \
+      MICRO<true>(a, b, kc, c, ldc, first);                                                     \
+    }                                                                                           \
+    template <int W, typename L>                                                                \
+    static TARGET void pack_depth(L load, int64_t ld, int64_t base, int64_t n, int64_t k0,      \
+                                  int64_t kc, float* dst, float* rows) {                        \
+      pack_depth_contiguous_x86<W>(load, ld, base, n, k0, kc, dst, rows);                       \
+    }                                                                                           \
+  };
+FUS_X86_POLICY_(Avx2Policy, FUS_TARGET_AVX2, 6, 16, micro_avx2)
+FUS_X86_POLICY_(Avx512Policy, FUS_TARGET_AVX512, 8, 32, micro_avx512)
+#undef FUS_X86_POLICY_
 #endif
 
 // Output columns [j0, j0 + nc), rows [r0, r1) in blocks of at most kRowsMax rows (ascending).

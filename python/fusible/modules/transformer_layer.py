@@ -110,7 +110,35 @@ def _explain_of(module: Sequential, **kw: Any) -> str:
     return "\n".join("  " + line for line in module.explain(**kw).splitlines())
 
 
-class MultiheadAttention(torch.nn.Module):
+class _Block(torch.nn.Module):
+    """A module of fusible modules (``MultiheadAttention``, ``TransformerLayer``): its quantizers
+    are theirs, and ``explain()`` lists their plans (``_explain``, which a block that holds
+    another calls with the attribute path as ``prefix``)."""
+
+    def get_quantizer_roles(self, fwd: bool) -> list[QuantizerRole]:
+        raise NotImplementedError
+
+    def num_quantizers(self, fwd: bool) -> int:
+        return len(self.get_quantizer_roles(fwd))
+
+    def explain(
+        self,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        recipe: Any = _NO_RECIPE,
+    ) -> str:
+        """The fusion plans of the fusible modules (``ops.Sequential.explain``, same arguments:
+        by default the plan of the last run), and how attention runs."""
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
+        if recipe is not _NO_RECIPE:
+            kw["recipe"] = recipe
+        return self._explain("", kw)
+
+    def _explain(self, prefix: str, kw: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+
+class MultiheadAttention(_Block):
     """Self-attention: QKV projection (``fusible.LayerNormLinear`` named ``qkv`` when
     ``input_layernorm``, else ``fusible.Linear``), torch's ``scaled_dot_product_attention`` in
     high precision, output projection (``fusible.Linear`` named ``proj``). Arguments after
@@ -250,26 +278,10 @@ class MultiheadAttention(torch.nn.Module):
         high precision; ``qkv:dpa`` / ``s:dpa`` are reserved for a future FP8 attention)."""
         return [r for m in self._fusible_modules() for r in m.get_quantizer_roles(fwd)]
 
-    def num_quantizers(self, fwd: bool) -> int:
-        return len(self.get_quantizer_roles(fwd))
-
     def reset_parameters(self) -> None:
         """Re-initialise the projections (see ``ops.Sequential.reset_parameters``)."""
         for m in self._fusible_modules():
             m.reset_parameters()
-
-    def explain(
-        self,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        recipe: Any = _NO_RECIPE,
-    ) -> str:
-        """The fusion plans of the QKV and output projections (``ops.Sequential.explain``, same
-        arguments), and how attention runs."""
-        kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        if recipe is not _NO_RECIPE:
-            kw["recipe"] = recipe
-        return self._explain("", kw)
 
     def _explain(self, prefix: str, kw: dict[str, Any]) -> str:
         qkv_name = "layernorm_qkv" if self.input_layernorm else "qkv"
@@ -357,7 +369,7 @@ class MultiheadAttention(torch.nn.Module):
         )  # fmt: skip
 
 
-class TransformerLayer(torch.nn.Module):
+class TransformerLayer(_Block):
     """A pre-norm transformer layer of fusible modules (arguments after TransformerEngine's
     ``TransformerLayer``)::
 
@@ -461,9 +473,6 @@ class TransformerLayer(torch.nn.Module):
             self.layernorm_mlp.get_quantizer_roles(fwd)
         )
 
-    def num_quantizers(self, fwd: bool) -> int:
-        return len(self.get_quantizer_roles(fwd))
-
     def reset_parameters(self) -> None:
         """Re-initialise every parameter (norm weights 1 (0 with ``zero_centered_gamma``),
         biases 0, Linear weights kaiming-uniform as ``torch.nn.Linear``), in the order
@@ -471,22 +480,12 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention.reset_parameters()
         self.layernorm_mlp.reset_parameters()
 
-    def explain(
-        self,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        recipe: Any = _NO_RECIPE,
-    ) -> str:
-        """The fusion plans of the layer's fusible modules (``ops.Sequential.explain``, same
-        arguments: by default the plan of the last run), and how attention runs."""
-        kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        if recipe is not _NO_RECIPE:
-            kw["recipe"] = recipe
+    def _explain(self, prefix: str, kw: dict[str, Any]) -> str:
         title = f"TransformerLayer{f' {self.name!r}' if self.name else ''}"
         return "\n".join([
             f"{title}: x = x + self_attention(x); x = x + layernorm_mlp(x)",
-            self.self_attention._explain("self_attention.", kw),
-            "layernorm_mlp (LayerNormMLP, names 'fc1' / 'fc2', + residual add):",
+            self.self_attention._explain(f"{prefix}self_attention.", kw),
+            f"{prefix}layernorm_mlp (LayerNormMLP, names 'fc1' / 'fc2', + residual add):",
             _explain_of(self.layernorm_mlp, **kw),
         ])  # fmt: skip
 

@@ -56,6 +56,17 @@ def step(m: Any, x: torch.Tensor, dy: torch.Tensor, rec: Any) -> tuple[Any, Any]
     return y.detach(), x.grad
 
 
+def step_both(tag: str, a: Any, b: Any, seed: int, out_dim: int, rec: Any) -> None:
+    """One step of ``a``, then of ``b``, on the same input and output gradient (this rank's,
+    from ``seed``): outputs and input gradients bit for bit."""
+    x = rand(S, H, seed=seed + base.RANK)
+    dy = rand(S, out_dim, seed=seed + 1 + base.RANK)
+    ya, dxa = step(a, x, dy, rec)
+    yb, dxb = step(b, x, dy, rec)
+    exact(f"{tag} output", ya, yb)
+    exact(f"{tag} dx", dxa, dxb)
+
+
 def near(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
     if not torch.allclose(a, b, rtol=1e-6, atol=1e-5):
         raise AssertionError(f"{what}: max err {(a - b).abs().max().item()}")
@@ -77,12 +88,7 @@ def compiled(kind: str, rec_name: str, backend: str) -> None:
     out_dim = H if kind == "lnmlp" else F
     for k in range(2):
         tag = f"{kind} {rec_name} {backend} step {k}"
-        x = rand(S, H, seed=80 + 10 * k + base.RANK)
-        dy = rand(S, out_dim, seed=81 + 10 * k + base.RANK)
-        ye, dxe = step(eager, x, dy, rec)
-        yc, dxc = step(c, x, dy, rec)
-        exact(f"{tag} output", yc, ye)
-        exact(f"{tag} dx", dxc, dxe)
+        step_both(tag, eager, c, 80 + 10 * k, out_dim, rec)
         for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
             check = near if backend == "inductor" and n.endswith("bias") else exact
             check(f"{tag} grad {n}", p.grad.to_local(), q.grad.to_local())
@@ -172,12 +178,7 @@ def qinit(kind: str, rec: Any) -> None:
     opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (q, ref)]
     for k in range(2):
         tag = f"qinit {kind} {type(rec).__name__} step {k}"
-        x = rand(S, H, seed=100 + 10 * k + base.RANK)
-        dy = rand(S, out_dim, seed=101 + 10 * k + base.RANK)
-        y, dx = step(q, x, dy, rec)
-        yr, dxr = step(ref, x, dy, rec)
-        exact(f"{tag} output", y, yr)
-        exact(f"{tag} dx", dx, dxr)
+        step_both(tag, q, ref, 100 + 10 * k, out_dim, rec)
         for (n, p), r in zip(q.named_parameters(), ref.parameters(), strict=True):
             g = r.grad.clone()
             dist.all_reduce(g)
