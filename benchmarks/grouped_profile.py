@@ -7,13 +7,15 @@ on either side. CUDA only.
 
     python benchmarks/grouped_profile.py [--recipe delayed|current|mxfp8|none] [--steps 3]
                                          [--trace FILE.json] [--steady] [--unfused]
+                                         [--fp8-weights]
 
 ``--steady`` prints, before the profile, whether a step is host- or GPU-bound away from the
 profiler: a step timed as ``grouped.py`` times it (CUDA events, steps issued back to back), its GPU
 time alone (CUDA-graph replay), and the host's time to issue one step onto an idle GPU, for the
 recipe (fused, and with the fusions disabled) and for the torch per-expert loop. Steps start
 with fresh gradients (every ``.grad`` None), as grouped.py's main table. ``--unfused`` profiles
-with the fusions disabled.
+with the fusions disabled. ``--fp8-weights`` builds the MLP inside
+``quantized_model_init(Float8CurrentScaling())`` (stored per-tensor FP8 weights, read as they are).
 """
 
 from __future__ import annotations
@@ -46,14 +48,18 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="keep the chrome trace here")
     ap.add_argument("--steady", action="store_true", help="eager vs graphed vs host time first")
     ap.add_argument("--unfused", action="store_true", help="profile with the fusions disabled")
+    ap.add_argument("--fp8-weights", action="store_true", help="FP8 weights (quantized_model_init)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("grouped_profile.py needs CUDA")
     e, h, f, n = args.experts, args.hidden, args.ffn, args.tokens
     splits = make_splits(n, e, args.imbalance)
     kw = {"device": "cuda", "dtype": torch.bfloat16}
-    model = ops.Sequential(ops.GroupedLinear(e, h, f, **kw), ops.GELU(),
-                           ops.GroupedLinear(e, f, h, **kw))  # fmt: skip
+    init = fusible.quantized_model_init(fusible.recipe.Float8CurrentScaling(),
+                                        enabled=args.fp8_weights)  # fmt: skip
+    with init:
+        model = ops.Sequential(ops.GroupedLinear(e, h, f, **kw), ops.GELU(),
+                               ops.GroupedLinear(e, f, h, **kw))  # fmt: skip
     x = torch.randn(n, h, requires_grad=True, **kw)
     dy = torch.randn(n, h, **kw)
     rec = RECIPES["bf16 (no recipe)" if args.recipe == "none" else args.recipe]

@@ -52,8 +52,13 @@ Decisions (docs/architecture.md, "The replay executor", repeats them):
   collectives of ``ops.AllGather`` & co.), one tensor given as two inputs of different kinds, a
   non-contiguous parameter, ``ctx.attrs`` holding a tensor. A plan is not replayable when one
   of its ops, fused ops or quantizers is of a class defined outside fusible that does not
-  declare ``replayable = True`` (its Python may have side effects the recorder cannot see), or
-  a parameter is a ``QuantizedTensor`` (its data are Python attributes).
+  declare ``replayable = True`` (its Python may have side effects the recorder cannot see).
+* **Quantized parameters** (``QuantizedTensor``, ``quantized_model_init``): their data are
+  Python attributes, so a recording takes each one's data tensors (``qdata_tensors``: data,
+  scales, copies) as inputs of their own, after the function's, in place of the parameter
+  (whose slot stays empty); their layout (shapes, strides, dtypes) is part of the signature,
+  and each replay hands in the tensors the parameter holds then (an optimizer's in-place
+  update keeps them; a reload that swaps them is read at the next step).
 * **Side effects outside tensors** are replayed explicitly or guarded: the delayed-scaling
   registrations (``end_forward_pass_of_plan`` in ``Sequential.forward``,
   ``end_backward_pass_of_plan`` after the backward) run outside the recorded region at every
@@ -90,7 +95,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fusible.ops.op import CONFIG_EPOCH, RECORDED_OPS
-from fusible.quantization.quantizers import _log_stack
+from fusible.quantization.quantizers import _log_stack, qdata_tensors
+from fusible.quantization.tensor import QuantizedTensor
 
 __all__ = [
     "MAX_SIGNATURES",
@@ -200,14 +206,9 @@ def _audited(cls: type) -> bool:
 
 def _plan_reason(plan: Any) -> str | None:
     """Why ``plan`` is never replayed, or None."""
-    from fusible.quantization.tensor import QuantizedTensor
-
     for op in plan.ops:
         if not _audited(type(op)):
             return f"op {type(op).__name__} is not declared replayable"
-        for p in op._parameters.values():
-            if isinstance(p, QuantizedTensor):
-                return f"{type(op).__name__} has a QuantizedTensor parameter"
         for fwd in (True, False):
             state = op.recipe_state(fwd)
             for q in state.quantizers if state is not None else ():
@@ -256,10 +257,13 @@ class PlanReplay:
     :class:`_NotReplayable`, least recently used first; the last hit is kept aside (one tuple
     comparison finds it)."""
 
-    __slots__ = ("buffers", "last", "last_sig", "reason", "sigs")
+    __slots__ = ("buffers", "last", "last_sig", "qparams", "reason", "sigs")
 
     def __init__(self, plan: Any) -> None:
         self.reason = _plan_reason(plan)
+        # Positions in the function's arguments of the QuantizedTensor parameters (the plan's
+        # key holds the parameters' types), found at the first forward.
+        self.qparams: tuple[int, ...] | None = None
         self.buffers = _buffers_of(plan) if self.reason is None else []
         self.sigs: collections.OrderedDict[Any, Any] = collections.OrderedDict()
         self.last_sig: Any = None
@@ -779,14 +783,16 @@ def _guards(rec: _Recorder) -> tuple[tuple[Any, torch.Tensor, torch.Tensor], ...
 
 def record_forward(
     ctx: Any, plan: Any, rc: PlanReplay, sig: Any, consts: Any, x: torch.Tensor,
-    args: tuple[Any, ...],
+    args: tuple[Any, ...], ins: tuple[Any, ...],
 ) -> Any:  # fmt: skip
     """Run the Python forward under a recorder, store what it recorded for ``sig`` and return
     the forward's outputs (its backward may then record too: ``ctx.fusible`` names the
-    recording)."""
+    recording). ``ins``: the recording's inputs after ``x`` (``args``, expanded where a
+    parameter is quantized: :func:`_expanded`)."""
     n, m = plan.n_extra_in, plan.n_extra_in + plan.n_params
     groups = [0] * (1 + n) + [1] * plan.n_params + [2] * (len(args) - m)
-    rec = _Recorder([x, *args], rc.known_tensors(), groups=groups)
+    groups += [3] * (len(ins) - len(args))  # a quantized parameter's tensors
+    rec = _Recorder([x, *ins], rc.known_tensors(), groups=groups)
     for p in args[n:m]:
         if not p.is_contiguous():
             rec.fail("a parameter is not contiguous (its strides are not in the signature)")
@@ -982,6 +988,18 @@ def _extras_key(x: torch.Tensor, extras: tuple[Any, ...]) -> tuple[Any, ...]:
     return out
 
 
+def _expanded(args: tuple[Any, ...], qparams: tuple[int, ...]) -> tuple[Any, list[Any]]:
+    """``(ins, parts)``: ``args`` with the ``QuantizedTensor`` parameters at ``qparams``
+    replaced by None and their data tensors (``parts``, in ``qdata_tensors`` order) appended:
+    what a recording of a plan with quantized parameters takes after ``x``."""
+    ins = list(args)
+    parts: list[Any] = []
+    for i in qparams:
+        parts += qdata_tensors(ins[i].qdata).values()
+        ins[i] = None
+    return (*ins, *parts), parts
+
+
 def _meta(ts: Any) -> tuple[Any, ...]:
     return tuple(
         None if t is None else (t.shape, t.stride(), t.dtype, t.device, t._base is None) for t in ts
@@ -1016,6 +1034,15 @@ def forward(ctx: Any, plan: Any, consts: Any, x: torch.Tensor, args: tuple[Any, 
         sig += (_extras_key(x, args[:n]),)
     if 1 in consts[0]:
         sig += (_meta(args[n + plan.n_params :]),)
+    qparams = rc.qparams
+    if qparams is None:
+        qparams = rc.qparams = tuple(
+            i for i in range(n, n + plan.n_params) if isinstance(args[i], QuantizedTensor)
+        )
+    ins = args
+    if qparams:
+        ins, parts = _expanded(args, qparams)
+        sig += (_meta(parts),)
     entry = rc.last if sig == rc.last_sig else rc.lookup(sig)
     if type(entry) is Recording:
         held = True
@@ -1026,23 +1053,23 @@ def forward(ctx: Any, plan: Any, consts: Any, x: torch.Tensor, args: tuple[Any, 
             rc.store(sig, _SEEN)  # a moved or rebuilt state: run Python now, record next time
         else:
             if CONFIG.check:
-                return _check_forward(ctx, plan, rc, entry, consts, x, args)
+                return _check_forward(ctx, plan, rc, entry, consts, x, args, ins)
             _STATS["forward.replay"] += 1
             if auto:
                 with _no_autocast():
-                    outs, saved = _run_forward(entry, x, args)
+                    outs, saved = _run_forward(entry, x, ins)
             elif entry.run is not None:
-                r = entry.run([x, *args])  # the C++ loop: outputs, then the saved tensors
+                r = entry.run([x, *ins])  # the C++ loop: outputs, then the saved tensors
                 outs, saved = tuple(r[: entry.n_all]), r[entry.n_all :]
             else:
-                outs, saved = entry.fn(x, args)
+                outs, saved = entry.fn(x, ins)
             ctx.save_for_backward(*saved)
             if entry.n_ws:
                 ctx.mark_non_differentiable(*outs[entry.n_out :])
             ctx.fusible = (plan, entry.layout, None, True, entry)
             return outs
     elif entry is _SEEN:
-        return record_forward(ctx, plan, rc, sig, consts, x, args)
+        return record_forward(ctx, plan, rc, sig, consts, x, args, ins)
     elif entry is None:
         rc.store(sig, _SEEN)
     _STATS["forward.python"] += 1
@@ -1231,8 +1258,9 @@ def _labels(plan: Any) -> str:
 
 
 def _check_forward(
-    ctx: Any, plan: Any, rc: PlanReplay, rec: Recording, consts: Any, x: Any, args: Any
-) -> Any:
+    ctx: Any, plan: Any, rc: PlanReplay, rec: Recording, consts: Any, x: Any, args: Any,
+    ins: Any,
+) -> Any:  # fmt: skip
     """Replay, then run the Python executor from the same state (its results are the step's),
     and compare outputs, saved tensors and state bit for bit."""
     _STATS["forward.check"] += 1
@@ -1240,10 +1268,10 @@ def _check_forward(
     before = _State(holders)
     auto = _any_autocast()
     with _no_autocast() if auto else contextlib.nullcontext():
-        r_outs, r_saved = _run_forward(rec, x, args)
+        r_outs, r_saved = _run_forward(rec, x, ins)
     after_r = _State(holders)
     before.restore()
-    tr = _Recorder([x, *args], rc.known_tensors(), trace=True)
+    tr = _Recorder([x, *ins], rc.known_tensors(), trace=True)
     with tr:
         outs = _PY_FORWARD(ctx, plan, consts, x, args, tr)
     after_p = _State(holders)
@@ -1259,7 +1287,7 @@ def _check_forward(
     why = why or after_p.diff(after_r)
     if why is not None:
         before.restore()
-        trace = _interpret(rec.calls_raw, [x, *args], True)
+        trace = _interpret(rec.calls_raw, [x, *ins], True)
         where = _first_difference(plan, rec.names, tr.traced, trace)
         after_p.restore()
         raise ReplayMismatch(

@@ -28,7 +28,8 @@ import fusible
 from fusible import ops, recipe
 from fusible.ops import replay
 from fusible.ops.op import BasicOperation
-from fusible.quantization import Float8CurrentScalingQuantizer, QuantizerRole
+from fusible.optim import MasterWeightOptimizer
+from fusible.quantization import Float8CurrentScalingQuantizer, QuantizedTensor, QuantizerRole
 from fusible.quantization.data import qdata_tensors
 
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
@@ -114,8 +115,14 @@ MODELS: dict[str, _Model] = {
 
 
 def _state(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters, recipe state and cached weight workspaces, as tensors."""
-    out = [p.detach().clone() for p in model.parameters()]
+    """Parameters (a quantized one's data and scales), recipe state and cached weight
+    workspaces, as tensors."""
+    out = []
+    for p in model.parameters():
+        if isinstance(p, QuantizedTensor):
+            out += [t.clone() for t in qdata_tensors(p.qdata).values()]
+        else:
+            out.append(p.detach().clone())
     for m in model.modules():
         if isinstance(m, BasicOperation):
             out += [v.clone() for v in m.get_extra_state().values()]
@@ -136,17 +143,23 @@ def _run(
     recipes: Any = None,
     grad: str = "train",
     setup: Any = None,
+    init: Any = None,
 ) -> list[Any]:
     """``steps`` training steps of model ``name`` (SGD; a fixed random loss weight), replay
     ``enabled`` or not; returns everything to compare. ``fms``: is_first_microbatch per step;
     ``recipes``: a recipe per step (overrides ``rec``); ``grad``: "train", "no_grad" or
-    "inference" (forward only)."""
+    "inference" (forward only); ``init``: build the model inside ``quantized_model_init(init)``
+    (FP8 weights, trained by ``MasterWeightOptimizer``)."""
     spec = MODELS[name]
     torch.manual_seed(0)
-    model = spec.make()
+    with fusible.quantized_model_init(init, enabled=init is not None):
+        model = spec.make()
     if setup is not None:
         setup(model)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt: Any = torch.optim.SGD(params, lr=1e-2)
+    if init is not None:
+        opt = MasterWeightOptimizer(torch.optim.SGD, params, lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     got: list[Any] = []
     with replay.options(enabled=enabled):
@@ -206,6 +219,18 @@ def test_replay_equals_python(model_name, recipe_name):
         pytest.skip(f"{model_name} under {recipe_name}: {e}")
     assert stats["forward.replay"] > 0 and stats["backward.replay"] > 0, stats
     assert stats["fallback.plan"] == stats["fallback.signature"] == 0, stats
+
+
+@pytest.mark.parametrize("init_name", ["current", "mxfp8"])
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "mxfp8"])
+@pytest.mark.parametrize("model_name", ["linear", "layernorm_mlp", "grouped_linear"])
+def test_quantized_weights_replay(model_name, recipe_name, init_name):
+    """FP8 weights (``quantized_model_init``, trained by ``MasterWeightOptimizer``, which
+    re-quantizes them in place each step): replayed with each weight's data tensors as inputs
+    of their own, bit for bit the Python executor, stored formats used as they are or not."""
+    stats = _compare(model_name, RECIPES[recipe_name], init=RECIPES[init_name])
+    assert stats["forward.replay"] == 3 and stats["backward.replay"] == 2, stats
+    assert stats["fallback.plan"] == stats["fallback.signature"] == 0
 
 
 @pytest.mark.parametrize("loop", ["cpp", "python"])
