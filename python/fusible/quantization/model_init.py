@@ -36,7 +36,12 @@ from fusible.quantization.recipe import DelayedScaling, Recipe
 from fusible.quantization.roles import QuantizerRole
 from fusible.quantization.state import RecipeState
 
-__all__ = ["get_quantized_model_init_recipe", "quantized_model_init", "weight_init_quantizer"]
+__all__ = [
+    "get_quantized_model_init_recipe",
+    "quantized_model_init",
+    "quantized_model_init_keeps_transpose",
+    "weight_init_quantizer",
+]
 
 _SUPPORTED = (
     "Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling, or a CustomRecipe whose weight "
@@ -44,13 +49,19 @@ _SUPPORTED = (
     "None: high precision)"
 )
 
-# The recipe of each entered region (None for enabled=False), innermost last.
-_stack: list[Recipe | None] = []
+# (recipe, keep_transpose) of each entered region (recipe None for enabled=False), innermost
+# last.
+_stack: list[tuple[Recipe | None, bool]] = []
 
 
 def get_quantized_model_init_recipe() -> Recipe | None:
     """The recipe of the innermost enabled ``quantized_model_init`` region, or None."""
-    return _stack[-1] if _stack else None
+    return _stack[-1][0] if _stack else None
+
+
+def quantized_model_init_keeps_transpose() -> bool:
+    """The innermost region's ``keep_transpose`` (False outside any)."""
+    return _stack[-1][1] if _stack and _stack[-1][0] is not None else False
 
 
 class quantized_model_init(contextlib.ContextDecorator):
@@ -58,7 +69,13 @@ class quantized_model_init(contextlib.ContextDecorator):
 
     ``recipe``: a :mod:`fusible.recipe` recipe (see the module docstring for which are supported);
     ``enabled``: False builds high-precision weights inside (regions nest and restore on exit);
-    ``recipe`` may then be None, like ``fusible.autocast(enabled=False)``.
+    ``recipe`` may then be None, like ``fusible.autocast(enabled=False)``;
+    ``keep_transpose``: a per-tensor FP8 weight also stores its transposed copy, the one the
+    dgrad GEMM reads (1 byte per element more: as many bytes as a bf16 weight), so that no
+    backward transposes it; the master-weight optimizer then re-quantizes both copies at each
+    step. False (the default) stores the rowwise copy only and each backward makes the
+    transposed copy by a byte transpose, freed after dgrad. MXFP8 and blockwise weights keep
+    both copies either way.
 
     Only construction is affected: the weights stay quantized afterwards, whatever region is
     active. Quantized weights are used as they are by forward and backward when the autocast
@@ -67,13 +84,15 @@ class quantized_model_init(contextlib.ContextDecorator):
     not at all without autocast). Train them with ``fusible.optim.MasterWeightOptimizer``.
     """
 
-    def __init__(self, recipe: Recipe | None, enabled: bool = True) -> None:
-        if not isinstance(enabled, bool):
-            raise TypeError(
-                f"fusible.quantized_model_init: 'enabled' must be a bool, got {enabled!r}"
-            )
+    def __init__(
+        self, recipe: Recipe | None, enabled: bool = True, *, keep_transpose: bool = False
+    ) -> None:
+        for arg, v in (("enabled", enabled), ("keep_transpose", keep_transpose)):
+            if not isinstance(v, bool):
+                raise TypeError(f"fusible.quantized_model_init: {arg!r} must be a bool, got {v!r}")
         self.recipe: Recipe | None = None
         self.enabled = enabled
+        self.keep_transpose = keep_transpose
         if recipe is None and not enabled:
             return
         if not isinstance(recipe, Recipe):
@@ -90,7 +109,7 @@ class quantized_model_init(contextlib.ContextDecorator):
         self.recipe = recipe
 
     def __enter__(self) -> quantized_model_init:
-        _stack.append(self.recipe if self.enabled else None)
+        _stack.append((self.recipe if self.enabled else None, self.keep_transpose))
         return self
 
     def __exit__(self, *exc_info: object) -> None:

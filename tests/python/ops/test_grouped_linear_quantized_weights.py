@@ -46,13 +46,15 @@ EXPECTED = {
 }
 
 
-def _mlp(rec=None, *, dtype=BF16, device="cpu", experts=E, seed=0):
+def _mlp(rec=None, *, dtype=BF16, device="cpu", experts=E, seed=0, keep_transpose=False):
     """An expert MLP, GroupedLinear -> GELU(tanh) -> GroupedLinear, built inside
     ``quantized_model_init(rec)`` (plain for None); the same seed gives the same initial
     high-precision values either way (quantizing draws nothing)."""
     torch.manual_seed(seed)
     kw = {"dtype": dtype, "device": device}
-    with fusible.quantized_model_init(rec) if rec is not None else nullcontext():
+    region = fusible.quantized_model_init(rec, enabled=rec is not None,
+                                          keep_transpose=keep_transpose)  # fmt: skip
+    with region:
         fc1 = ops.GroupedLinear(experts, H, F, name="fc1", **kw)
         fc2 = ops.GroupedLinear(experts, F, H, name="fc2", **kw)
     with torch.no_grad():
@@ -327,6 +329,45 @@ def test_is_first_microbatch_is_ignored_and_frozen_experts(weight_casts):
         model(xg, m_splits=list(SPLITS)).backward(dy)
     assert torch.equal(xg.grad, want["dx"])
     assert all(w.grad is None for w in _all_weights(model))
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "loop"])
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
+def test_keep_transpose_stores_both_copies_and_transposes_nothing(recipe_name, grouped, devices,
+                                                                  monkeypatch):  # fmt: skip
+    """``quantized_model_init(..., keep_transpose=True)``: each per-tensor weight stores its
+    transposed copy too (the cast's, bit for bit), backward reads it (no byte transpose), the
+    step equals the high-precision reference bit for bit, and the master-weight optimizer keeps
+    both copies the quantization of the master."""
+    init = QRECIPES["current"]
+    rec = init if recipe_name == "current" else recipe.CustomRecipe.from_rules(
+        {"weight:*": init, "*": recipe.DelayedScaling()}
+    )  # fmt: skip
+    model = _mlp(init, device=devices, keep_transpose=True)
+    ref = _mlp(None, device=devices)
+    _set_grouped(model, grouped)
+    _set_grouped(ref, grouped)
+    for w, hp in zip(_all_weights(model), _all_weights(ref), strict=True):
+        assert w.qdata.data is not None and w.qdata.data_t is not None
+        assert _same_bits(w.qdata, w.quantizer.quantize(hp.detach(), columnwise=True))
+    transposes = []
+    real = GL.C._byte_transpose
+    monkeypatch.setattr(GL.C, "_byte_transpose", lambda m: transposes.append(m.shape) or real(m))
+    x, dy = _data(SPLITS, devices, BF16)
+    with ops.fusion_disabled():
+        assert_same_results(_step(model, x, dy, SPLITS, rec), _step(ref, x, dy, SPLITS, rec),
+                            devices)  # fmt: skip
+    assert [s for s in transposes if s in ((F, H), (H, F))] == []
+    opt = MasterWeightOptimizer(torch.optim.SGD, model.parameters(), lr=0.05)
+    _step(model, x, dy, SPLITS, rec)
+    opt.step()
+    for w, m in opt.master_weights:
+        assert _same_bits(w.qdata, w.quantizer.quantize(m, rowwise=True, columnwise=True))
+    with fusible.quantized_model_init(init, keep_transpose=True):
+        dense = ops.Linear(H, F)
+    assert dense.weight.qdata.data_t is not None
+    with pytest.raises(TypeError, match="'keep_transpose' must be a bool"):
+        fusible.quantized_model_init(init, keep_transpose=1)
 
 
 # ---- training, checkpoints, conversions ----------------------------------------------------------

@@ -22,7 +22,6 @@ from fusible.ops.basic.quantized_weight import (
 )
 from fusible.ops.workspace import WorkspaceCache, quantize_weight
 from fusible.quantization import QuantizerRole
-from fusible.quantization.model_init import get_quantized_model_init_recipe
 from fusible.quantization.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -158,8 +157,7 @@ class GroupedLinear(QuantizedWeightOp):
                 b = torch.zeros(out_features, device=device, dtype=dtype)
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(b))
         self.workspace_caches = [WorkspaceCache() for _ in range(num_gemms)]
-        # The quantized_model_init recipe active at construction (None: high-precision weights).
-        self.weight_init_recipe = get_quantized_model_init_recipe()
+        self._record_weight_init()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

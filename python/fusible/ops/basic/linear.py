@@ -23,7 +23,6 @@ from fusible.ops.basic.quantized_weight import (
 from fusible.ops.op import BasicOperation, OpContext
 from fusible.ops.workspace import WorkspaceCache, quantize_weight
 from fusible.quantization import QuantizerRole
-from fusible.quantization.model_init import get_quantized_model_init_recipe
 from fusible.quantization.quantizers import (
     Float8BlockData,
     Float8BlockQuantizer,
@@ -35,7 +34,6 @@ from fusible.quantization.quantizers import (
     QuantizedTensor,
     Quantizer,
 )
-from fusible.quantization.recipe import Recipe
 
 __all__ = ["BasicLinear", "Bias"]
 
@@ -127,8 +125,7 @@ class BasicLinear(QuantizedWeightOp):
         )
         self.workspace_cache = WorkspaceCache()
         self._rowwise_twins: dict[str, tuple[Quantizer, Quantizer]] = {}
-        # The quantized_model_init recipe active at construction (None: high-precision weight).
-        self.weight_init_recipe: Recipe | None = get_quantized_model_init_recipe()
+        self._record_weight_init()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

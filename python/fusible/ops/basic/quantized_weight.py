@@ -16,7 +16,11 @@ import torch
 from fusible._kernels import HIGH_PRECISION_DTYPES
 from fusible.ops.op import BasicOperation
 from fusible.ops.workspace import quantize_weight
-from fusible.quantization.model_init import weight_init_quantizer
+from fusible.quantization.model_init import (
+    get_quantized_model_init_recipe,
+    quantized_model_init_keeps_transpose,
+    weight_init_quantizer,
+)
 from fusible.quantization.quantizers import (
     Float8BlockData,
     Float8BlockQuantizer,
@@ -49,6 +53,12 @@ class QuantizedWeightOp(BasicOperation):
 
     weight_init_recipe: Recipe | None
 
+    def _record_weight_init(self) -> None:
+        """Keep the ``quantized_model_init`` region active at construction (None: high-precision
+        weights): what ``to_empty()`` and ``set_role_scope`` quantize with later."""
+        self.weight_init_recipe = get_quantized_model_init_recipe()
+        self.weight_init_transpose = quantized_model_init_keeps_transpose()
+
     def weight_roles(self) -> dict[str, QuantizerRole]:
         """Each weight parameter that may be stored quantized, by name, and its weight role (the
         role whose quantizer stores it under ``quantized_model_init``)."""
@@ -75,7 +85,10 @@ class QuantizedWeightOp(BasicOperation):
                 continue
             # Blockwise: both copies too (a 1x128 columnwise copy has its own scales; a 128x128
             # one could be transposed on demand, but keeping it costs no second pass).
-            both = isinstance(q, (MXFP8Quantizer, Float8BlockQuantizer))
+            # Per-tensor: the transposed copy only when the region asked to keep it.
+            both = isinstance(q, (MXFP8Quantizer, Float8BlockQuantizer)) or bool(
+                getattr(self, "weight_init_transpose", False)
+            )
             qdata, _ = quantize_weight(w.detach(), q, None, False, columnwise=both)
             qt = QuantizedTensor.wrap(qdata, dtype=w.dtype, quantizer=q)
             setattr(self, name, torch.nn.Parameter(qt, requires_grad=w.requires_grad))
