@@ -69,9 +69,18 @@ def test_grouped_tiny(tmp_path):
     assert "fresh gradients" in out and "accumulating into .grad" in out, out
     (path,) = tmp_path.glob("grouped_*.json")
     got = json.loads(path.read_text())
-    # The fresh-gradient table has one row more: delayed scaling with the fusions disabled.
-    assert len(got["results"]) == len(got["results_accumulate"]) + 1 >= 6, got
-    assert "fusible delayed, unfused (GELU kernel)" in out, out
+    # The fresh-gradient table has eight rows more: delayed scaling with the fusions disabled
+    # and with cached weight workspaces, FP8 weights (two layouts) under delayed and current
+    # scaling, and their re-quantization once per optimizer step (two rows).
+    assert len(got["results"]) == len(got["results_accumulate"]) + 8 >= 13, got
+    for row in (
+        "fusible delayed, unfused (GELU kernel)",
+        "cached weight workspaces",
+        "fusible current, FP8 weights + transposes",
+        "re-quantize from fp32 masters",
+    ):
+        assert row in out, (row, out)
+    assert all(isinstance(r["ms"], float) for r in got["results"]), got
 
 
 def test_peak_memory_tiny(tmp_path):
