@@ -852,15 +852,8 @@ void norm_forward_cuda(const NormFwdArgs& a, const fus_context& ctx) {
   const bool block2d = q && q->mode == FUS_SCALING_BLOCK_2D;
   float* scale_inv = per_tensor ? static_cast<float*>(q->rowwise_scale_inv) : nullptr;
   float* amax = q ? q->amax : nullptr;
-  // Accumulating (q->amax_accumulate): the blocks' atomicMax combines into the caller's value.
-  if (amax && !q->amax_accumulate) FUS_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
-  if (rows == 0) {
-    if (scale_inv) {
-      fused::scale_inv_kernel<<<1, 1, 0, stream>>>(q->scale, scale_inv);
-      FUS_CUDA_CHECK_LAUNCH("scale_inv_kernel");
-    }
-    return;
-  }
+  fused::begin_cast(q, rows == 0, stream);
+  if (rows == 0) return;
 
   NormFwdParams p{};
   p.ln = a.layernorm;

@@ -552,19 +552,8 @@ void quantize_cuda(const fus_tensor& input, const fus_quantized& out, const fus_
   const cudaStream_t stream = stream_of(ctx);
   const int64_t rows = input.rows, cols = input.cols;
   const bool per_tensor = out.mode == FUS_SCALING_PER_TENSOR;
-  // Accumulating (out.amax_accumulate): the blocks' atomicMax combines into the caller's value.
-  if (out.amax && !out.amax_accumulate)
-    FUS_CUDA_CHECK(cudaMemsetAsync(out.amax, 0, sizeof(float), stream));
-  if (rows * cols == 0) {
-    // As the CPU backend: amax 0 (above; unchanged when accumulating) and, per tensor,
-    // scale_inv = 1 / scale.
-    if (per_tensor && out.scale && out.rowwise_scale_inv) {
-      fused::scale_inv_kernel<<<1, 1, 0, stream>>>(out.scale,
-                                                   static_cast<float*>(out.rowwise_scale_inv));
-      FUS_CUDA_CHECK_LAUNCH("scale_inv_kernel");
-    }
-    return;
-  }
+  fused::begin_cast(&out, rows * cols == 0, stream);
+  if (rows * cols == 0) return;
 
   CastParams p{};
   p.x = input.data;
