@@ -444,14 +444,9 @@ void act_launch(const ActArgs& a, const fus_context& ctx, bool bwd) {
   const bool per_tensor = q && q->mode == FUS_SCALING_PER_TENSOR;
   float* scale_inv = per_tensor ? static_cast<float*>(q->rowwise_scale_inv) : nullptr;
   float* amax = q ? q->amax : nullptr;
-  // Accumulating (q->amax_accumulate): the blocks' atomicMax combines into the caller's value.
-  if (amax && !q->amax_accumulate) FUS_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  fused::begin_cast(q, rows == 0, stream);
 
   if (rows == 0) {
-    if (scale_inv) {
-      fused::scale_inv_kernel<<<1, 1, 0, stream>>>(q->scale, scale_inv);
-      FUS_CUDA_CHECK_LAUNCH("scale_inv_kernel");
-    }
     if (a.dbias)
       FUS_CUDA_CHECK(
           cudaMemsetAsync(a.dbias->data, 0, out_cols * fus_dtype_size(a.dbias->dtype), stream));

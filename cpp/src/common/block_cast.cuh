@@ -175,20 +175,25 @@ __device__ __forceinline__ constexpr int bitrev(int i) {
   return r;
 }
 
-// One halving exchange of transpose_max (lane distance N / M): v[0 .. M) become M / 2 partial
-// maxima, then the next step (M / 2). As template recursion every index is a compile-time
-// constant.
+// One halving exchange of transpose_max, between lanes at distance o: v[0 .. m) become m / 2
+// partial maxima (each lane keeps the half its bit o selects and receives the other's).
+template <int N>
+__device__ __forceinline__ void halving_step(uint32_t (&v)[N], int lane, int o, int m) {
+  const bool upper = (lane & o) != 0;
+#pragma unroll
+  for (int k = 0; k < m / 2; ++k) {
+    const uint32_t send = upper ? v[k] : v[k + m / 2];
+    const uint32_t keep = upper ? v[k + m / 2] : v[k];
+    v[k] = max(keep, __shfl_xor_sync(kFull, send, o));
+  }
+}
+
+// The halving exchanges from v[0 .. M) on (lane distance N / M, then the next step with M / 2). As
+// template recursion every index is a compile-time constant.
 template <int N, int M>
 __device__ __forceinline__ void halving_max(uint32_t (&v)[N], int lane) {
   if constexpr (M > 1) {
-    constexpr int o = N / M;
-    const bool upper = (lane & o) != 0;
-#pragma unroll
-    for (int k = 0; k < M / 2; ++k) {
-      const uint32_t send = upper ? v[k] : v[k + M / 2];
-      const uint32_t keep = upper ? v[k + M / 2] : v[k];
-      v[k] = max(keep, __shfl_xor_sync(kFull, send, o));
-    }
+    halving_step(v, lane, N / M, M);
     halving_max<N, M / 2>(v, lane);
   }
 }
@@ -198,10 +203,11 @@ __device__ __forceinline__ void halving_max(uint32_t (&v)[N], int lane) {
 // value over N lanes, one butterfly step completes it over L. Returns, on every lane, the max of
 // v[bitrev<N>(lane % N)].
 //
-// The same exchanges written two ways, for ptxas: N = 16 (fp32 chunks, the fused kernels) by
-// template recursion, because nvcc leaves the step loop rolled inside norm_block_kernel (v then
-// lives in local memory, 64 bytes a thread); N = 8 (16-bit chunks, the standalone cast only) as
-// the loop, because the recursion costs that cast a 4-byte spill at its 80-register budget.
+// The same exchanges (halving_step) sequenced two ways, for ptxas: N = 16 (fp32 chunks, the fused
+// kernels) by template recursion, because nvcc leaves the step loop rolled inside
+// norm_block_kernel (v then lives in local memory, 64 bytes a thread); N = 8 (16-bit chunks, the
+// standalone cast only) as the loop, because the recursion costs that cast a 4-byte spill at its
+// 80-register budget.
 template <int N, int L>
 __device__ __forceinline__ uint32_t transpose_max(uint32_t (&v)[N]) {
   static_assert(L == 2 * N, "one butterfly step after the exchanges");
@@ -210,16 +216,7 @@ __device__ __forceinline__ uint32_t transpose_max(uint32_t (&v)[N]) {
     halving_max<N, N>(v, lane);
   } else {
 #pragma unroll
-    for (int s = 0; (1 << s) < N; ++s) {
-      const int o = 1 << s, m = N >> s;
-      const bool upper = (lane & o) != 0;
-#pragma unroll
-      for (int k = 0; k < m / 2; ++k) {
-        const uint32_t send = upper ? v[k] : v[k + m / 2];
-        const uint32_t keep = upper ? v[k + m / 2] : v[k];
-        v[k] = max(keep, __shfl_xor_sync(kFull, send, o));
-      }
-    }
+    for (int s = 0; (1 << s) < N; ++s) halving_step(v, lane, 1 << s, N >> s);
   }
   return max(v[0], __shfl_xor_sync(kFull, v[0], N));
 }

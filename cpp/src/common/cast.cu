@@ -84,14 +84,9 @@ __global__ void __launch_bounds__(kThreads) transpose_fp8_kernel(const CastParam
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int j = lane & 7, cg = warp * 4 + (lane >> 3);  // tile rows 16 * j ..., columns 4 * cg ...
 
-  TileWalk ahead(p, blockIdx.x);
-#pragma unroll
-  for (int d = 0; d < kTpStages - 1; ++d, ahead.next(p)) tp_issue(p, tiles[d], ahead);
-  int stage = 0;
-  for (TileWalk w(p, blockIdx.x); w.valid(p); w.next(p), ahead.next(p)) {
-    tp_issue(p, tiles[(stage + kTpStages - 1) % kTpStages], ahead);
-    cp_async_wait<kTpStages - 1>();  // this thread's pieces of tile w have landed
-    __syncthreads();                 // and every other thread's
+  auto issue = [&](const TileWalk& w, int s) { tp_issue(p, tiles[s], w); };
+  walk_tiles<kTpStages>(p, issue, [&](const TileWalk& w, int stage) {
+    __syncthreads();  // and every other thread's pieces of tile w (walk_tiles waited for its own)
 
     const uint8_t* tile = tiles[stage];
     const int64_t r0 = static_cast<int64_t>(w.tr) * kTp, c0 = static_cast<int64_t>(w.tc) * kTp;
@@ -100,9 +95,7 @@ __global__ void __launch_bounds__(kThreads) transpose_fp8_kernel(const CastParam
     store_transposed16([&](int row, int col) { return tile + tp_at(row, col); }, 16 * j, 4 * cg,
                        p.col + cc * rows + r, rows, r, cc, cols, fast, p.vec_col);
     __syncthreads();  // the stage is reloaded by the next iteration's issue
-    stage = (stage + 1) % kTpStages;
-  }
-  cp_async_wait<0>();
+  });
 }
 
 __global__ void scale_from_amax_kernel(const float* amax, float* scale, float* scale_inv,

@@ -1,5 +1,6 @@
 // Device helpers that every CUDA kernel family shares: packed vectors of eight 16-bit values
-// (widening, paired rounding, packed amax), the block-wide amax, and the scale_inv kernel.
+// (widening, paired rounding, packed amax), the block-wide amax, the scale_inv kernel and what
+// every cast does on the host before its kernels (begin_cast).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,7 +8,9 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/cuda_utils.h"
 #include "common/fp32_ops.h"
+#include "fusible/common.h"
 
 namespace fusible {
 namespace fused {
@@ -111,6 +114,23 @@ __device__ __forceinline__ void block_amax(uint32_t v, float* amax) {
 // *scale_inv = 1 / *scale (the same IEEE division as the CPU backend).
 static __global__ void scale_inv_kernel(const float* scale, float* scale_inv) {
   *scale_inv = f_div(1.0f, *scale);
+}
+
+// ---- host side
+// --------------------------------------------------------------------------------------
+
+// What a cast into q (null: none) does first, on the stream: zero q's amax for the blocks'
+// atomicMax, unless the caller accumulates into it (amax_accumulate: they max-combine into its
+// value); for an empty input, whose cast launches nothing else, the per-tensor scale_inv =
+// 1 / scale, as the CPU backend (cast_cpu).
+static inline void begin_cast(const fus_quantized* q, bool empty, cudaStream_t stream) {
+  if (q == nullptr) return;
+  if (q->amax && !q->amax_accumulate)
+    FUS_CUDA_CHECK(cudaMemsetAsync(q->amax, 0, sizeof(float), stream));
+  if (empty && q->mode == FUS_SCALING_PER_TENSOR && q->scale && q->rowwise_scale_inv) {
+    scale_inv_kernel<<<1, 1, 0, stream>>>(q->scale, static_cast<float*>(q->rowwise_scale_inv));
+    FUS_CUDA_CHECK_LAUNCH("scale_inv_kernel");
+  }
 }
 
 }  // namespace fused

@@ -1,7 +1,7 @@
 // Device building blocks of the tiled FP8 kernels that walk a matrix with their loads in flight
 // (the quantize family's persistent casts and the FP8 byte transpose of common/cast.cu): 16-byte
-// chunks, cp.async loads, vector stores of packed bytes, the tile walk, and the transposed store
-// of a byte tile.
+// chunks, cp.async loads, vector stores of packed bytes, the tile walk and the pipelined loop over
+// it (walk_tiles), and the transposed store of a byte tile.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -109,6 +109,25 @@ struct TileWalk {
     }
   }
 };
+
+// A block's persistent walk over its tiles, the loads of the next kStages - 1 tiles in flight:
+// issue(w, s) loads tile w (if valid) into stage s and commits one cp.async group (always, so the
+// group count stays in step with the tiles); body(w, s) runs once this thread's loads of tile w
+// into stage s have landed.
+template <int kStages, typename Issue, typename Body>
+__device__ __forceinline__ void walk_tiles(const CastParams& p, Issue&& issue, Body&& body) {
+  TileWalk ahead(p, blockIdx.x);
+#pragma unroll
+  for (int d = 0; d < kStages - 1; ++d, ahead.next(p)) issue(ahead, d);
+  int stage = 0;
+  for (TileWalk w(p, blockIdx.x); w.valid(p); w.next(p), ahead.next(p)) {
+    issue(ahead, (stage + kStages - 1) % kStages);
+    cp_async_wait<kStages - 1>();  // this thread's loads of tile w have landed
+    body(w, stage);
+    stage = (stage + 1) % kStages;
+  }
+  cp_async_wait<0>();
+}
 
 // Transposes a 4x4 byte block: out[i] holds byte i of in[0..3], in order.
 __device__ __forceinline__ void transpose4x4(const uint32_t (&in)[4], uint32_t (&out)[4]) {

@@ -100,7 +100,8 @@ __device__ __forceinline__ int chunk_len(int64_t cols, int64_t col) {
 // ---- forward, rowwise
 // -----------------------------------------------------------------------------
 
-struct NormFwdParams {
+// The forward's inputs, as every forward kernel reads them.
+struct NormInputs {
   bool ln, zc;
   const void* x;
   fus_dtype x_dt;
@@ -108,6 +109,14 @@ struct NormFwdParams {
   fus_dtype g_dt;
   const void* beta;
   fus_dtype b_dt;
+};
+
+NormInputs inputs_of(const NormFwdArgs& a) {
+  return NormInputs{a.layernorm,  a.zero_centered, a.x.data, a.x.dtype,
+                    a.gamma.data, a.gamma.dtype,   a.beta,   a.beta_dtype};
+}
+
+struct NormFwdParams : NormInputs {
   float eps;
   int64_t rows, cols;
   int lanes;
@@ -363,22 +372,12 @@ __global__ void __launch_bounds__(512) norm_fwd_fast_kernel(const NormFwdParams 
 
 // What the kernels that recompute y from x and the row statistics read (after the rowwise
 // kernel): norm_col_kernel and norm_block_kernel.
-struct NormSource {
-  bool ln, zc;
-  const void* x;
-  fus_dtype x_dt;
-  const void* gamma;
-  fus_dtype g_dt;
-  const void* beta;
-  fus_dtype b_dt;
+struct NormSource : NormInputs {
   const float* mean;
   const float* rstd;
 };
 
-NormSource source_of(const NormFwdArgs& a) {
-  return NormSource{a.layernorm,   a.zero_centered, a.x.data,     a.x.dtype, a.gamma.data,
-                    a.gamma.dtype, a.beta,          a.beta_dtype, a.mean,    a.rstd};
-}
+NormSource source_of(const NormFwdArgs& a) { return NormSource{inputs_of(a), a.mean, a.rstd}; }
 
 struct NormColParams : NormSource {
   bool vec_x;
@@ -852,25 +851,11 @@ void norm_forward_cuda(const NormFwdArgs& a, const fus_context& ctx) {
   const bool block2d = q && q->mode == FUS_SCALING_BLOCK_2D;
   float* scale_inv = per_tensor ? static_cast<float*>(q->rowwise_scale_inv) : nullptr;
   float* amax = q ? q->amax : nullptr;
-  // Accumulating (q->amax_accumulate): the blocks' atomicMax combines into the caller's value.
-  if (amax && !q->amax_accumulate) FUS_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
-  if (rows == 0) {
-    if (scale_inv) {
-      fused::scale_inv_kernel<<<1, 1, 0, stream>>>(q->scale, scale_inv);
-      FUS_CUDA_CHECK_LAUNCH("scale_inv_kernel");
-    }
-    return;
-  }
+  fused::begin_cast(q, rows == 0, stream);
+  if (rows == 0) return;
 
   NormFwdParams p{};
-  p.ln = a.layernorm;
-  p.zc = a.zero_centered;
-  p.x = a.x.data;
-  p.x_dt = a.x.dtype;
-  p.gamma = a.gamma.data;
-  p.g_dt = a.gamma.dtype;
-  p.beta = a.beta;
-  p.b_dt = a.beta_dtype;
+  static_cast<NormInputs&>(p) = inputs_of(a);
   p.eps = a.eps;
   p.rows = rows;
   p.cols = H;

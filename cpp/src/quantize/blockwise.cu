@@ -171,9 +171,7 @@ void quantize_blockwise_cuda(const fus_tensor& input, const fus_quantized& out,
                              const fus_context& ctx) {
   CudaDeviceGuard guard(ctx.device_index);
   cudaStream_t stream = stream_of(ctx);
-  // Accumulating (out.amax_accumulate): the blocks' atomicMax combines into the caller's value.
-  if (out.amax && !out.amax_accumulate)
-    FUS_CUDA_CHECK(cudaMemsetAsync(out.amax, 0, sizeof(float), stream));
+  fused::begin_cast(&out, input.rows * input.cols == 0, stream);  // blockwise: amax only
   if (input.rows * input.cols == 0) return;
   const int64_t tiles = ceil_div(input.rows, kTile) * ceil_div(input.cols, kTile);
   if (tiles > INT_MAX)

@@ -168,14 +168,8 @@ __device__ __forceinline__ void cast_transpose_body(const CastParams& p, const f
   for (int i = 0; i < N; ++i) s[i] = scale;
 
   uint32_t amax = 0;
-  TileWalk ahead(p, blockIdx.x);
-#pragma unroll
-  for (int d = 0; d < kStages - 1; ++d, ahead.next(p)) issue_tile<T, S, kStages>(p, ring, ahead, d);
-  int stage = 0;
-  for (TileWalk w(p, blockIdx.x); w.valid(p); w.next(p), ahead.next(p)) {
-    issue_tile<T, S, kStages>(p, ring, ahead, (stage + kStages - 1) % kStages);
-    cp_async_wait<kStages - 1>();  // this thread's chunks of tile w have landed
-
+  auto issue = [&](const TileWalk& t, int st) { issue_tile<T, S, kStages>(p, ring, t, st); };
+  walk_tiles<kStages>(p, issue, [&](const TileWalk& w, int stage) {
     const int64_t r0 = static_cast<int64_t>(w.tr) * kTr, c0 = static_cast<int64_t>(w.tc) * kTc;
     const bool full = r0 + kTr <= rows && c0 + kTc <= cols;
     const bool fast_row = full && p.vec_row, fast_col = full && p.vec_col;
@@ -212,9 +206,7 @@ __device__ __forceinline__ void cast_transpose_body(const CastParams& p, const f
       }
       __syncthreads();  // the tile is rewritten by the next iteration
     }
-    stage = (stage + 1) % kStages;
-  }
-  cp_async_wait<0>();
+  });
 
   if (p.amax) fused::block_amax(amax, p.amax);
   // Same division as the CPU backend (IEEE, no fast math).
@@ -285,14 +277,8 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const CastParams p) {
   const int tr = threadIdx.x / S::kCpr, tc = threadIdx.x % S::kCpr * N;
 
   uint32_t amax = 0;
-  TileWalk ahead(p, blockIdx.x);
-#pragma unroll
-  for (int d = 0; d < kStages - 1; ++d, ahead.next(p)) issue_tile<T, S, kStages>(p, ring, ahead, d);
-  int stage = 0;
-  for (TileWalk w(p, blockIdx.x); w.valid(p); w.next(p), ahead.next(p)) {
-    issue_tile<T, S, kStages>(p, ring, ahead, (stage + kStages - 1) % kStages);
-    cp_async_wait<kStages - 1>();  // this thread's chunks of tile w have landed
-
+  auto issue = [&](const TileWalk& t, int st) { issue_tile<T, S, kStages>(p, ring, t, st); };
+  walk_tiles<kStages>(p, issue, [&](const TileWalk& w, int stage) {
     const int64_t r0 = static_cast<int64_t>(w.tr) * S::kRows, c0 = static_cast<int64_t>(w.tc) * kTc;
     const bool full = r0 + S::kRows <= rows && c0 + kTc <= cols;
     const bool fast_row = full && p.vec_row, fast_col = full && p.vec_col;
@@ -368,9 +354,7 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const CastParams p) {
       // The next tile's col_mult writes come after its first barrier, which every thread reaches
       // only after reading col_mult here.
     }
-    stage = (stage + 1) % kStages;
-  }
-  cp_async_wait<0>();
+  });
 
   if (p.amax) fused::block_amax(amax, p.amax);
 }
@@ -552,19 +536,8 @@ void quantize_cuda(const fus_tensor& input, const fus_quantized& out, const fus_
   const cudaStream_t stream = stream_of(ctx);
   const int64_t rows = input.rows, cols = input.cols;
   const bool per_tensor = out.mode == FUS_SCALING_PER_TENSOR;
-  // Accumulating (out.amax_accumulate): the blocks' atomicMax combines into the caller's value.
-  if (out.amax && !out.amax_accumulate)
-    FUS_CUDA_CHECK(cudaMemsetAsync(out.amax, 0, sizeof(float), stream));
-  if (rows * cols == 0) {
-    // As the CPU backend: amax 0 (above; unchanged when accumulating) and, per tensor,
-    // scale_inv = 1 / scale.
-    if (per_tensor && out.scale && out.rowwise_scale_inv) {
-      fused::scale_inv_kernel<<<1, 1, 0, stream>>>(out.scale,
-                                                   static_cast<float*>(out.rowwise_scale_inv));
-      FUS_CUDA_CHECK_LAUNCH("scale_inv_kernel");
-    }
-    return;
-  }
+  fused::begin_cast(&out, rows * cols == 0, stream);
+  if (rows * cols == 0) return;
 
   CastParams p{};
   p.x = input.data;
