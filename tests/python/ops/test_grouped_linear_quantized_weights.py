@@ -475,3 +475,129 @@ def test_compile_raises_a_clear_error():
         e = e.__cause__ or e.__context__
     assert any("GroupedLinear: torch.compile does not support quantized weights" in m
                for m in chain)  # fmt: skip
+
+
+# ---- edge cases (a review of the first version) --------------------------------------------------
+
+
+def test_op_pickled_before_quantized_weights_converts_and_resets():
+    """An op saved before ``weight_init_recipe`` / ``weight_init_transpose`` existed (simulated
+    by removing them) reads the class defaults."""
+    model = _mlp(None)
+    for op in _grouped_ops(model):
+        op.__dict__.pop("weight_init_recipe", None)
+        op.__dict__.pop("weight_init_transpose", None)
+    model.to(torch.float32)
+    for op in _grouped_ops(model):
+        op.reset_parameters()
+    assert all(type(w) is torch.nn.Parameter for w in _all_weights(model))
+
+
+@pytest.mark.parametrize("save_t,load_t", [(False, True), (True, False)])
+def test_checkpoint_across_keep_transpose_is_exact(save_t, load_t):
+    """A checkpoint saved with one ``keep_transpose`` loads bit for bit into the other layout,
+    after a master-weight step moved the weights off their first quantization (where
+    re-quantizing the dequantized value can move the scale)."""
+    rec = QRECIPES["current"]
+    model = _mlp(rec, keep_transpose=save_t)
+    opt = MasterWeightOptimizer(torch.optim.SGD, model.parameters(), lr=0.3)
+    x, dy = _data(SPLITS, "cpu", BF16)
+    _step(model, x, dy, SPLITS, rec)
+    opt.step()
+    other = _mlp(rec, keep_transpose=load_t, seed=7)
+    other.load_state_dict(save_load(model.state_dict()))
+    for a, b in zip(_all_weights(other), _all_weights(model), strict=True):
+        assert (a.qdata.data_t is not None) == load_t
+        assert torch.equal(a.qdata.scale_inv, b.qdata.scale_inv)
+        assert torch.equal(a.qdata.data.view(torch.uint8), b.qdata.data.view(torch.uint8))
+        if load_t:
+            assert torch.equal(a.qdata.data_t.view(torch.uint8),
+                               b.qdata.data.t().contiguous().view(torch.uint8))  # fmt: skip
+
+
+def test_stored_weights_in_a_mixed_model_are_not_dequantized(monkeypatch):
+    """Experts stored per-tensor (used as is) next to one stored MXFP8 (dequantized, cast): the
+    grouped cast gets a placeholder for the former, so none of them is dequantized."""
+    calls = []
+    real = Q.Float8Data.dequantize
+    monkeypatch.setattr(Q.Float8Data, "dequantize",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))  # fmt: skip
+    model = _mlp(QRECIPES["custom"])
+    x, dy = _data(SPLITS, "cpu", BF16)
+    with torch.no_grad(), fusible.autocast(recipe=QRECIPES["current"]):
+        model(x, m_splits=list(SPLITS))
+    assert calls == []
+    ref = _mlp(None)
+    with torch.no_grad():
+        for r, w in zip(_all_weights(ref), _all_weights(model), strict=True):
+            r.copy_(w.dequantize())
+    # Per-tensor stored weights equal their re-cast (see test_quantized_weights.py), MXFP8 ones
+    # are dequantized and cast: the step equals the dequantized-weights reference.
+    rec = QRECIPES["current"]
+    assert_same_results(_step(model, x, dy, SPLITS, rec), _step(ref, x, dy, SPLITS, rec), "cpu")
+
+
+def test_explain_notes_with_mixed_formats_and_kept_transposes():
+    with fusible.autocast(recipe=QRECIPES["current"]):
+        mixed = _mlp(QRECIPES["custom"]).explain()
+        kept = _mlp(QRECIPES["current"], keep_transpose=True).explain()
+        fused = _mlp(QRECIPES["current"]).explain()
+    assert "dequantize(stored MXFP8Tensor weights: another format is active)" in mixed
+    assert "byte transpose" not in kept
+    # The fused expert MLP keeps the grouped step after the notes.
+    assert "used as is: no weight quantize), grouped (x3" in fused
+    assert "then grouped (x3): grouped_gemm(dgrad), grouped_gemm(wgrad) (no grouped_bias_grad" in (
+        fused
+    )
+
+
+def test_refused_conversion_names_the_weight_and_changes_nothing():
+    model = _mlp(QRECIPES["current"])
+    with pytest.raises(TypeError, match=r"GroupedLinear\.weight0: a quantized weight's nominal "
+                                        r"dtype must be float32, float16 or bfloat16"):  # fmt: skip
+        model.double()
+    assert all(p.dtype == BF16 for p in model.parameters())
+
+
+def test_load_with_strict_false_ignores_other_weights_data():
+    """A checkpoint of more experts (or a Linear's) loaded with strict=False: the extra
+    weights' quantized data is ignored, not reported as malformed recipe state."""
+    rec = QRECIPES["current"]
+    big, small = _mlp(rec, experts=4), _mlp(rec, experts=2)
+    small.load_state_dict(big.state_dict(), strict=False)
+    for i in range(2):
+        a, b = small[0]._parameters[f"weight{i}"], big[0]._parameters[f"weight{i}"]
+        assert _same_bits(a.qdata, b.qdata)
+    with fusible.quantized_model_init(rec):
+        lin = ops.Linear(H, F)
+    small[0].load_state_dict({"_extra_state": lin.state_dict()["0._extra_state"]}, strict=False)
+    with pytest.raises(ValueError, match="malformed recipe state key 'junk'"):
+        small[0].load_state_dict({"_extra_state": {"junk": torch.zeros(1)}}, strict=False)
+
+
+def test_assign_load_onto_a_weight_without_quantizer_raises():
+    model = _mlp(None)
+    op = _grouped_ops(model)[0]
+    for i, w in enumerate(op.weights()):
+        data = weight_init_quantizer(QRECIPES["current"], op.weight_roles()[f"weight{i}"],
+                                     "cpu").quantize(w.detach())  # fmt: skip
+        setattr(op, f"weight{i}", torch.nn.Parameter(QuantizedTensor.wrap(data, dtype=w.dtype)))
+    sd = {k: v.dequantize() if isinstance(v, QuantizedTensor) else v
+          for k, v in op.state_dict(keep_vars=True).items()}  # fmt: skip
+    with pytest.raises(ValueError, match="GroupedLinear: load_state_dict\\(assign=True\\) cannot "
+                                         "quantize the loaded weight0"):  # fmt: skip
+        op.load_state_dict(sd, assign=True)
+    assert all(isinstance(w, QuantizedTensor) for w in op.weights())
+
+
+def test_plain_weights_of_a_quantized_build_stay_put_on_conversion():
+    """Weights assigned high precision (fine-tuning) in an op built inside
+    quantized_model_init are not quantized again by ``.float()`` (an optimizer keeps them)."""
+    model = _mlp(QRECIPES["current"])
+    op = _grouped_ops(model)[0]
+    for i, w in enumerate(op.weights()):
+        setattr(op, f"weight{i}", torch.nn.Parameter(w.dequantize()))
+    before = op.weights()
+    model.float()
+    assert all(a is b and type(a) is torch.nn.Parameter for a, b in zip(op.weights(), before,
+                                                                        strict=True))  # fmt: skip

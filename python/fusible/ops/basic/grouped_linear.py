@@ -255,10 +255,13 @@ class GroupedLinear(QuantizedWeightOp):
             name = type(next(iter(used.values()))).__name__
             if fwd:
                 note.append(f"(stored {name} weights used as is: no weight quantize)")
-            elif any(type(w.qdata) is Float8Data for w in used.values()):
+            elif any(type(w.qdata) is Float8Data and w.qdata.data_t is None
+                     for w in used.values()):  # fmt: skip
+                # (keep_transpose: the stored transposed copy is read as it is)
                 note.append(f"fp8 byte transpose of each stored {name} weight (for dgrad)")
-        if len(used) < len(stored) and fwd:
-            name = type(next(iter(stored.values()))).__name__
+        other = [w for k, w in stored.items() if k not in used]
+        if other and fwd:
+            name = type(other[0]).__name__
             note.append(f"dequantize(stored {name} weights: another format is active)")
         return note, len(used) < self.num_gemms
 
@@ -607,7 +610,12 @@ class GroupedLinear(QuantizedWeightOp):
             if n == 1:
                 made = self._grouped_cast(qws, [ws[0].contiguous()], (), True, col)
             else:
-                made = self._grouped_cast(qws, [w.contiguous() for w in ws], rows, True, col)
+                # A weight used as stored goes in as an empty placeholder (its tensor would be
+                # dequantized by QuantizedTensor's dispatch only to be skipped).
+                empty = ws[0].dtype, ws[0].device
+                listed = [torch.empty((0, self.in_features), dtype=empty[0], device=empty[1])
+                          if used[i] else w.contiguous() for i, w in enumerate(ws)]  # fmt: skip
+                made = self._grouped_cast(qws, listed, rows, True, col)
             for i in todo:
                 wqs[i] = made[i]
                 if cache.get(i, False):

@@ -236,7 +236,7 @@ class BasicLinear(QuantizedWeightOp):
             return [f"dequantize(stored {name} weight: another format is active)"] if fwd else []
         if fwd:
             return [f"(stored {name} weight used as is: no weight quantize)"]
-        if isinstance(w.qdata, Float8Data):
+        if isinstance(w.qdata, Float8Data) and w.qdata.data_t is None:  # (else keep_transpose)
             return [f"fp8 byte transpose of the stored {name} weight (for dgrad)"]
         return []
 

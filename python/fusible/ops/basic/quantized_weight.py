@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from fusible._kernels import HIGH_PRECISION_DTYPES
+from fusible.ops import _compute as C
 from fusible.ops.op import BasicOperation
 from fusible.ops.workspace import quantize_weight
 from fusible.quantization.model_init import (
@@ -51,7 +52,9 @@ class QuantizedWeightOp(BasicOperation):
     weights and their roles in :meth:`weight_roles` (BasicLinear: ``weight``; GroupedLinear:
     ``weight0 .. weight{n-1}``, each with its expert's role)."""
 
-    weight_init_recipe: Recipe | None
+    # Class defaults: an op pickled before these attributes existed reads them here.
+    weight_init_recipe: Recipe | None = None
+    weight_init_transpose: bool = False
 
     def _record_weight_init(self) -> None:
         """Keep the ``quantized_model_init`` region active at construction (None: high-precision
@@ -141,15 +144,22 @@ class QuantizedWeightOp(BasicOperation):
         # here instead, see _convert_quantized.
         held = self.quantized_weights()
         if not held:
+            params = [p for p in map(self._parameters.get, self.weight_roles()) if p is not None]
+            on_meta = [p.device.type == "meta" for p in params]
             out = super()._apply(fn, recurse)
+            now = [p for p in map(self._parameters.get, self.weight_roles()) if p is not None]
             if self.weight_init_recipe is not None and any(
-                p is not None and p.device.type != "meta"
-                for p in map(self._parameters.get, self.weight_roles())
+                was and p.device.type != "meta" for was, p in zip(on_meta, now, strict=True)
             ):
                 # Built on meta inside quantized_model_init, now materialised (to_empty()): FP8
                 # from here on; reset_parameters() or load_state_dict() fill in the values.
+                # (Plain weights that were not on meta -- e.g. assigned for fine-tuning -- stay
+                # the parameters they are.)
                 self._quantize_weight_param(self.weight_init_recipe)
             return out
+        # A conversion quantized weights cannot take is refused before anything moves.
+        for n, w in held.items():
+            _check_conversion(w, fn, f"{type(self).__name__}.{n}")
         for n in held:
             self._parameters[n] = None
         try:
@@ -187,13 +197,33 @@ class QuantizedWeightOp(BasicOperation):
     def set_extra_state(self, state: Any) -> None:
         # ``<weight>.*`` entries are read by _load_from_state_dict (they need the checkpoint's
         # weight); a model with high-precision weights ignores them.
+        # Another op's weight data (a checkpoint with more experts, or of a Linear, loaded with
+        # strict=False) is ignored too: quantized data, not malformed recipe state.
         if isinstance(state, Mapping):
             names = self.weight_roles()
-            state = {k: v for k, v in state.items() if str(k).partition(".")[0] not in names}
+
+            def weight_entry(key: Any) -> bool:
+                head, _, field = str(key).partition(".")
+                return head in names or (head not in _MODES and field in _QDATA_FIELDS)
+
+            state = {k: v for k, v in state.items() if not weight_entry(k)}
         super().set_extra_state(state)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         before = {n: self._parameters.get(n) for n in self.weight_roles()}
+        meta = args[0] if args and isinstance(args[0], Mapping) else {}
+        if meta.get("assign_to_params_buffers", False):
+            for name, w in before.items():
+                if (
+                    isinstance(w, QuantizedTensor)
+                    and w.quantizer is None
+                    and (prefix + name in state_dict)
+                ):
+                    raise ValueError(
+                        f"{type(self).__name__}: load_state_dict(assign=True) cannot quantize the "
+                        f"loaded {name} like the weight it replaces: that QuantizedTensor has no "
+                        "quantizer (wrap it with one, or load without assign=True)"
+                    )
         values = {}
         for name in before:
             value = state_dict.get(prefix + name)
@@ -239,15 +269,34 @@ def _restore_exact(w: QuantizedTensor, name: str, value: torch.Tensor, extra: An
     head = f"{name}."
     raw = {k[len(head) :]: v for k, v in extra.items() if str(k).startswith(head)}
     mine = qdata_tensors(w.qdata)
-    if raw.keys() != mine.keys() or not all(isinstance(v, torch.Tensor) for v in raw.values()):
+    if not all(isinstance(v, torch.Tensor) for v in raw.values()):
         return
-    exact = replace(w.qdata, **{k: v.to(w.device) for k, v in raw.items()})
+    transpose = False
+    if raw.keys() != mine.keys():
+        # A per-tensor weight saved with or without its transposed copy (keep_transpose) and
+        # loaded into the other layout: the rowwise copy and scale are exact either way; the
+        # transposed copy is their byte transpose.
+        rowwise = {"data", "scale_inv"}
+        if not (type(w.qdata) is Float8Data and rowwise <= raw.keys() and rowwise <= mine.keys()):
+            return
+        raw = {k: raw[k] for k in rowwise}
+        transpose = "data_t" in mine
+        raw["data_t"] = None  # type: ignore[assignment]
+    moved: dict[str, Any] = {k: None if v is None else v.to(w.device) for k, v in raw.items()}
+    exact = replace(w.qdata, **moved)
+    if transpose:
+        exact = C.ensure_fp8_copy(exact, "c")
     if not same_layout(exact, w.qdata):
         return
     if value.dtype in HIGH_PRECISION_DTYPES and torch.equal(
         exact.dequantize(value.dtype), value.to(exact.device)
     ):
         w.load_qdata_(exact)
+
+
+_MODES = ("forward", "backward")  # the recipe-state keys' heads (BasicOperation.get_extra_state)
+_QDATA_FIELDS = frozenset(("data", "data_t", "scale_inv", "scale", "col_data", "col_scale",
+                           "col_scale_inv"))  # fmt: skip
 
 
 def _stored_matches(qdata: QuantizedData, qw: Quantizer | None, *, need_columnwise: bool) -> bool:
@@ -271,6 +320,17 @@ def _stored_matches(qdata: QuantizedData, qw: Quantizer | None, *, need_columnwi
         and qdata.has_rowwise
         and (qdata.has_columnwise or not need_columnwise)
     )
+
+
+def _check_conversion(w: QuantizedTensor, fn: Any, what: str) -> None:
+    """Raise ``TypeError`` naming ``what`` when ``fn`` would give quantized weight ``w`` a
+    nominal dtype other than fp32 / fp16 / bf16."""
+    probe = fn(torch.empty(0, dtype=w.dtype, device=w.device))
+    if probe.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"{what}: a quantized weight's nominal dtype must be float32, float16 or bfloat16, "
+            f"got a conversion to {probe.dtype}"
+        )
 
 
 def _convert_quantized(w: QuantizedTensor, fn: Any) -> None:

@@ -38,10 +38,14 @@ class BackwardGroupedLinearActivation(FusedOperation):
     def kernels(self, fwd: bool) -> list[str]:
         lin: GroupedLinear = self.ops[0]  # type: ignore[assignment]
         act: _Activation = self.ops[1]  # type: ignore[assignment]
+        *notes, step = lin.kernels(fwd)  # notes: what stored FP8 weights add
+        for done_here in ("grouped_quantize_fp8(grad_output), ", ", grouped_bias_grad"):
+            step = step.replace(done_here, "")
         return [
+            *notes,
             f"per expert act_bwd({act.kind}, FP8 with the expert's scale, dbias) + transpose_fp8, "
-            f"then {lin.kernels(fwd)[0].replace('grouped_quantize_fp8(grad_output), ', '')} "
-            "without grouped_bias_grad (delayed scaling with the grouped kernels; else unfused)"
+            f"then {step} (no grouped_bias_grad; delayed scaling with the grouped kernels; else "
+            "unfused)",
         ]
 
     def fuser_backward(self, ctxs, dy, *, prev_grad_quantizer, extra_output_grads):

@@ -56,9 +56,11 @@ class ForwardGroupedLinearActivation(FusedOperation):
     def kernels(self, fwd: bool) -> list[str]:
         lin: GroupedLinear = self.ops[0]  # type: ignore[assignment]
         act: _Activation = self.ops[1]  # type: ignore[assignment]
+        *notes, step = lin.kernels(fwd)  # notes: what stored FP8 weights add
         return [
-            f"{lin.kernels(fwd)[0]}, epilogue={self.epilogue} (where the grouped kernels serve "
-            f"the recipe; else the per-expert loop, then act_fwd({act.kind}))"
+            *notes,
+            f"{step}, epilogue={self.epilogue} (where the grouped kernels serve the recipe; else "
+            f"the per-expert loop, then act_fwd({act.kind}))",
         ]
 
     def fuser_forward(self, ctxs, x, params, *, next_input_quantizer, extra_inputs):
