@@ -359,8 +359,13 @@ def fsdp2() -> None:
     # machine has one (this case failed on the H200 machine, where CUDA is present but the
     # group is gloo and the model on CPU).
     mesh = init_device_mesh(DEVICE, (WORLD,))
+    # GroupedLinear (MoE experts): every expert's weight and bias sharded; an empty expert and
+    # splits of MXFP8's 32-row blocks.
+    splits = [S // 2, 0, S - S // 2]
+    makers = [(lambda: fusible.Linear(H, F), {}), (lambda: fusible.LayerNormMLP(H, F), {}),
+              (lambda: fusible.GroupedLinear(3, H, F), {"m_splits": splits})]  # fmt: skip
     for name, rec in RECIPES.items():
-        for make in (lambda: fusible.Linear(H, F), lambda: fusible.LayerNormMLP(H, F)):
+        for make, kw in makers:
             torch.manual_seed(0)
             ref = make()
             model = make()
@@ -370,7 +375,7 @@ def fsdp2() -> None:
             outs = []
             for m in (model, ref):
                 with fusible.autocast(enabled=rec is not None, recipe=rec):
-                    y = m(x)
+                    y = m(x, **kw)
                 y.float().pow(2).mean().backward()
                 outs.append(y.detach())
             exact(f"{name} {type(ref).__name__} fsdp2 output", outs[0], outs[1])
