@@ -19,6 +19,7 @@ from fusible.ops.basic.quantized_weight import (
     QuantizedWeightOp,
     _stored_matches,
     kaiming_init,
+    stored_operand,
 )
 from fusible.ops.workspace import WorkspaceCache, quantize_weight
 from fusible.quantization import QuantizerRole
@@ -364,7 +365,7 @@ class GroupedLinear(QuantizedWeightOp):
             m, qx, qw, w = splits[i], qxs[i], qws[i], ws[i]
             b = bs[i] if bs else None
             if isinstance(w, QuantizedTensor):
-                w = _stored_weight(w, qw, need_dgrad)
+                w = stored_operand(w, qw, need_dgrad, "GroupedLinear")[0]
             wq: Any = w
             if qw is not None and isinstance(w, torch.Tensor) and (m or cache.get(i, False)):
                 # An empty expert's weight is quantized only to fill its cache.
@@ -612,9 +613,8 @@ class GroupedLinear(QuantizedWeightOp):
             else:
                 # A weight used as stored goes in as an empty placeholder (its tensor would be
                 # dequantized by QuantizedTensor's dispatch only to be skipped).
-                empty = ws[0].dtype, ws[0].device
-                listed = [torch.empty((0, self.in_features), dtype=empty[0], device=empty[1])
-                          if used[i] else w.contiguous() for i, w in enumerate(ws)]  # fmt: skip
+                hole = x.new_empty((0, self.in_features), dtype=ws[0].dtype)
+                listed = [hole if used[i] else w.contiguous() for i, w in enumerate(ws)]
                 made = self._grouped_cast(qws, listed, rows, True, col)
             for i in todo:
                 wqs[i] = made[i]
@@ -753,18 +753,6 @@ def _used_as_is(w: torch.Tensor, qw: Quantizer | None) -> bool:
         and type(w.qdata) is Float8Data
         and _stored_matches(w.qdata, qw, need_columnwise=True)
     )
-
-
-def _stored_weight(w: QuantizedTensor, qw: Quantizer | None, need_dgrad: bool) -> Any:
-    """A stored quantized weight as the loop's GEMMs read it: its data as they are where the
-    active weight quantizer ``qw`` asks for that format (a per-tensor weight's rowwise copy;
-    backward transposes it), else its exact dequantization (then quantized by ``qw`` like a
-    high-precision weight, or used as it is without a recipe)."""
-    if torch.compiler.is_compiling():
-        raise RuntimeError(_COMPILE_UNSUPPORTED.format(op="GroupedLinear"))
-    if _stored_matches(w.qdata, qw, need_columnwise=need_dgrad):
-        return C.ensure_fp8_copy(w.qdata, "r")
-    return w.dequantize()
 
 
 def check_splits(m_splits: Any, num_gemms: int, owner: str = "GroupedLinear") -> tuple[Any, ...]:

@@ -19,6 +19,7 @@ from fusible.ops.basic.quantized_weight import (
     QuantizedWeightOp,
     _stored_matches,
     kaiming_init,
+    stored_operand,
 )
 from fusible.ops.op import BasicOperation, OpContext
 from fusible.ops.workspace import WorkspaceCache, quantize_weight
@@ -338,15 +339,12 @@ class BasicLinear(QuantizedWeightOp):
         w_own, requant, w_scale, w_hp = False, None, None, True
         wq: Any = w
         if type(w) is not torch.nn.Parameter and isinstance(w, QuantizedTensor):
-            if torch.compiler.is_compiling():
-                raise RuntimeError(_COMPILE_UNSUPPORTED.format(op=type(self).__name__))
-            if _stored_matches(w.qdata, qw, need_columnwise=need_dgrad):
+            wq, as_is = stored_operand(w, qw, need_dgrad, type(self).__name__)
+            if as_is:
                 # Used as it is (saved for dgrad without a copy); see the class docstring. A
                 # per-tensor one gets its transposed copy in backward.
                 w_own, qw, w_hp = isinstance(w.qdata, Float8Data), None, False
-                wq = C.ensure_fp8_copy(w.qdata, "r")
             else:
-                wq = w.dequantize()
                 w_own = True
         if qw is not None:
             w_hp = False

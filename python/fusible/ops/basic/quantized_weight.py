@@ -89,33 +89,30 @@ class QuantizedWeightOp(BasicOperation):
             # Blockwise: both copies too (a 1x128 columnwise copy has its own scales; a 128x128
             # one could be transposed on demand, but keeping it costs no second pass).
             # Per-tensor: the transposed copy only when the region asked to keep it.
-            both = isinstance(q, (MXFP8Quantizer, Float8BlockQuantizer)) or bool(
-                getattr(self, "weight_init_transpose", False)
-            )
+            blocks = isinstance(q, (MXFP8Quantizer, Float8BlockQuantizer))
+            both = blocks or self.weight_init_transpose
             qdata, _ = quantize_weight(w.detach(), q, None, False, columnwise=both)
             qt = QuantizedTensor.wrap(qdata, dtype=w.dtype, quantizer=q)
             setattr(self, name, torch.nn.Parameter(qt, requires_grad=w.requires_grad))
 
-    def _reset_quantized_weight(self, name: str, init: Any) -> bool:
+    def _reset_quantized_weight(self, name: str, init: Any) -> None:
         """Re-initialise weight ``name`` with ``init`` (an in-place initialiser such as
         ``kaiming_uniform_``): a quantized weight in place (re-quantized with its quantizer), a
         high-precision one built inside ``quantized_model_init`` initialised, then quantized.
-        False for a weight on ``meta`` (``to_empty()`` then ``reset_parameters()``
-        materialises)."""
+        A no-op on ``meta`` (``to_empty()`` then ``reset_parameters()`` materialises)."""
         w = self._parameters[name]
         assert w is not None
         if w.device.type == "meta":
-            return False
+            return
         if isinstance(w, QuantizedTensor):
             value = torch.empty(w.shape, dtype=w.dtype, device=w.device)
             init(value)
             with torch.no_grad():
                 w.copy_(value)
-            return True
+            return
         init(w)
         if self.weight_init_recipe is not None:
             self._quantize_weight_param(self.weight_init_recipe, (name,))
-        return True
 
     def set_role_scope(self, scope: str, name: str | None = None) -> None:
         """Re-scope the roles (see :class:`BasicOperation`). Weights built inside
@@ -123,7 +120,7 @@ class QuantizedWeightOp(BasicOperation):
         weight is re-quantized from its dequantized value (one more rounding; pass ``scope`` /
         ``name`` to the constructor to quantize the initial weight once)."""
         super().set_role_scope(scope, name)
-        recipe = getattr(self, "weight_init_recipe", None)
+        recipe = self.weight_init_recipe
         if recipe is None or not self.__dict__.get("_parameters"):
             return
         roles = self.weight_roles()
@@ -320,6 +317,21 @@ def _stored_matches(qdata: QuantizedData, qw: Quantizer | None, *, need_columnwi
         and qdata.has_rowwise
         and (qdata.has_columnwise or not need_columnwise)
     )
+
+
+def stored_operand(
+    w: QuantizedTensor, qw: Quantizer | None, need_dgrad: bool, op: str
+) -> tuple[Any, bool]:
+    """``(operand, as_is)``: a stored quantized weight as a GEMM reads it -- its data as they are
+    where the active weight quantizer ``qw`` asks for that format (``as_is``; a per-tensor
+    weight's rowwise copy, which backward transposes), else its exact dequantization (then
+    quantized by ``qw`` like a high-precision weight, or used as it is without a recipe).
+    Under ``torch.compile``: ``RuntimeError`` naming ``op``."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError(_COMPILE_UNSUPPORTED.format(op=op))
+    if _stored_matches(w.qdata, qw, need_columnwise=need_dgrad):
+        return C.ensure_fp8_copy(w.qdata, "r"), True
+    return w.dequantize(), False
 
 
 def _check_conversion(w: QuantizedTensor, fn: Any, what: str) -> None:
