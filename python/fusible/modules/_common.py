@@ -30,6 +30,13 @@ class NormFirst(Sequential):
         """The norm's bias (None for RMSNorm)."""
         return getattr(self[0], "bias", None)
 
+    def _forwarded_parameter(self, name: str) -> tuple[torch.nn.Module, str] | None:
+        if name == "layer_norm_weight" or (
+            name == "layer_norm_bias" and getattr(self[0], "bias", None) is not None
+        ):
+            return self[0], name[len("layer_norm_") :]
+        return super()._forwarded_parameter(name)
+
 
 def make_norm(
     normalization: str,

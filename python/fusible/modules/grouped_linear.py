@@ -97,6 +97,11 @@ class GroupedLinear(Sequential):
     def op(self) -> _GroupedLinearOp:
         return self[self._op_index]  # type: ignore[return-value]
 
+    def _forwarded_parameter(self, name: str) -> tuple[torch.nn.Module, str] | None:
+        if _PARAM.match(name) and name in self.op._parameters:
+            return self.op, name
+        return super()._forwarded_parameter(name)
+
     def __getattr__(self, name: str) -> Any:
         if _PARAM.match(name):
             key = str(self.__dict__.get("_op_index", 0))

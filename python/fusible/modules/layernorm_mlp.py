@@ -130,6 +130,15 @@ class LayerNormMLP(NormFirst):
         # isinstance, not a length check: ops appended after fc2 (a residual add) are not a bias.
         return self[i].bias if i < len(self) and isinstance(self[i], Bias) else None  # type: ignore[return-value]
 
+    def _forwarded_parameter(self, name: str) -> tuple[torch.nn.Module, str] | None:
+        if name in ("fc1_weight", "fc2_weight"):
+            return (self.fc1 if name == "fc1_weight" else self.fc2), "weight"
+        if name in ("fc1_bias", "fc2_bias"):
+            i = self._fc1_index + 1 if name == "fc1_bias" else self._fc2_bias_index
+            if i < len(self) and isinstance(self[i], Bias):
+                return self[i], "bias"
+        return super()._forwarded_parameter(name)
+
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

@@ -29,6 +29,14 @@ class LinearParameters(Sequential):
         j = self._bias_index
         return self[j].bias if len(self) > j and isinstance(self[j], Bias) else None  # type: ignore[return-value]
 
+    def _forwarded_parameter(self, name: str) -> tuple[torch.nn.Module, str] | None:
+        if name == "weight":
+            return self[self._linear_index], "weight"
+        j = self._bias_index
+        if name == "bias" and len(self) > j and isinstance(self[j], Bias):
+            return self[j], "bias"
+        return super()._forwarded_parameter(name)
+
 
 class Linear(LinearParameters):
     """``y = x @ weight.T + bias``; ``weight`` is ``[out_features, in_features]``.

@@ -92,6 +92,32 @@ class Sequential(torch.nn.Module):
             self.add_module(str(len(self._modules)), m)
         self._init_plans()
 
+    def _forwarded_parameter(self, name: str) -> tuple[torch.nn.Module, str] | None:
+        """``(op, attribute)`` of the parameter this container exposes as property ``name``
+        (``weight``, ``fc1_weight``, ``layer_norm_weight``, ...), or None. Subclasses with such
+        properties say which op holds each one, so :meth:`__setattr__` can forward an
+        assignment to it."""
+        return None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Assigning a Parameter to a forwarded name (weight tying: ``lm_head.weight =
+        # embedding.weight``, Hugging Face's tie_weights) replaces the op's parameter;
+        # nn.Module would refuse it ("attribute 'weight' already exists": the name is a
+        # property here, not a registered parameter).
+        if isinstance(value, torch.nn.Parameter):
+            target = self._forwarded_parameter(name)
+            if target is not None:
+                op, attr = target
+                old = getattr(op, attr)
+                if old is not None and value.shape != old.shape:
+                    raise ValueError(
+                        f"{type(self).__name__}.{name}: a parameter of shape "
+                        f"{tuple(old.shape)} was expected, got {tuple(value.shape)}"
+                    )
+                setattr(op, attr, value)
+                return
+        super().__setattr__(name, value)
+
     def _init_plans(self) -> None:
         # Plans live with the container (a dropped model frees them); _SLOTS entries of the
         # plans are released by a finalizer that does not reference the container.

@@ -297,6 +297,68 @@ def test_te_names_are_the_modules_attributes():
     assert lin.weight is lin[0].weight and lin.bias is lin[1].bias
 
 
+@pytest.mark.parametrize("case", NAMES)
+def test_assigning_a_te_named_parameter_replaces_the_ops(case):
+    """``m.<te name> = Parameter(...)`` (what weight tying and Hugging Face's tie_weights do)
+    replaces the op's parameter: nn.Module used to refuse it ("attribute 'weight' already
+    exists", the names being properties over the ops). The module then trains the new one."""
+    names = [k for k in CASES[case][1] if not k.endswith("_extra_state")]
+    for name in names:
+        m = _build(case)
+        old = getattr(m, name)
+        new = torch.nn.Parameter(torch.randn_like(old) * 0.05)
+        setattr(m, name, new)
+        assert getattr(m, name) is new, name
+        params = list(m.parameters())
+        assert any(p is new for p in params) and not any(p is old for p in params), name
+        assert torch.equal(m.state_dict()[name], new.detach()), name
+        with fusible.autocast(recipe=DELAYED):
+            y = m(torch.randn(8, H))
+        y.float().sum().backward()
+        assert new.grad is not None and old.grad is None, name
+
+
+def test_weight_tying_with_an_embedding():
+    """An LM head tied to the embedding (``head.weight = emb.weight``), as GPT-2 style models
+    and tie_weights do: one parameter, its gradient the sum of both uses, as plain torch's."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(96, H)
+    head = fusible.Linear(H, 96, bias=False)
+    head.weight = emb.weight
+    ref_emb = copy.deepcopy(emb)
+    tokens = torch.randint(0, 96, (16,))
+    logits = head(emb(tokens))
+    ref = torch.nn.functional.linear(ref_emb(tokens), ref_emb.weight)
+    torch.testing.assert_close(logits, ref)
+    g = torch.randn_like(ref)
+    logits.backward(g)
+    ref.backward(g)
+    assert [n for n, _ in head.named_parameters()] == ["0.weight"]
+    torch.testing.assert_close(emb.weight.grad, ref_emb.weight.grad)
+
+
+def test_assigning_a_parameter_of_another_shape_raises():
+    m = fusible.LayerNormMLP(H, F)
+    with pytest.raises(ValueError, match=r"LayerNormMLP\.fc2_weight: a parameter of shape"):
+        m.fc2_weight = torch.nn.Parameter(torch.zeros(F, H))
+    assert m.fc2_weight.shape == (H, F)
+    g = fusible.GroupedLinear(3, H, F)
+    with pytest.raises(ValueError, match=r"GroupedLinear\.weight1: .*\(96, 64\).*\(64, 64\)"):
+        g.weight1 = torch.nn.Parameter(torch.zeros(H, H))
+
+
+def test_grouped_linear_experts_can_share_a_weight():
+    g = fusible.GroupedLinear(3, H, F)
+    g.weight1 = g.weight0
+    assert g.weight1 is g.weight0
+    assert [n for n, _ in g.named_parameters()] == ["0.weight0", "0.weight2", "0.bias0",
+                                                     "0.bias1", "0.bias2"]  # fmt: skip
+    with fusible.autocast(recipe=DELAYED):
+        y = g(torch.randn(12, H), [4, 4, 4])
+    y.sum().backward()
+    assert g.weight0.grad is not None
+
+
 @pytest.mark.parametrize("spelling", ["te", "positional"])
 @pytest.mark.parametrize("case", NAMES)
 def test_load_te_or_positional_names_strict(case, spelling):

@@ -403,6 +403,39 @@ def test_frozen_expert_and_inference():
 
 
 @pytest.mark.parametrize("recipe_name", ["none", "current", "delayed", "mxfp8"])
+def test_tied_expert_weights(recipe_name):
+    """Experts sharing one weight (``op.weight1 = op.weight0``): ``parameters()`` lists it once,
+    the op still takes one weight per expert (it used to fail: the plan counted the
+    deduplicated parameters). Output equals an untied twin holding the same values, and the
+    shared weight's gradient is the sum of the twin's two, over two steps (the second replayed)."""
+    rec = RECIPES[recipe_name]
+    tied = _grouped(3, 32, 64)
+    tied.weight1 = tied.weight0
+    twin = _grouped(3, 32, 64)
+    with torch.no_grad():
+        for name, p in tied.named_parameters():
+            getattr(twin, name).copy_(p)
+        twin.weight1.copy_(tied.weight0)
+    assert [n for n, _ in tied.named_parameters()] == [
+        "weight0",
+        "weight2",
+        "bias0",
+        "bias1",
+        "bias2",
+    ]
+    splits = (32, 0, 64)
+    for step in range(2):
+        x = torch.randn(96, 32, generator=torch.Generator().manual_seed(step))
+        g = torch.randn(96, 64, generator=torch.Generator().manual_seed(10 + step))
+        y, dx, grads = _run(ops.Sequential(tied), x, splits, g, rec)
+        y2, dx2, grads2 = _run(ops.Sequential(twin), x, splits, g, rec)
+        assert torch.equal(y, y2) and torch.equal(dx, dx2), step
+        assert torch.equal(grads["0.weight0"], grads2["0.weight0"] + grads2["0.weight1"]), step
+        for name in ("0.weight2", "0.bias0", "0.bias1", "0.bias2"):
+            assert torch.equal(grads[name], grads2[name]), (step, name)
+
+
+@pytest.mark.parametrize("recipe_name", ["none", "current", "delayed", "mxfp8"])
 def test_saves_per_expert_what_backward_reads(recipe_name):
     """Per expert with tokens, what a Linear saves for its slice (tests/python/ops/
     test_saved_memory.py's rules): the input's and the weight's columnwise copies, never the
