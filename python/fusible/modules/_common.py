@@ -23,12 +23,12 @@ class NormFirst(Sequential):
 
     @property
     def layer_norm_weight(self) -> torch.nn.Parameter:
-        return self[0].weight  # type: ignore[return-value]
+        return self._forwarded("layer_norm_weight")  # type: ignore[no-any-return]
 
     @property
     def layer_norm_bias(self) -> torch.nn.Parameter | None:
         """The norm's bias (None for RMSNorm)."""
-        return getattr(self[0], "bias", None)
+        return self._forwarded("layer_norm_bias")  # type: ignore[no-any-return]
 
     def _forwarded_parameter(self, name: str) -> tuple[torch.nn.Module, str] | None:
         if name == "layer_norm_weight" or (

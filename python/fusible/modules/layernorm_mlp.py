@@ -113,27 +113,26 @@ class LayerNormMLP(NormFirst):
 
     @property
     def fc1_weight(self) -> torch.nn.Parameter:
-        return self.fc1.weight
+        return self._forwarded("fc1_weight")  # type: ignore[no-any-return]
 
     @property
     def fc1_bias(self) -> torch.nn.Parameter | None:
-        i = self._fc1_index + 1
-        return self[i].bias if isinstance(self[i], Bias) else None  # type: ignore[return-value]
+        return self._forwarded("fc1_bias")  # type: ignore[no-any-return]
 
     @property
     def fc2_weight(self) -> torch.nn.Parameter:
-        return self.fc2.weight
+        return self._forwarded("fc2_weight")  # type: ignore[no-any-return]
 
     @property
     def fc2_bias(self) -> torch.nn.Parameter | None:
-        i = self._fc2_bias_index
-        # isinstance, not a length check: ops appended after fc2 (a residual add) are not a bias.
-        return self[i].bias if i < len(self) and isinstance(self[i], Bias) else None  # type: ignore[return-value]
+        return self._forwarded("fc2_bias")  # type: ignore[no-any-return]
 
     def _forwarded_parameter(self, name: str) -> tuple[torch.nn.Module, str] | None:
         if name in ("fc1_weight", "fc2_weight"):
             return (self.fc1 if name == "fc1_weight" else self.fc2), "weight"
         if name in ("fc1_bias", "fc2_bias"):
+            # isinstance, not a length check: ops appended after fc2 (a residual add) are not
+            # a bias.
             i = self._fc1_index + 1 if name == "fc1_bias" else self._fc2_bias_index
             if i < len(self) and isinstance(self[i], Bias):
                 return self[i], "bias"

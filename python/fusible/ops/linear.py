@@ -21,17 +21,16 @@ class LinearParameters(Sequential):
 
     @property
     def weight(self) -> torch.nn.Parameter:
-        return self[self._linear_index].weight  # type: ignore[return-value]
+        return self._forwarded("weight")  # type: ignore[no-any-return]
 
     @property
     def bias(self) -> torch.nn.Parameter | None:
-        # isinstance, not a length check: ops may be appended (a residual add, a dropout).
-        j = self._bias_index
-        return self[j].bias if len(self) > j and isinstance(self[j], Bias) else None  # type: ignore[return-value]
+        return self._forwarded("bias")  # type: ignore[no-any-return]
 
     def _forwarded_parameter(self, name: str) -> tuple[torch.nn.Module, str] | None:
         if name == "weight":
             return self[self._linear_index], "weight"
+        # isinstance, not a length check: ops may be appended (a residual add, a dropout).
         j = self._bias_index
         if name == "bias" and len(self) > j and isinstance(self[j], Bias):
             return self[j], "bias"

@@ -99,6 +99,12 @@ class Sequential(torch.nn.Module):
         assignment to it."""
         return None
 
+    def _forwarded(self, name: str) -> Any:
+        """The parameter behind forwarded name ``name`` (None where it has none): what the
+        subclasses' properties return."""
+        target = self._forwarded_parameter(name)
+        return None if target is None else getattr(*target)
+
     def __setattr__(self, name: str, value: Any) -> None:
         # Assigning a Parameter to a forwarded name (weight tying: ``lm_head.weight =
         # embedding.weight``, Hugging Face's tie_weights) replaces the op's parameter;
