@@ -197,10 +197,9 @@ def build_plan(
     rejected: list[Any] = []
     fwd = _build_units(ops, recipe, True, rejected)
     bwd = _build_units(ops, recipe, False, rejected)
-    # Each op's parameters as params_of passes them at every step: every registered one, a
-    # parameter tied to two of an op's names (``gl.weight1 = gl.weight0``) twice, where
-    # ``parameters()`` would list it once.
-    op_params = [[p for p in op._parameters.values() if p is not None] for op in ops]
+    # Each op's parameters as params_of passes them at every step: a parameter tied to two of an
+    # op's names (``gl.weight1 = gl.weight0``) twice, where ``parameters()`` would list it once.
+    op_params = [params_of((op,)) for op in ops]
     counts = [len(p) for p in op_params]
     plan = Plan(ops, fwd, bwd, rejected, recipe, counts, registry.fusion_enabled())
     plan.id = next(_IDS)
