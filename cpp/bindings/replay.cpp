@@ -19,9 +19,12 @@
 //   results(kinds, slots)                    what run / finish return (kinds 0 slot, 1 constant,
 //                                            2 None)
 //   run(inputs) -> Tensor?[]                 inputs into the slots, the calls, the results
-//   start(inputs) -> ReplayState, finish(state) -> Tensor?[]
+//   start(inputs) -> token, finish(token) -> Tensor?[]
 //       run in two steps: the caller drops its references to the inputs in between, so each
-//       input (a backward's saved tensors) is freed after its last use.
+//       input (a backward's saved tensors) is freed after its last use. The loaded inputs wait
+//       in the program under an integer token: a custom-class object as finish()'s argument
+//       cost every call a failed __torch_function__ lookup on it (a C++ exception thrown and
+//       caught) in the method call's override check.
 #include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
@@ -31,8 +34,10 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -61,10 +66,6 @@ struct Call {
   std::vector<int64_t> frees;
 };
 
-struct ReplayState : torch::CustomClassHolder {
-  std::vector<IValue> slots;
-};
-
 struct ReplayProgram : torch::CustomClassHolder {
   int64_t n_slots = 0;
   int64_t n_inputs = 0;
@@ -72,6 +73,10 @@ struct ReplayProgram : torch::CustomClassHolder {
   std::vector<Call> calls;
   std::vector<Item> outputs;
   std::vector<IValue> pending;  // constants of the next add() / results()
+  // start() -> finish(): the loaded inputs of backward passes under way (one each, normally).
+  mutable std::mutex parked_mutex;
+  mutable std::unordered_map<int64_t, std::vector<IValue>> parked;
+  mutable int64_t next_token = 0;
 
   void init(int64_t slots, int64_t inputs, std::vector<int64_t> unused_inputs) {
     TORCH_CHECK(slots >= inputs && inputs >= 0, "ReplayProgram.init: bad slot counts");
@@ -217,15 +222,23 @@ struct ReplayProgram : torch::CustomClassHolder {
     return exec(slots);
   }
 
-  c10::intrusive_ptr<ReplayState> start(const TensorList& inputs) const {
-    auto st = c10::make_intrusive<ReplayState>();
-    st->slots = load(inputs);
-    return st;
+  int64_t start(const TensorList& inputs) const {
+    std::vector<IValue> slots = load(inputs);
+    const std::lock_guard<std::mutex> lock(parked_mutex);
+    const int64_t token = next_token++;
+    parked.emplace(token, std::move(slots));
+    return token;
   }
 
-  TensorList finish(const c10::intrusive_ptr<ReplayState>& st) const {
-    std::vector<IValue> slots = std::move(st->slots);
-    st->slots.clear();
+  TensorList finish(int64_t token) const {
+    std::vector<IValue> slots;
+    {
+      const std::lock_guard<std::mutex> lock(parked_mutex);
+      auto it = parked.find(token);
+      TORCH_CHECK(it != parked.end(), "ReplayProgram.finish: no inputs under token ", token);
+      slots = std::move(it->second);
+      parked.erase(it);
+    }
     return exec(slots);
   }
 
@@ -235,7 +248,6 @@ struct ReplayProgram : torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fusible, m) {
-  m.class_<ReplayState>("ReplayState");
   m.class_<ReplayProgram>("ReplayProgram")
       .def(torch::init<>())
       .def("init", &ReplayProgram::init)

@@ -419,9 +419,8 @@ void act_block_launch(const ActArgs& a, bool bwd, int64_t out_cols, cudaStream_t
   FUS_CUDA_CHECK_LAUNCH("act_block_kernel");
   if (colsum) {
     const int64_t groups = act_dbias_groups(a.rows);
-    fused::
-        colsum_finalize_kernel<<<static_cast<unsigned>((out_cols + 255) / 256), 256, 0, stream>>>(
-            p.partial, groups, out_cols, a.dbias->data, a.dbias->dtype);
+    fused::launch_colsum_finalize(p.partial, groups, out_cols, a.dbias->data, a.dbias->dtype,
+                                  stream);
     FUS_CUDA_CHECK_LAUNCH("colsum_finalize_kernel");
   }
 }
@@ -606,9 +605,8 @@ void act_launch(const ActArgs& a, const fus_context& ctx, bool bwd) {
   });
   FUS_CUDA_CHECK_LAUNCH("act_kernel");
   if (colsum) {
-    fused::
-        colsum_finalize_kernel<<<static_cast<unsigned>((out_cols + 255) / 256), 256, 0, stream>>>(
-            p.partial, groups, out_cols, a.dbias->data, a.dbias->dtype);
+    fused::launch_colsum_finalize(p.partial, groups, out_cols, a.dbias->data, a.dbias->dtype,
+                                  stream);
     FUS_CUDA_CHECK_LAUNCH("colsum_finalize_kernel");
   }
 }

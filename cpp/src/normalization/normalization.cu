@@ -987,13 +987,10 @@ void norm_backward_cuda(const NormBwdArgs& a, const fus_context& ctx) {
     }
   }
   FUS_CUDA_CHECK_LAUNCH("norm_bwd_kernel");
-  const unsigned fb = static_cast<unsigned>((H + 255) / 256);
-  fused::colsum_finalize_kernel<<<fb, 256, 0, stream>>>(p.pg, plan.groups, H, a.dgamma.data,
-                                                        a.dgamma.dtype);
+  fused::launch_colsum_finalize(p.pg, plan.groups, H, a.dgamma.data, a.dgamma.dtype, stream);
   FUS_CUDA_CHECK_LAUNCH("colsum_finalize_kernel");
   if (a.dbeta) {
-    fused::colsum_finalize_kernel<<<fb, 256, 0, stream>>>(p.pb, plan.groups, H, a.dbeta->data,
-                                                          a.dbeta->dtype);
+    fused::launch_colsum_finalize(p.pb, plan.groups, H, a.dbeta->data, a.dbeta->dtype, stream);
     FUS_CUDA_CHECK_LAUNCH("colsum_finalize_kernel");
   }
 }
