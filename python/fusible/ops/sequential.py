@@ -14,8 +14,9 @@ from fusible.ops.basic.linear import _COMPILE_UNSUPPORTED
 from fusible.ops.grad_reduction import ensure_grad_reductions
 from fusible.ops.op import ACTIVE_EPOCH, BasicOperation
 from fusible.quantization import autocast as _autocast
-from fusible.quantization.quantizers import QuantizedTensor
+from fusible.quantization.quantizers import QuantizedTensor, _log_stack, scale_log
 from fusible.quantization.recipe import recipe_from_key
+from fusible.quantization.recompute import adopt_torch_checkpoint
 from fusible.quantization.roles import QuantizerRole
 
 __all__ = ["Sequential"]
@@ -366,6 +367,16 @@ class Sequential(torch.nn.Module):
         else:
             state = _autocast._state  # get_recipe(), read inline (the eager hot path)
             recipe = state.recipe if state.enabled else None
+            if recipe is not None and not _log_stack and _top_hooks(False) is not None:
+                # Maybe a plain torch.utils.checkpoint region: recompute as fusible.checkpoint
+                # does (adopt_torch_checkpoint says whether it is one).
+                log = adopt_torch_checkpoint()
+                if log is not None:
+                    with scale_log(log, replaying=False):
+                        return self.forward(
+                            x, *extra_inputs, is_first_microbatch=is_first_microbatch,
+                            **call_kwargs,
+                        )  # fmt: skip
             rkey = None if recipe is None else recipe.key
             runs = self._runs()  # first: changed children reset the token
             if self._token != (rkey, ACTIVE_EPOCH[0]):
@@ -517,6 +528,7 @@ class Sequential(torch.nn.Module):
 
 
 _any_autocast = torch._C._is_any_autocast_enabled
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def _torch_autocast_dtype(x: torch.Tensor) -> torch.dtype | None:

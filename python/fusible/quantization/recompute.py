@@ -1,13 +1,24 @@
 """``fusible.checkpoint``: activation recomputation that quantizes like the forward it replays.
 
 ``torch.utils.checkpoint`` recomputes a region's forward during backward. Backward usually runs
-after the ``fusible.autocast`` region has exited, so a plain checkpoint would recompute in high
-precision (and torch then raises ``CheckpointError``: the recomputed saved tensors differ), and
+after the ``fusible.autocast`` region has exited, so torch's checkpoint alone would recompute in
+high precision (and then raise ``CheckpointError``: the recomputed saved tensors differ), and
 with delayed scaling the step's update has changed the scales since the forward. This wrapper
 gives the recomputation the forward's autocast state and, through a :class:`ScaleLog`, the very
 delayed-scaling scales the forward cast with; the recomputation records no amaxes and registers
 no state updates. Current scaling and MXFP8 are functions of the tensor alone and need no log.
 Gradients then equal those of the same step without checkpointing, bit for bit.
+
+A plain ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` gets the same treatment
+without asking (:func:`adopt_torch_checkpoint`, called by ``Sequential.forward``): the first
+fusible container that runs under a recipe inside such a region attaches a log to torch's
+checkpoint frame, records its scale reads there, and wraps the frame's recomputation in the
+context :func:`checkpoint` would have given it. torch offers no hook for this but ``context_fn``,
+which a caller passes; the frame is found through the closure of torch's saved-tensor pack hook
+(``torch.utils.checkpoint._checkpoint_hook``), a private structure: where it is not as expected
+(another torch version), nothing is adopted and such a region behaves as before (torch's
+``CheckpointError`` when backward runs outside the autocast region). The reentrant variant has
+no frame and is not adopted.
 """
 
 from __future__ import annotations
@@ -21,7 +32,9 @@ import torch.utils.checkpoint
 from fusible.quantization.autocast import AutocastState, get_autocast_state, restored_state
 from fusible.quantization.quantizers import ScaleLog, scale_log
 
-__all__ = ["checkpoint"]
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+__all__ = ["adopt_torch_checkpoint", "checkpoint"]
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -61,3 +74,47 @@ class _Replay:
 
     def __exit__(self, *exc_info: object) -> None:
         self._stack.pop().close()
+
+
+# torch.utils.checkpoint's non-reentrant pack hook: a closure over the region's _CheckpointFrame.
+_PACK_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
+
+
+def _torch_checkpoint_frame() -> Any:
+    """The frame of the innermost non-reentrant ``torch.utils.checkpoint`` region whose forward
+    is running, or None (no such region, or torch's structures are not the expected ones)."""
+    hooks = _top_hooks(False)
+    if hooks is None:
+        return None
+    pack = hooks[0]
+    if getattr(pack, "__qualname__", None) != _PACK_HOOK:
+        return None
+    cells = getattr(pack, "__closure__", None)
+    try:
+        frame = cells[pack.__code__.co_freevars.index("frame")].cell_contents  # type: ignore[index]
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None
+    return frame if callable(getattr(frame, "recompute_fn", None)) else None
+
+
+def adopt_torch_checkpoint() -> ScaleLog | None:
+    """Inside the forward of a plain non-reentrant ``torch.utils.checkpoint`` region, under an
+    enabled autocast and outside any scale log: the region's :class:`ScaleLog` (made, and the
+    frame's recomputation wrapped in the forward's autocast state and this log, on the first
+    call of the region), which the caller records into while it runs; else None."""
+    frame = _torch_checkpoint_frame()
+    if frame is None:
+        return None
+    log = getattr(frame, "_fusible_scale_log", None)
+    if log is None:
+        log = ScaleLog()
+        replay = _Replay(get_autocast_state(), log)
+        inner = frame.recompute_fn
+
+        def recompute_fn(*args: Any) -> None:
+            with replay:
+                inner(*args)
+
+        frame.recompute_fn = recompute_fn
+        frame._fusible_scale_log = log
+    return log

@@ -420,25 +420,21 @@ def test_activation_recompute_with_cache(recipe_name, counter):
     _assert_bits(got, want, "checkpointed vs not")
 
 
-def test_plain_checkpoint_with_backward_outside_autocast_raises():
-    """Why fusible.checkpoint exists: torch's recomputation runs outside the autocast region,
-    in high precision, and torch notices that the recomputed saved tensors differ."""
-    model = _model()
-    ((x, g),) = _data()
-    with pytest.raises(torch.utils.checkpoint.CheckpointError):
-        _step(model, x, g, RECIPES["current"], None, recompute=True)
-
-
 def _microbatches_backward_outside(model, data, rec, fms, *, recompute):
     """Each micro-batch's forward in its own autocast region, backward after it has exited (the
     usual training-loop shape); delayed-scaling states update after every forward and backward,
-    so a recomputation sees scales changed since its forward."""
+    so a recomputation sees scales changed since its forward. ``recompute``: False, True
+    (fusible.checkpoint) or "torch" (plain torch.utils.checkpoint, non-reentrant)."""
     model.zero_grad()
     outs = []
     for (x, g), fm in zip(data, fms, strict=True):
         x = x.detach().requires_grad_(True)
         with fusible.autocast(enabled=rec is not None, recipe=rec):
-            if recompute:
+            if recompute == "torch":
+                y = torch.utils.checkpoint.checkpoint(
+                    model, x, use_reentrant=False, is_first_microbatch=fm
+                )
+            elif recompute:
                 y = fusible.checkpoint(model, x, is_first_microbatch=fm)
             else:
                 y = model(x, is_first_microbatch=fm)
@@ -464,6 +460,37 @@ def test_fusible_checkpoint_backward_outside_autocast(recipe_name, fms, counter)
         assert count.take() == [0, 1, 0, 1]
     want = _microbatches_backward_outside(twin, data, rec, fms, recompute=False)
     _assert_bits(got, want, "fusible.checkpoint vs no checkpoint")
+
+
+@pytest.mark.parametrize("fms", [[None, None, None], FIRST_THEN_CACHED], ids=["plain", "cache"])
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+def test_plain_torch_checkpoint_backward_outside_autocast(recipe_name, fms):
+    """A plain torch.utils.checkpoint (non-reentrant) region is adopted by the first fusible
+    container that runs in it under a recipe: its recomputation gets the forward's autocast
+    state and scales, as with fusible.checkpoint, so the run equals the one without
+    checkpointing bit for bit (torch raised CheckpointError here before: the recomputation ran
+    outside the autocast region, in high precision)."""
+    rec = RECIPES[recipe_name]
+    model = _model()
+    twin = copy.deepcopy(model)
+    data = _data(len(fms))
+    got = _microbatches_backward_outside(model, data, rec, fms, recompute="torch")
+    want = _microbatches_backward_outside(twin, data, rec, fms, recompute=False)
+    _assert_bits(got, want, "torch checkpoint vs no checkpoint")
+
+
+def test_plain_torch_checkpoint_not_adopted_when_torch_differs(monkeypatch):
+    """Where torch's checkpoint structures are not the expected ones, nothing is adopted and the
+    region behaves as torch alone makes it: the recomputation runs outside the recipe and torch
+    notices that the recomputed saved tensors differ."""
+    from fusible.quantization import recompute
+
+    monkeypatch.setattr(recompute, "_PACK_HOOK", "not torch's pack hook")
+    model = _model()
+    ((x, g),) = _data()
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        _microbatches_backward_outside(model, [(x, g)], RECIPES["current"], [None],
+                                       recompute="torch")  # fmt: skip
 
 
 def test_fusible_checkpoint_arguments():
