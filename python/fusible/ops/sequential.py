@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -367,7 +368,11 @@ class Sequential(torch.nn.Module):
         else:
             state = _autocast._state  # get_recipe(), read inline (the eager hot path)
             recipe = state.recipe if state.enabled else None
-            if recipe is not None and not _log_stack and _top_hooks(False) is not None:
+            if recipe is None:
+                last = self.__dict__.get("_last_run")
+                if last is not None and last[0] is not None and _in_reentrant_recompute():
+                    _warn_reentrant_recompute(type(self).__name__)
+            elif not _log_stack and _top_hooks(False) is not None:
                 # Maybe a plain torch.utils.checkpoint region: recompute as fusible.checkpoint
                 # does (adopt_torch_checkpoint says whether it is one).
                 log = adopt_torch_checkpoint()
@@ -528,6 +533,23 @@ class Sequential(torch.nn.Module):
 
 
 _any_autocast = torch._C._is_any_autocast_enabled
+_current_node = torch._C._current_autograd_node
+
+
+def _in_reentrant_recompute() -> bool:
+    """Whether this runs inside the recomputation of a reentrant torch.utils.checkpoint."""
+    node = _current_node()
+    return node is not None and type(node).__name__ == "CheckpointFunctionBackward"
+
+
+def _warn_reentrant_recompute(owner: str) -> None:
+    warnings.warn(
+        f"{owner}: a reentrant torch.utils.checkpoint (use_reentrant=True) recomputes this "
+        "module outside the fusible.autocast region of its forward, so its backward runs "
+        "without the recipe, in high precision. Use use_reentrant=False (fusible then "
+        "recomputes with the forward's recipe and scales) or fusible.checkpoint.",
+        stacklevel=3,
+    )
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 

@@ -14,6 +14,7 @@ model's weights by storage and shape.
 from __future__ import annotations
 
 import copy
+import warnings
 from contextlib import nullcontext
 
 import pytest
@@ -491,6 +492,23 @@ def test_plain_torch_checkpoint_not_adopted_when_torch_differs(monkeypatch):
     with pytest.raises(torch.utils.checkpoint.CheckpointError):
         _microbatches_backward_outside(model, [(x, g)], RECIPES["current"], [None],
                                        recompute="torch")  # fmt: skip
+
+
+def test_reentrant_torch_checkpoint_warns():
+    """The reentrant variant has no frame to adopt: its recomputation runs outside the autocast
+    region, in high precision, which torch does not notice; fusible says so once it sees a
+    container recomputed without the recipe its forward ran under."""
+    model = _model()
+    ((x, g),) = _data()
+    x = x.detach().requires_grad_(True)
+    with fusible.autocast(recipe=RECIPES["current"]):
+        y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=True)
+    with pytest.warns(UserWarning, match="reentrant torch.utils.checkpoint"):
+        y.backward(g)
+    with warnings.catch_warnings():  # nothing to say without a recipe
+        warnings.simplefilter("error")
+        y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=True)
+        y.backward(g)
 
 
 def test_fusible_checkpoint_arguments():
