@@ -550,6 +550,8 @@ def _warn_reentrant_recompute(owner: str) -> None:
         "recomputes with the forward's recipe and scales) or fusible.checkpoint.",
         stacklevel=3,
     )
+
+
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
