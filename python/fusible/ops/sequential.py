@@ -369,7 +369,7 @@ class Sequential(torch.nn.Module):
             state = _autocast._state  # get_recipe(), read inline (the eager hot path)
             recipe = state.recipe if state.enabled else None
             if recipe is None:
-                last = self.__dict__.get("_last_run")
+                last = self._last_run
                 if last is not None and last[0] is not None and _in_reentrant_recompute():
                     _warn_reentrant_recompute(type(self).__name__)
             elif not _log_stack and _top_hooks(False) is not None:

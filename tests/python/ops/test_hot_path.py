@@ -92,9 +92,11 @@ def test_parameter_dtype_change_builds_a_new_plan():
 # Python kernel wrappers before them: 702, 1566, 1409, 1611; before the executor rewrite
 # (60c0229): 1431, 2896, 2667, 3077). What a replayed step still calls: torch's autograd
 # machinery, Sequential's plan lookup, the replay's checks, the delayed-scaling registration and
-# update (docs/executor.md, "Known costs").
-CEILINGS = {"fusible bf16": 86, "fusible delayed": 136, "fusible current": 96,
-            "fusible mxfp8": 96}  # fmt: skip
+# update (docs/executor.md, "Known costs"). Since session 18 a container under a recipe asks once
+# whether saved-tensor hooks are active (a plain torch.utils.checkpoint region to adopt, see
+# fusible.quantization.recompute): 86, 136, 97, 97.
+CEILINGS = {"fusible bf16": 86, "fusible delayed": 137, "fusible current": 97,
+            "fusible mxfp8": 97}  # fmt: skip
 
 
 @pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="counts are for CPython 3.11")
