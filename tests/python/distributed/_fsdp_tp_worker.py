@@ -5,8 +5,10 @@
 each use. Compared, on every rank, with the same TP module without FSDP2 (the same local
 weights, the same input): outputs and input gradients bit for bit (the gathered weights are the
 TP shards exactly); weight gradients against the TP module's averaged over ``dp`` (FSDP2's
-reduce-scatter: two ranks, so bit for bit); parameters after two SGD steps bit for bit. Same
-harness as _tp_worker.py: ``python _fsdp_tp_worker.py RANK WORLD PORT OUT_DIR [CASES]``."""
+reduce-scatter: two ranks, so bit for bit); parameters after two SGD steps bit for bit. The
+``compile_*`` cases run the 2-D ``Linear`` (column, row) under ``torch.compile(fullgraph=True,
+backend="aot_eager")`` against the same 2-D module run eagerly (see ``compiled``). Same harness
+as _tp_worker.py: ``python _fsdp_tp_worker.py RANK WORLD PORT OUT_DIR [CASES]``."""
 
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ import fusible
 S, H, F = base.S, base.H, base.F
 DP = TP = 2
 LR = 0.5
+# One dynamo cache entry per compiled fusible module (docs/distributed.md, "FSDP2 under
+# torch.compile"): more than the default 8 here.
+torch._dynamo.config.recompile_limit = 64
 CASES: list[Any] = []
 case = base.case_adder(CASES)
 
@@ -45,6 +50,22 @@ def mesh2d() -> Any:
     return init_device_mesh(base.DEVICE, (DP, TP), mesh_dim_names=("dp", "tp"))
 
 
+def batch(kind: str, sp: bool, seed: int, dp_rank: int, tp_rank: int) -> tuple[Any, Any]:
+    """This rank's input and output gradient. Each dp rank its own batch; the tp ranks of a dp
+    group the same one (SP: its slice). Features split over tp: a row-parallel input, a
+    column-parallel output (and its dy)."""
+    d_in, d_out = DIMS[kind]
+    x_split, dy_split = kind == "row", kind in ("column", "lnlinear")
+    x = rand(S, d_in, seed=seed + 10 * dp_rank + (tp_rank if x_split else 0))
+    dy = rand(S, d_out, seed=seed + 10 * dp_rank + 5 + (tp_rank if dy_split else 0))
+    if sp:  # tokens split over tp: the input of a column side, the output of a row side
+        tokens = S // TP
+        rows = slice(tp_rank * tokens, (tp_rank + 1) * tokens)
+        x = x if kind == "row" else x[rows]
+        dy = dy[rows] if kind in ("row", "lnmlp") else dy
+    return x, dy
+
+
 def two_d(kind: str, rec_name: str, sp: bool) -> None:
     if base.WORLD != DP * TP:
         raise AssertionError(f"needs {DP * TP} ranks, got {base.WORLD}")
@@ -62,19 +83,9 @@ def two_d(kind: str, rec_name: str, sp: bool) -> None:
         if p.device_mesh.mesh_dim_names != ("dp",):
             raise AssertionError(f"{n}: sharded over {p.device_mesh}, expected the dp dimension")
     opts = [torch.optim.SGD(mod.parameters(), lr=LR) for mod in (ref, m)]
-    d_in, d_out = DIMS[kind]
-    tokens = S // TP if sp else S
     for k in range(2):
         tag = f"{kind} {rec_name}{' sp' if sp else ''} step {k}"
-        # Each dp rank its own batch; the tp ranks of a dp group the same one (SP: its slice).
-        # Features split over tp: a row-parallel input, a column-parallel output (and its dy).
-        x_split, dy_split = kind == "row", kind in ("column", "lnlinear")
-        x = rand(S, d_in, seed=100 * k + 10 * dp_rank + (tp_rank if x_split else 0))
-        dy = rand(S, d_out, seed=100 * k + 10 * dp_rank + 5 + (tp_rank if dy_split else 0))
-        if sp:  # tokens split over tp: the input of a column side, the output of a row side
-            rows = slice(tp_rank * tokens, (tp_rank + 1) * tokens)
-            x = x if kind == "row" else x[rows]
-            dy = dy[rows] if kind in ("row", "lnmlp") else dy
+        x, dy = batch(kind, sp, 100 * k, dp_rank, tp_rank)
         y_ref, dx_ref = base.run(ref, x, dy, rec)
         y, dx = base.run(m, x, dy, rec)
         exact(f"{tag} output", y, y_ref)
@@ -95,6 +106,67 @@ for _kind in MAKERS:
     for _rec in RECIPES:
         case(f"{_kind}_{_rec}")(lambda k=_kind, r=_rec: two_d(k, r, False))
     case(f"{_kind}_current_sp")(lambda k=_kind: two_d(k, "current", True))
+
+
+def compiled(kind: str, rec_name: str, sp: bool, eager_first: bool = False) -> None:
+    """The 2-D module under ``torch.compile(fullgraph=True, backend="aot_eager")`` against the
+    same 2-D module run eagerly (the same local weights, the same inputs), two SGD steps:
+    outputs, input gradients, every gradient shard and every parameter shard after each step bit
+    for bit (``aot_eager`` runs the very kernels eager runs; the collectives are the same ones:
+    the TP ones traced as functional collectives, FSDP2's eager around the graph). The first
+    step must compile a graph, the second none.
+
+    Row-parallel SP: the bias gradient is summed over ``tp`` by a tensor hook that
+    ``Sequential.forward`` re-attaches to FSDP2's unsharded parameter only when it runs eagerly
+    (``ensure_grad_reductions``); a traced forward skips it, so compiled from the first call the
+    unsharded bias has no hook and its gradient is this rank's tokens' share (xfail in
+    test_fsdp_tp.py). ``eager_first``: one eager forward under ``no_grad`` before compiling
+    hooks that parameter (FSDP2 keeps the object from its first all-gather on; ``reshard()``
+    after it, as a root ``fully_shard`` module stays unsharded until its backward); the hook then
+    runs in the eager autograd engine after the compiled backward, and the result is exact."""
+    rec = RECIPES[rec_name]
+    mesh = mesh2d()
+    tp_group = mesh["tp"].get_group()
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    torch.manual_seed(1234 + tp_rank)
+    eager = MAKERS[kind](tp_group, sp)
+    comp = MAKERS[kind](tp_group, sp)
+    comp.load_state_dict(eager.state_dict())
+    for mod in (eager, comp):
+        fully_shard(mod, mesh=mesh["dp"])
+    if eager_first:  # the root stays unsharded after a forward (until backward): reshard
+        with torch.no_grad():
+            comp(batch(kind, sp, 190, dp_rank, tp_rank)[0])
+        comp.reshard()
+    c = torch.compile(comp, fullgraph=True, backend="aot_eager")
+    opts = [torch.optim.SGD(mod.parameters(), lr=LR) for mod in (eager, comp)]
+    graphs = [torch._dynamo.utils.counters["stats"]["unique_graphs"]]
+    for k in range(2):
+        tag = f"compiled {kind} {rec_name}{' sp' if sp else ''} step {k}"
+        x, dy = batch(kind, sp, 200 + 100 * k, dp_rank, tp_rank)
+        y_e, dx_e = base.run(eager, x, dy, rec)
+        y_c, dx_c = base.run(c, x, dy, rec)
+        exact(f"{tag} output", y_c, y_e)
+        exact(f"{tag} dx", dx_c, dx_e)
+        for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
+            exact(f"{tag} grad {n}", p.grad.to_local(), q.grad.to_local())
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
+            exact(f"{tag} {n} after the step", p.to_local(), q.to_local())
+    if not graphs[0] < graphs[1] == graphs[2]:
+        raise AssertionError(
+            f"compiled {kind} {rec_name}: graphs before / after each step {graphs}"
+        )
+
+
+for _kind in ("column", "row"):
+    for _rec in RECIPES:
+        case(f"compile_{_kind}_{_rec}")(lambda k=_kind, r=_rec: compiled(k, r, False))
+    case(f"compile_{_kind}_current_sp")(lambda k=_kind: compiled(k, "current", True))
+case("compile_row_current_sp_eager_first")(lambda: compiled("row", "current", True, True))
 
 
 if __name__ == "__main__":

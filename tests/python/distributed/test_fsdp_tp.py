@@ -2,7 +2,10 @@
 ``_fsdp_tp_worker.py`` once for the module: ``Linear`` (column, row), ``LayerNormLinear`` and
 ``LayerNormMLP`` tensor-parallel over ``tp`` and ``fully_shard``-ed over ``dp``, under every
 recipe (and sequence parallelism under current scaling), against the same TP modules without
-FSDP2. Every process has a timeout."""
+FSDP2; and ``Linear`` (column, row) of that 2-D configuration under
+``torch.compile(fullgraph=True, backend="aot_eager")`` against the same configuration run
+eagerly, bit for bit, every recipe (and SP under current scaling). Every process has a
+timeout."""
 
 from __future__ import annotations
 
@@ -17,7 +20,17 @@ _RECIPES = ("none", "delayed", "current", "mxfp8")
 CASES = [
     *(f"{k}_{r}" for k in ("column", "row", "lnlinear", "lnmlp") for r in _RECIPES),
     *(f"{k}_current_sp" for k in ("column", "row", "lnlinear", "lnmlp")),
+    *(f"compile_{k}_{r}" for k in ("column", "row") for r in (*_RECIPES, "current_sp")),
+    "compile_row_current_sp_eager_first",
 ]
+# Compiled from its first call, a row-parallel SP Linear under FSDP2 loses the tp all-reduce of
+# its bias gradient: Sequential.forward re-attaches that gradient hook to FSDP2's unsharded
+# parameter only when it runs eagerly (ensure_grad_reductions), and the traced forward skips it.
+# One eager forward before compiling hooks it (the *_eager_first case, exact).
+_XFAIL = {
+    "compile_row_current_sp": "compiled 2-D row SP: the bias gradient is not summed over tp (the "
+    "grad hook is re-attached to FSDP2's unsharded parameter only by an eager forward)",
+}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +39,17 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     return run_workers(_WORKER, out, TIMEOUT_S, "FSDP2 + TP", world=4)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            n, marks=pytest.mark.xfail(raises=AssertionError, strict=True, reason=_XFAIL[n])
+        )
+        if n in _XFAIL
+        else n
+        for n in CASES
+    ],
+)
 def test_case(results: list[dict[str, str]], name: str) -> None:
     check_case(results, name)
 
