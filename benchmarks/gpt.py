@@ -16,7 +16,10 @@ no change to any number). Variants:
   ``fusible.autocast`` with DelayedScaling / Float8CurrentScaling / MXFP8BlockScaling (autocast
   around the whole forward; embedding, attention and LM head stay high precision);
 * ``torchao``: ``torchao.float8.convert_to_float8_training`` (tensorwise scaling) of the plain
-  model's layer Linears (not the LM head), when torchao is importable and on CUDA.
+  model's layer Linears (not the LM head), when torchao is importable and on CUDA;
+* ``head-delayed`` / ``head-current`` (only when named): as ``delayed`` / ``current``, and the
+  final LayerNorm + LM head a ``fusible.LayerNormLinear`` under the recipe too (the logits'
+  GEMMs in FP8: what the rest of the step would gain, at a numerics cost most users avoid).
 
 Each in two modes (``--modes``): ``eager`` and ``compiled`` (``torch.compile(fullgraph=True)``
 of the forward with autocast and loss inside, backward and optimizer outside, as in step.py; one
@@ -68,9 +71,14 @@ from _common import (
 )
 
 # "tl-<recipe>": the layers are fusible.TransformerLayer instead of the hand-wired Layer below.
+# "head-<recipe>": also the final norm + LM head as a fusible.LayerNormLinear under the recipe
+# (FP8 logits GEMMs; not a default variant: it changes the model's numerics where users
+# usually keep high precision).
 FUSIBLE = (
     "bf16", "delayed", "current", "mxfp8", "blockwise", "tl-bf16", "tl-delayed", "tl-current",
+    "head-delayed", "head-current",
 )  # fmt: skip
+NOT_DEFAULT = ("torchao", "head-delayed", "head-current")
 ALL_VARIANTS = ("torch", *FUSIBLE, "torchao")
 MIB = 2**20
 FULL = {"layers": 8, "hidden": 2048, "heads": 16, "seq": 1024, "batch": 8, "vocab": 32768,
@@ -81,7 +89,7 @@ TINY = {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "batch": 2, "vocab": 1
 
 def recipe_of(variant: str) -> Any:
     """The autocast recipe of a fusible variant (None: no autocast)."""
-    return all_recipes("bf16")[variant.removeprefix("tl-")]
+    return all_recipes("bf16")[variant.removeprefix("tl-").removeprefix("head-")]
 
 
 def have_torchao() -> bool:
@@ -131,7 +139,7 @@ class Layer(nn.Module):
 class GPT(nn.Module):
     def __init__(
         self, cfg: dict[str, int], use_fusible: bool, device: str, dt: torch.dtype,
-        transformer_layer: bool = False,
+        transformer_layer: bool = False, fusible_head: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         h, v = cfg["hidden"], cfg["vocab"]
@@ -147,21 +155,28 @@ class GPT(nn.Module):
         else:
             layers = [Layer(h, cfg["heads"], use_fusible, device, dt) for _ in range(cfg["layers"])]
         self.layers = nn.ModuleList(layers)
-        self.norm = nn.LayerNorm(h, **kw)
-        self.lm_head = nn.Linear(h, v, bias=False, **kw)
+        self.head: nn.Module | None = None
+        if fusible_head:
+            import fusible
+
+            self.head = fusible.LayerNormLinear(h, v, bias=False, **kw)
+        else:
+            self.norm = nn.LayerNorm(h, **kw)
+            self.lm_head = nn.Linear(h, v, bias=False, **kw)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.embed(idx) + self.pos(pos)
         for layer in self.layers:
             x = layer(x)
-        logits = self.lm_head(self.norm(x))
+        logits = self.head(x) if self.head is not None else self.lm_head(self.norm(x))
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def build(variant: str, cfg: dict[str, int], device: str, dt: torch.dtype) -> GPT:
     torch.manual_seed(0)
-    model = GPT(cfg, variant in FUSIBLE, device, dt, variant.startswith("tl-"))
+    model = GPT(cfg, variant in FUSIBLE, device, dt, variant.startswith("tl-"),
+                variant.startswith("head-"))  # fmt: skip
     if variant == "torchao":
         from torchao.float8 import convert_to_float8_training
 
@@ -339,8 +354,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny sizes, few iterations (smoke test)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     variants_help = (
-        f"comma list of {','.join(ALL_VARIANTS)} (default all; torch always runs when timing, "
-        "as the yardstick; torchao only if importable, on CUDA)"
+        f"comma list of {','.join(ALL_VARIANTS)} (default all but head-*; torch always runs "
+        "when timing, as the yardstick; torchao only if importable, on CUDA)"
     )
     ap.add_argument("--variants", default=None, help=variants_help)
     ap.add_argument("--modes", default="eager,compiled", help="eager and/or compiled")
@@ -365,7 +380,8 @@ def main() -> None:
     cuda = device == "cuda"
 
     if args.variants is None:
-        variants = [v for v in ALL_VARIANTS if v != "torchao" or (cuda and have_torchao())]
+        ao = cuda and have_torchao()
+        variants = [v for v in ALL_VARIANTS if v not in NOT_DEFAULT or (v == "torchao" and ao)]
     else:
         variants = [v for v in args.variants.split(",") if v]
         bad = [v for v in variants if v not in ALL_VARIANTS]

@@ -32,8 +32,8 @@ def _run(script: str, *args: str, timeout: float = 240) -> str:
 
 def test_gpt_tiny_eager():
     out = _run("gpt.py", "--tiny", "--no-compile", "--strict",
-               "--variants", "torch,bf16,delayed,current,mxfp8")  # fmt: skip
-    for variant in ("torch", "bf16", "delayed", "current", "mxfp8"):
+               "--variants", "torch,bf16,delayed,current,mxfp8,head-current")  # fmt: skip
+    for variant in ("torch", "bf16", "delayed", "current", "mxfp8", "head-current"):
         assert f"{variant} eager:" in out, out
     assert "speedup_vs_torch_eager" in out, out
 
