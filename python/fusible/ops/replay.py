@@ -534,7 +534,7 @@ class BackwardRecording:
 
     __slots__ = ("calls_raw", "finish", "fn", "guards", "names", "source", "start")
 
-    start: Any  # the C++ loop's start([*saved, *grads]) and finish(state), or None
+    start: Any  # the C++ loop's start([*saved, *grads]) and finish(token), or None
     finish: Any
     calls_raw: Any
     fn: Any
@@ -934,9 +934,9 @@ def _run_backward(rec: BackwardRecording, saved: list[Any], grads: tuple[Any, ..
     """The gradients of a replayed backward; ``saved`` is emptied (the caller holds its saved
     tensors in it alone, so each is freed after its last use)."""
     if rec.start is not None:
-        state = rec.start([*saved, *grads])
+        token = rec.start([*saved, *grads])
         saved.clear()
-        return tuple(rec.finish(state))
+        return tuple(rec.finish(token))
     return rec.fn(saved, grads)
 
 
@@ -1113,11 +1113,12 @@ def backward(ctx: Any, dy: Any, out_grads: tuple[Any, ...]) -> Any:
                     with _no_autocast():
                         grads = _run_backward(entry, saved, (dy, *out_grads))
                 elif entry.start is not None:
-                    # The C++ loop in two steps: the saved tensors go to its state, and this
-                    # frame drops them before it runs (each is freed after its last use).
-                    state = entry.start([*saved, dy, *out_grads])
+                    # The C++ loop in two steps: the saved tensors go to the program (under
+                    # the token), and this frame drops them before it runs (each is freed after
+                    # its last use).
+                    token = entry.start([*saved, dy, *out_grads])
                     del saved
-                    grads = tuple(entry.finish(state))
+                    grads = tuple(entry.finish(token))
                 else:
                     grads = entry.fn([*saved], (dy, *out_grads))
         elif entry is _SEEN or type(entry) is BackwardRecording:
