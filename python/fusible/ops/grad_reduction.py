@@ -1,56 +1,67 @@
 """Gradients summed over a process group as autograd produces them: the sequence-parallel
 replicated parameters of the tensor-parallel modules (modules/_tp.py). Here, in the ops layer,
-because ``Sequential.forward`` re-hooks the parameter objects FSDP2 puts in place."""
+because ``Sequential.forward`` applies it to the parameter objects its ops hold at each call
+(FSDP2 puts its own in place), eagerly and traced alike."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["ensure_grad_reductions", "reduce_grad_over"]
+__all__ = ["reduce_grad_over", "with_grad_reductions"]
 
 
 def reduce_grad_over(op: torch.nn.Module, name: str, group: Any) -> None:
-    """Sum the gradient of ``op``'s parameter ``name`` over ``group`` as autograd produces it (a
-    tensor hook, so it runs once per backward, before accumulation into ``.grad``: gradient
-    accumulation stays right). For parameters applied to a sequence-parallel (split) activation
-    while replicated on every rank -- a norm's weight and bias, a row-parallel bias -- whose
-    gradient on each rank covers only its tokens. (TransformerEngine leaves this to Megatron-LM;
-    here the module does it, so gradients equal the single-process run's.)
+    """Sum the gradient of ``op``'s parameter ``name`` over ``group`` as autograd produces it
+    (in the backward graph, before accumulation into ``.grad``: gradient accumulation stays
+    right). For parameters applied to a sequence-parallel (split) activation while replicated on
+    every rank -- a norm's weight and bias, a row-parallel bias -- whose gradient on each rank
+    covers only its tokens. (TransformerEngine leaves this to Megatron-LM; here the module does
+    it, so gradients equal the single-process run's.)
 
-    The hook belongs to the parameter object ``op`` holds at each forward: the one built here,
-    or the unsharded parameter FSDP2's ``fully_shard`` puts in its place (the containing
-    ``Sequential`` checks before each eager forward, :func:`ensure_grad_reductions`), so under
-    FSDP2 the gradient FSDP2 reduce-scatters over its mesh is already summed over ``group``."""
+    The containing ``Sequential`` passes such a parameter to its ops through an identity whose
+    backward all-reduces the gradient (:func:`with_grad_reductions`), at every forward, on the
+    parameter object ``op`` holds then: the one built here, or the unsharded parameter FSDP2's
+    ``fully_shard`` puts in its place, so under FSDP2 the gradient FSDP2 reduce-scatters over its
+    mesh is already summed over ``group``. Being part of the graph, it is traced by
+    ``torch.compile`` too (a parameter hook was not, for the parameters FSDP2 puts in place)."""
     groups: dict[str, Any] = {**getattr(op, "_reduce_grad_over", {}), name: group}
     op.__dict__["_reduce_grad_over"] = groups  # a plain attribute (nn.Module's setattr aside)
-    _hook(op._parameters[name], group)
 
 
-def ensure_grad_reductions(ops: tuple[torch.nn.Module, ...]) -> None:
-    """Hook every parameter of ``ops`` registered by :func:`reduce_grad_over` that is not
-    hooked yet (a parameter object FSDP2 put in place of the original)."""
-    for op in ops:
-        groups: dict[str, Any] = op.__dict__["_reduce_grad_over"]
-        for name, group in groups.items():
-            p = op._parameters.get(name)
-            if p is not None and getattr(p, "_fusible_grad_hooked", None) != id(p):
-                _hook(p, group)
+class _SumGradOver(torch.autograd.Function):
+    """Identity forward (an alias); backward: the gradient summed over ``group``."""
 
+    @staticmethod
+    def forward(ctx: Any, p: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return p.view_as(p)
 
-def _hook(param: torch.Tensor | None, group: Any) -> None:
-    if param is None or not param.requires_grad:
-        return
-
-    def hook(g: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
         import torch.distributed as dist
 
-        out = g.contiguous().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out
+        out = g.contiguous().clone()  # never reduce into a tensor another node may hold
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None
 
-    param.register_hook(hook)
-    # The mark is the tensor's own id: a copy that kept the attribute (pickle keeps a
-    # parameter's __dict__, not its hooks) is hooked again.
-    param._fusible_grad_hooked = id(param)  # type: ignore[attr-defined]
+
+def with_grad_reductions(run: Sequence[torch.nn.Module], params: list[Any]) -> list[Any]:
+    """``params`` (the parameters of ``run``'s ops in ``fuser.params_of`` order) with each one
+    registered by :func:`reduce_grad_over` that requires grad replaced by an alias whose gradient
+    is summed over its group."""
+    out = params
+    i = 0
+    for op in run:
+        groups = op.__dict__.get("_reduce_grad_over")
+        for name, p in op._parameters.items():
+            if p is None:
+                continue
+            if groups and name in groups and params[i].requires_grad:
+                if out is params:
+                    out = list(params)
+                out[i] = _SumGradOver.apply(params[i], groups[name])
+            i += 1
+    return out

@@ -12,7 +12,7 @@ import torch
 
 from fusible.ops import fuser, registry
 from fusible.ops.basic.linear import _COMPILE_UNSUPPORTED
-from fusible.ops.grad_reduction import ensure_grad_reductions
+from fusible.ops.grad_reduction import with_grad_reductions
 from fusible.ops.op import ACTIVE_EPOCH, BasicOperation
 from fusible.quantization import autocast as _autocast
 from fusible.quantization.quantizers import QuantizedTensor, _log_stack, scale_log
@@ -139,7 +139,8 @@ class Sequential(torch.nn.Module):
         weakref.finalize(self, fuser.release_plans, self._plan_ids)
         self._runs_cache: tuple[tuple[Any, ...], list[Any]] | None = None
         # Children whose parameters' gradients are summed over a group (sequence-parallel
-        # replicated parameters, modules/_tp.py reduce_grad_over); set with the runs.
+        # replicated parameters, modules/_tp.py reduce_grad_over; ops/grad_reduction.py); set
+        # with the runs, eagerly.
         self._grad_reduce_ops: tuple[Any, ...] = ()
         self._token: Any = None  # (recipe key, ACTIVE_EPOCH) the ops' states were set for
         self._last_run: tuple[Any, torch.dtype, torch.device] | None = None
@@ -386,11 +387,11 @@ class Sequential(torch.nn.Module):
             runs = self._runs()  # first: changed children reset the token
             if self._token != (rkey, ACTIVE_EPOCH[0]):
                 self._activate(recipe)
-            if self._grad_reduce_ops:  # FSDP2 may have put new parameter objects in place
-                ensure_grad_reductions(self._grad_reduce_ops)
         if call_kwargs:
             self._check_call_kwargs(call_kwargs)
         cast = _torch_autocast_dtype(x) if _any_autocast() else None
+        # Traced, the runs' ops are checked (at trace time): _grad_reduce_ops is set eagerly.
+        reduce = traced or self._grad_reduce_ops
         pending = extra_inputs
         extra_outputs: list[torch.Tensor] = []
         for index, run, n_in in runs:
@@ -405,8 +406,10 @@ class Sequential(torch.nn.Module):
                 extra = ()
             params = fuser.params_of(run)
             run_params = params
+            if reduce:  # sequence-parallel replicated parameters: gradients summed over tp
+                run_params = with_grad_reductions(run, params)
             if cast is not None:
-                x, extra, run_params = _cast_for_torch_autocast(cast, x, extra, params)
+                x, extra, run_params = _cast_for_torch_autocast(cast, x, extra, run_params)
             if traced:
                 key = self._traced_key(index, x, extra, run_params, run)
                 plan = fuser.plan_by_id(_traced_plan_id(uid, key, rkey))

@@ -116,14 +116,13 @@ def compiled(kind: str, rec_name: str, sp: bool, eager_first: bool = False) -> N
     the TP ones traced as functional collectives, FSDP2's eager around the graph). The first
     step must compile a graph, the second none.
 
-    Row-parallel SP: the bias gradient is summed over ``tp`` by a tensor hook that
-    ``Sequential.forward`` re-attaches to FSDP2's unsharded parameter only when it runs eagerly
-    (``ensure_grad_reductions``); a traced forward skips it, so compiled from the first call the
-    unsharded bias has no hook and its gradient is this rank's tokens' share (xfail in
-    test_fsdp_tp.py). ``eager_first``: one eager forward under ``no_grad`` before compiling
-    hooks that parameter (FSDP2 keeps the object from its first all-gather on; ``reshard()``
-    after it, as a root ``fully_shard`` module stays unsharded until its backward); the hook then
-    runs in the eager autograd engine after the compiled backward, and the result is exact."""
+    Row-parallel SP: the bias gradient is summed over ``tp`` inside the graph (an identity whose
+    backward all-reduces, ops/grad_reduction.py, applied to the parameter object each forward
+    sees: FSDP2's unsharded one); while it was a parameter hook re-attached only by an eager
+    forward, compiled from the first call it was this rank's tokens' share. ``eager_first``: one
+    eager forward under ``no_grad`` before compiling (``reshard()`` after it, as a root
+    ``fully_shard`` module stays unsharded until its backward), the old workaround, kept as a
+    check that it changes nothing."""
     rec = RECIPES[rec_name]
     mesh = mesh2d()
     tp_group = mesh["tp"].get_group()

@@ -23,14 +23,10 @@ CASES = [
     *(f"compile_{k}_{r}" for k in ("column", "row") for r in (*_RECIPES, "current_sp")),
     "compile_row_current_sp_eager_first",
 ]
-# Compiled from its first call, a row-parallel SP Linear under FSDP2 loses the tp all-reduce of
-# its bias gradient: Sequential.forward re-attaches that gradient hook to FSDP2's unsharded
-# parameter only when it runs eagerly (ensure_grad_reductions), and the traced forward skips it.
-# One eager forward before compiling hooks it (the *_eager_first case, exact).
-_XFAIL = {
-    "compile_row_current_sp": "compiled 2-D row SP: the bias gradient is not summed over tp (the "
-    "grad hook is re-attached to FSDP2's unsharded parameter only by an eager forward)",
-}
+# Compiled from its first call, a row-parallel SP Linear under FSDP2 lost the tp all-reduce of
+# its bias gradient while that all-reduce was a parameter hook (re-attached to FSDP2's unsharded
+# parameter only by an eager forward); it is part of the graph now (ops/grad_reduction.py). The
+# *_eager_first case (one eager forward before compiling, the old workaround) stays as a check.
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +35,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     return run_workers(_WORKER, out, TIMEOUT_S, "FSDP2 + TP", world=4)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            n, marks=pytest.mark.xfail(raises=AssertionError, strict=True, reason=_XFAIL[n])
-        )
-        if n in _XFAIL
-        else n
-        for n in CASES
-    ],
-)
+@pytest.mark.parametrize("name", CASES)
 def test_case(results: list[dict[str, str]], name: str) -> None:
     check_case(results, name)
 
