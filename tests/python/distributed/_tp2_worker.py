@@ -440,6 +440,45 @@ case("compile_none")(lambda: compile_tp("none"))
 case("compile_current")(lambda: compile_tp("current"))
 
 
+def compile_sp_replicated(rec_name: str) -> None:
+    """torch.compile(fullgraph=True, aot_eager) of a sequence-parallel LayerNormLinear (column)
+    and a sequence-parallel row Linear with bias: their replicated parameters (the norm's weight
+    and bias, the row bias) see this rank's tokens only, and their gradients are summed over the
+    group inside the graph (ops/grad_reduction.py). Every output and gradient bit for bit
+    against eager (which sums them by the same identity)."""
+    rec, g = RECIPES[rec_name], dist.group.WORLD
+    torch._dynamo.reset()
+    for make, xin, d in (
+        (
+            lambda: fusible.LayerNormLinear(
+                H, F, tp_group=g, parallel_mode="column", sequence_parallel=True
+            ),
+            toks(rand(S, H, seed=140), base.RANK),
+            rand(S, F // 2, seed=141),
+        ),
+        (
+            lambda: fusible.Linear(F, H, tp_group=g, parallel_mode="row", sequence_parallel=True),
+            rand(S, F // 2, seed=142),
+            toks(rand(S, H, seed=143), base.RANK),
+        ),
+    ):
+        torch.manual_seed(0)
+        eager, comp = make(), make()
+        comp.load_state_dict(eager.state_dict())
+        c = torch.compile(comp, fullgraph=True, backend="aot_eager")
+        ye, dxe = run(eager, xin, d, rec)
+        yc, dxc = run(c, xin, d, rec)
+        exact("compiled y", yc, ye)
+        exact("compiled dx", dxc, dxe)
+        for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
+            exact(f"compiled grad {n}", p.grad, q.grad)
+
+
+case("compile_sp_replicated_none")(lambda: compile_sp_replicated("none"))
+case("compile_sp_replicated_current")(lambda: compile_sp_replicated("current"))
+case("compile_sp_replicated_delayed")(lambda: compile_sp_replicated("delayed"))
+
+
 @case("bad_input_tp2")
 def bad_input_tp2() -> None:
     g, raises = dist.group.WORLD, base._raises

@@ -16,7 +16,8 @@ CASES = [
     *(f"transformer_layer_{r}_sp" for r in _RECIPES), "transformer_layer_none",
     "transformer_layer_current",
     *(f"grouped_{m}_{r}" for r in (*_RECIPES, "blockwise") for m in ("column", "row")),
-    "compile_none", "compile_current", "bad_input_tp2",
+    "compile_none", "compile_current",
+    *(f"compile_sp_replicated_{r}" for r in ("none", "current", "delayed")), "bad_input_tp2",
 ]  # fmt: skip
 
 
