@@ -30,6 +30,7 @@ _TWO_RANKS = {
     *(("tp2", f"fp8_gather_fused_{r}") for r in ("none", "delayed", "current", "mxfp8")),
     ("tp2", "compile_none"),
     ("tp2", "compile_current"),
+    *(("tp2", f"compile_sp_replicated_{r}") for r in ("none", "current", "delayed")),
     ("tp2", "bad_input_tp2"),
     ("fsdp", "all_gather_bytes"),
     ("fsdp", "bad_input"),
