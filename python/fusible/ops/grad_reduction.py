@@ -27,16 +27,29 @@ def reduce_grad_over(op: torch.nn.Module, name: str, group: Any) -> None:
     ``fully_shard`` puts in its place, so under FSDP2 the gradient FSDP2 reduce-scatters over its
     mesh is already summed over ``group``. Being part of the graph, it is traced by
     ``torch.compile`` too (a parameter hook was not, for the parameters FSDP2 puts in place)."""
-    groups: dict[str, Any] = {**getattr(op, "_reduce_grad_over", {}), name: group}
-    op.__dict__["_reduce_grad_over"] = groups  # a plain attribute (nn.Module's setattr aside)
+    keys: dict[str, int] = {**getattr(op, "_reduce_grad_over", {}), name: _group_key(group)}
+    op.__dict__["_reduce_grad_over"] = keys  # a plain attribute (nn.Module's setattr aside)
+
+
+# The groups of reduce_grad_over; the identity takes a group's index, an int (a process group as
+# an argument of autograd.Function.apply is a harder case for torch.compile's tracer).
+_GROUPS: list[Any] = []
+
+
+def _group_key(group: Any) -> int:
+    for i, g in enumerate(_GROUPS):
+        if g is group:
+            return i
+    _GROUPS.append(group)
+    return len(_GROUPS) - 1
 
 
 class _SumGradOver(torch.autograd.Function):
-    """Identity forward (an alias); backward: the gradient summed over ``group``."""
+    """Identity forward (an alias); backward: the gradient summed over group ``key``."""
 
     @staticmethod
-    def forward(ctx: Any, p: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
+    def forward(ctx: Any, p: torch.Tensor, key: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.key = key
         return p.view_as(p)
 
     @staticmethod
@@ -44,7 +57,7 @@ class _SumGradOver(torch.autograd.Function):
         import torch.distributed as dist
 
         out = g.contiguous().clone()  # never reduce into a tensor another node may hold
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=ctx.group)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_GROUPS[ctx.key])
         return out, None
 
 
@@ -52,16 +65,22 @@ def with_grad_reductions(run: Sequence[torch.nn.Module], params: list[Any]) -> l
     """``params`` (the parameters of ``run``'s ops in ``fuser.params_of`` order) with each one
     registered by :func:`reduce_grad_over` that requires grad replaced by an alias whose gradient
     is summed over its group."""
-    out = params
+    # No identity test of the lists (torch 2.11's dynamo cannot trace `is` between two lists):
+    # a copy is made up front when the run has such an op, else the same list is returned.
+    found = False
+    for op in run:
+        if op.__dict__.get("_reduce_grad_over"):
+            found = True
+    if not found:
+        return params
+    out = list(params)
     i = 0
     for op in run:
-        groups = op.__dict__.get("_reduce_grad_over")
+        keys = op.__dict__.get("_reduce_grad_over")
         for name, p in op._parameters.items():
             if p is None:
                 continue
-            if groups and name in groups and params[i].requires_grad:
-                if out is params:
-                    out = list(params)
-                out[i] = _SumGradOver.apply(params[i], groups[name])
+            if keys and name in keys and params[i].requires_grad:
+                out[i] = _SumGradOver.apply(params[i], keys[name])
             i += 1
     return out
