@@ -4,6 +4,7 @@ so each piece of math has one implementation."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "fused_quant_args",
     "gemm_dgrad",
     "gemm_fprop",
+    "gemm_output",
     "gemm_wgrad",
     "handoff",
     "handoff_after",
@@ -82,6 +84,18 @@ class HandOff:
 
 def as_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
+
+
+def gemm_output(y: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """A GEMM's fresh 2-D output ``y`` in the op's output ``shape``. Traced, not a view: an
+    output that aliases an intermediate comes out of a compiled graph as a view of it, which
+    in-place ops on the module's output (``y.add_(r)``) then reject, where a compiled
+    ``nn.Linear`` returns a plain tensor (ATen's matmul uses ``_unsafe_view`` the same way). No
+    saved tensor shares ``y``'s storage (the ops save their inputs and other buffers). Eagerly a
+    view (the executor returns a view as a detached alias; see fuser._forward_python)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.aten._unsafe_view(y, tuple(shape))
+    return y.view(*shape)
 
 
 def hp_dtype(x: torch.Tensor | HandOff) -> torch.dtype:

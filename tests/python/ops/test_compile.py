@@ -422,3 +422,31 @@ def test_fresh_model_compiled_first(model_name, recipe_name):
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("recipe_name", ["none", "delayed", "current"])
+@pytest.mark.parametrize("model_name", ["Linear", "LayerNormMLP", "sequential"])
+@pytest.mark.parametrize("shape", [(TOKENS, HIDDEN), (2, TOKENS // 2, HIDDEN)], ids=["2d", "3d"])
+def test_compiled_output_takes_inplace_ops(model_name, recipe_name, shape):
+    """A compiled module's output is not a view of a graph intermediate (the GEMM's 2-D output
+    comes out through _compute.gemm_output), so an in-place op on it works, as on a compiled
+    nn.Linear's, where it raised "Output 0 of CompiledFunction is a view and is being modified
+    inplace"; outputs and gradients equal the eager run's."""
+    rec = RECIPES[recipe_name]
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    extra = (torch.randn(shape),) if model_name == "sequential" else ()
+    got, want = [], []
+    for m, out in ((compiled, got), (twin, want)):
+        xx = x.clone().requires_grad_(True)
+        with fusible.autocast(enabled=rec is not None, recipe=rec):
+            y = m(xx, *extra)
+        assert y._base is None, "the output is a view"
+        y.mul_(2.0)
+        y.sum().backward()
+        out.extend([y.detach(), xx.grad])
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

@@ -275,7 +275,7 @@ class BasicLinear(QuantizedWeightOp):
             y = torch.nn.functional.linear(xq, wq.to(xq.dtype))
         else:
             y, _ = C.gemm_fprop(xq, wq, out_dtype)
-            y = y.view(*x.shape[:-1], self.out_features)
+            y = C.gemm_output(y, (*x.shape[:-1], self.out_features))
         return y, []
 
     def fprop_operands(

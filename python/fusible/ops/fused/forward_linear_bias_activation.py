@@ -74,7 +74,7 @@ class ForwardLinearBiasActivation(FusedOperation):
         del xq, wq  # freed before a hand-off cast allocates
         n = linear.out_features
         ctxs[1].attrs["dtype"] = b.dtype
-        y = y.view(*lead, n)
+        y = C.gemm_output(y, (*lead, n))
         if act:  # the activation's backward reads the pre-activation (when a gradient reaches it)
             ctxs[2].saved = [aux.view(*lead, n) if ctxs[2].input_requires_grad else None]
         if late_act:
