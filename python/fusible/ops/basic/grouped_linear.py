@@ -398,7 +398,7 @@ class GroupedLinear(QuantizedWeightOp):
             y = ys[0] if one else torch.cat(ys)
         else:
             y = x2.new_empty(0, self.out_features)
-        y = y.view(*x.shape[:-1], self.out_features)
+        y = C.gemm_output(y, (*x.shape[:-1], self.out_features))
         _save(ctx, saved_x, saved_w, splits, need_dgrad, need_wgrad, dtype, ws, bs, grad, prg[n:],
               False)  # fmt: skip
         return y, []
@@ -634,7 +634,7 @@ class GroupedLinear(QuantizedWeightOp):
         else:
             y = x2.new_empty(0, self.out_features)
             aux = y if K.GEMM_RULES.epilogues[epilogue or "none"].writes_aux else None
-        y = y.view(*x.shape[:-1], self.out_features)
+        y = C.gemm_output(y, (*x.shape[:-1], self.out_features))
         if aux is not None:
             aux = aux.view(y.shape)
         # What the loop saves: columnwise copies, nothing for an empty expert.
@@ -660,7 +660,7 @@ class GroupedLinear(QuantizedWeightOp):
         wc, bc = [w.contiguous() for w in ws], [b.to(dtype) for b in bs]
         y, *rest = K.grouped_gemm([x2], wc, list(splits), None, None, dtype, bc, False, True,
                                   epilogue)  # fmt: skip
-        y = y.view(*x.shape[:-1], self.out_features)
+        y = C.gemm_output(y, (*x.shape[:-1], self.out_features))
         aux = rest[0].view(y.shape) if rest else None
         xs = torch.split(x2, list(splits)) if n > 1 else (x2,)
         saved_x = [xs[i] if need_wgrad[i] and splits[i] else None for i in range(n)]
