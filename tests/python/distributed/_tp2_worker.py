@@ -394,8 +394,10 @@ def grouped(rec_name: str, mode: str) -> None:
 #: tensor: the shard's amax is not the whole's) and blockwise (a 128x128 weight tile, a 1x128
 #: activation / gradient block covers both ranks' 64 features; power-of-2 scales, so the bits
 #: differ only where the shard's amax is a binade below the whole's).
-_GROUPED_FULL_TOL = {"none": 1e-5, "delayed": 1e-5, "current": 0.25, "mxfp8": 1e-5,
-                     "blockwise": 0.25}  # fmt: skip
+#: Over NCCL (CUDA) the delayed case gets 1e-3: cuBLAS's FP8 GEMMs at the shard's and the whole's
+#: K accumulate in different orders (2.8e-4 of the largest value seen on two H200s, session 18).
+_GROUPED_FULL_TOL = {"none": 1e-5, "delayed": 1e-5 if base.DEVICE == "cpu" else 1e-3,
+                     "current": 0.25, "mxfp8": 1e-5, "blockwise": 0.25}  # fmt: skip
 
 for _r in GROUPED_RECIPES:
     for _m in ("column", "row"):

@@ -183,7 +183,8 @@ def row_linear(rec_name: str, sp: bool, dims: tuple[int, int, int] = (S, H, F)) 
         load(full, weight=W, bias=b)
         yf, dxf = run(full, x, dy, None)
         close("y vs full", y, toks(yf, RANK) if sp else yf)  # a K-split sum: another order
-        exact("dx vs full", dx, dxf[:, c])
+        # The CPU backend's GEMM sums in a fixed order at any shape; cuBLAS need not (NCCL runs).
+        (exact if DEVICE == "cpu" else close)("dx vs full", dx, dxf[:, c])
 
 
 for _r in RECIPES:
@@ -310,8 +311,8 @@ def explain() -> None:
     tp = fusible.LayerNormMLP(H, F, tp_group=dist.group.WORLD, sequence_parallel=True)
     text = tp.explain(recipe=R.Float8CurrentScaling())
     for want in ("AllGather", "ReduceScatter",
-                 "all_gather(dim 0) of the FP8 bytes over 2 ranks [gloo]",  # fused: FP8 travels
-                 "reduce_scatter(sum, dim 0) over 2 ranks [gloo]"):  # fmt: skip
+                 f"all_gather(dim 0) of the FP8 bytes over 2 ranks [{BACKEND}]",  # FP8 travels
+                 f"reduce_scatter(sum, dim 0) over 2 ranks [{BACKEND}]"):  # fmt: skip
         if want not in text:
             raise AssertionError(f"explain() lacks {want!r}:\n{text}")
     row = fusible.Linear(F, H, tp_group=dist.group.WORLD, parallel_mode="row")
