@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +16,12 @@ from fusible.ops.op import ACTIVE_EPOCH, BasicOperation
 from fusible.quantization import autocast as _autocast
 from fusible.quantization.quantizers import QuantizedTensor, _log_stack, scale_log
 from fusible.quantization.recipe import recipe_from_key
-from fusible.quantization.recompute import adopt_torch_checkpoint
+from fusible.quantization.recompute import (
+    _top_hooks,
+    adopt_torch_checkpoint,
+    in_reentrant_recompute,
+    warn_reentrant_recompute,
+)
 from fusible.quantization.roles import QuantizerRole
 
 __all__ = ["Sequential"]
@@ -371,8 +375,8 @@ class Sequential(torch.nn.Module):
             recipe = state.recipe if state.enabled else None
             if recipe is None:
                 last = self._last_run
-                if last is not None and last[0] is not None and _in_reentrant_recompute():
-                    _warn_reentrant_recompute(type(self).__name__)
+                if last is not None and last[0] is not None and in_reentrant_recompute():
+                    warn_reentrant_recompute(type(self).__name__)
             elif not _log_stack and _top_hooks(False) is not None:
                 # Maybe a plain torch.utils.checkpoint region: recompute as fusible.checkpoint
                 # does (adopt_torch_checkpoint says whether it is one).
@@ -536,26 +540,6 @@ class Sequential(torch.nn.Module):
 
 
 _any_autocast = torch._C._is_any_autocast_enabled
-_current_node = torch._C._current_autograd_node
-
-
-def _in_reentrant_recompute() -> bool:
-    """Whether this runs inside the recomputation of a reentrant torch.utils.checkpoint."""
-    node = _current_node()
-    return node is not None and type(node).__name__ == "CheckpointFunctionBackward"
-
-
-def _warn_reentrant_recompute(owner: str) -> None:
-    warnings.warn(
-        f"{owner}: a reentrant torch.utils.checkpoint (use_reentrant=True) recomputes this "
-        "module outside the fusible.autocast region of its forward, so its backward runs "
-        "without the recipe, in high precision. Use use_reentrant=False (fusible then "
-        "recomputes with the forward's recipe and scales) or fusible.checkpoint.",
-        stacklevel=3,
-    )
-
-
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def _torch_autocast_dtype(x: torch.Tensor) -> torch.dtype | None:

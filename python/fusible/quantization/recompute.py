@@ -24,6 +24,7 @@ no frame and is not adopted.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,8 +34,14 @@ from fusible.quantization.autocast import AutocastState, get_autocast_state, res
 from fusible.quantization.quantizers import ScaleLog, scale_log
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_current_node = torch._C._current_autograd_node
 
-__all__ = ["adopt_torch_checkpoint", "checkpoint"]
+__all__ = [
+    "adopt_torch_checkpoint",
+    "checkpoint",
+    "in_reentrant_recompute",
+    "warn_reentrant_recompute",
+]
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -118,3 +125,20 @@ def adopt_torch_checkpoint() -> ScaleLog | None:
         frame.recompute_fn = recompute_fn
         frame._fusible_scale_log = log
     return log
+
+
+def in_reentrant_recompute() -> bool:
+    """Whether this runs inside the recomputation of a reentrant ``torch.utils.checkpoint``
+    (which has no frame to adopt: its recomputation runs outside the forward's autocast)."""
+    node = _current_node()
+    return node is not None and type(node).__name__ == "CheckpointFunctionBackward"
+
+
+def warn_reentrant_recompute(owner: str) -> None:
+    warnings.warn(
+        f"{owner}: a reentrant torch.utils.checkpoint (use_reentrant=True) recomputes this "
+        "module outside the fusible.autocast region of its forward, so its backward runs "
+        "without the recipe, in high precision. Use use_reentrant=False (fusible then "
+        "recomputes with the forward's recipe and scales) or fusible.checkpoint.",
+        stacklevel=3,
+    )
