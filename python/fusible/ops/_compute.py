@@ -83,7 +83,14 @@ class HandOff:
 
 
 def as_2d(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1])
+    # A 2-D tensor as it is: a reshape to its own shape is still an operator call (a view) per
+    # GEMM operand on the hot path.
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
+def in_shape(y: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``y.view(*shape)``, or ``y`` itself when it has that shape already (no operator call)."""
+    return y if y.shape == tuple(shape) else y.view(*shape)
 
 
 def gemm_output(y: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -92,7 +99,10 @@ def gemm_output(y: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     in-place ops on the module's output (``y.add_(r)``) then reject, where a compiled
     ``nn.Linear`` returns a plain tensor (ATen's matmul uses ``_unsafe_view`` the same way). No
     saved tensor shares ``y``'s storage (the ops save their inputs and other buffers). Eagerly a
-    view (the executor returns a view as a detached alias; see fuser._forward_python)."""
+    view (the executor returns a view as a detached alias; see fuser._forward_python). ``y``
+    itself when it has that shape already (a 2-D input)."""
+    if y.shape == tuple(shape):
+        return y
     if torch.compiler.is_compiling():
         return torch.ops.aten._unsafe_view(y, tuple(shape))
     return y.view(*shape)
@@ -219,9 +229,9 @@ def _gemm(
         if am is None or bm is None:
             _fp8_copy(a, wa), _fp8_copy(b, wb)  # raises, naming the missing copy
         if wa == "r":
-            am = am.reshape(-1, am.shape[-1])  # as_2d
+            am = as_2d(am)
         if wb == "r":
-            bm = bm.reshape(-1, bm.shape[-1])
+            bm = as_2d(bm)
         scales: tuple[torch.Tensor | None, torch.Tensor | None] = (a.scale_inv, b.scale_inv)
         transa, transb = False, True  # the NT form: both operands K-contiguous
         if am.is_cuda and not K.gemm_fp8_aligned(am.shape[-1], bm.shape[0], out_dtype):

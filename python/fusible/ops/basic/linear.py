@@ -457,14 +457,14 @@ class BasicLinear(QuantizedWeightOp):
             elif wgrad:
                 dw, _ = C.gemm_wgrad(a, b, w_dtype)
             elif hp:
-                dx = (a @ b.to(a.dtype)).view(*lead, self.in_features)
+                dx = C.in_shape(a @ b.to(a.dtype), (*lead, self.in_features))
                 if c is not None and c.dtype == dx.dtype:
                     dx += c  # dx is this GEMM's own: the same sum, without a second tensor
                 elif c is not None:
                     dx = dx + c
             else:
                 dx, _ = C.gemm_dgrad(a, b, dtype, c=None if c is None else C.as_2d(c))
-                dx = dx.view(*lead, self.in_features)
+                dx = C.in_shape(dx, (*lead, self.in_features))
             del a, b
         if dw is not None:
             dw = dw.to(w_dtype)

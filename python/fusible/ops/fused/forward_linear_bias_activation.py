@@ -76,7 +76,7 @@ class ForwardLinearBiasActivation(FusedOperation):
         ctxs[1].attrs["dtype"] = b.dtype
         y = C.gemm_output(y, (*lead, n))
         if act:  # the activation's backward reads the pre-activation (when a gradient reaches it)
-            ctxs[2].saved = [aux.view(*lead, n) if ctxs[2].input_requires_grad else None]
+            ctxs[2].saved = [C.in_shape(aux, (*lead, n)) if ctxs[2].input_requires_grad else None]
         if late_act:
             act_op: _Activation = self.ops[2]  # type: ignore[assignment]
             return _act(y, act_op.kind, False, q), [[] for _ in self.ops]
