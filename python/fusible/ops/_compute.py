@@ -83,14 +83,21 @@ class HandOff:
 
 
 def as_2d(x: torch.Tensor) -> torch.Tensor:
-    # A 2-D tensor as it is: a reshape to its own shape is still an operator call (a view) per
-    # GEMM operand on the hot path.
-    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    # Eagerly a 2-D tensor as it is: a reshape to its own shape is still an operator call (a
+    # view) per GEMM operand on the hot path. Traced graphs keep their views (free there):
+    # without them torch 2.11's compiled blockwise backward on CUDA gave a zero input gradient
+    # (test_compile.py's blockwise cases; not analysed further).
+    if x.dim() == 2 and not torch.compiler.is_compiling():
+        return x
+    return x.reshape(-1, x.shape[-1])
 
 
 def in_shape(y: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """``y.view(*shape)``, or ``y`` itself when it has that shape already (no operator call)."""
-    return y if y.shape == tuple(shape) else y.view(*shape)
+    """``y.view(*shape)``; eagerly ``y`` itself when it has that shape already (no operator
+    call; see :func:`as_2d`)."""
+    if y.shape == tuple(shape) and not torch.compiler.is_compiling():
+        return y
+    return y.view(*shape)
 
 
 def gemm_output(y: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -100,12 +107,10 @@ def gemm_output(y: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     ``nn.Linear`` returns a plain tensor (ATen's matmul uses ``_unsafe_view`` the same way). No
     saved tensor shares ``y``'s storage (the ops save their inputs and other buffers). Eagerly a
     view (the executor returns a view as a detached alias; see fuser._forward_python). ``y``
-    itself when it has that shape already (a 2-D input)."""
-    if y.shape == tuple(shape):
-        return y
+    itself eagerly when it has that shape already (a 2-D input; see :func:`as_2d`)."""
     if torch.compiler.is_compiling():
         return torch.ops.aten._unsafe_view(y, tuple(shape))
-    return y.view(*shape)
+    return y if y.shape == tuple(shape) else y.view(*shape)
 
 
 def hp_dtype(x: torch.Tensor | HandOff) -> torch.dtype:
