@@ -42,12 +42,10 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -128,18 +126,6 @@ struct Preference {
     FUS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
   }
 };
-
-// FUSIBLE_GEMM_REDUCTION_MASK=<n> (read once): the cuBLASLt reduction schemes
-// (cublasLtReductionScheme_t bits, 0: none) the heuristic may pick; unset: cuBLASLt's default. A
-// probe of the per-call memset that cuBLASLt issues before its split-K / stream-K kernels.
-const uint32_t* reduction_mask() {
-  static const std::optional<uint32_t> mask = []() -> std::optional<uint32_t> {
-    const char* e = std::getenv("FUSIBLE_GEMM_REDUCTION_MASK");
-    if (e == nullptr || *e == '\0') return std::nullopt;
-    return static_cast<uint32_t>(std::strtoul(e, nullptr, 10));
-  }();
-  return mask ? &*mask : nullptr;
-}
 
 // ---- per-device state -----------------------------------------------------------------------
 
@@ -556,8 +542,6 @@ void gemm_cuda(const fus_gemm_args& args, const GemmShape& s, const fus_context&
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
-    if (const uint32_t* mask = reduction_mask())
-      pref.set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, *mask);
     cublasLtMatmulHeuristicResult_t result;
     std::memset(&result, 0, sizeof(result));
     int count = 0;
