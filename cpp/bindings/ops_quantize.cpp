@@ -66,8 +66,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cast_copies(const char* op, const Ten
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, const Tensor& scale,
                                                         at::ScalarType fp8_dtype, bool rowwise,
-                                                        bool columnwise,
-                                                        const OptTensor& amax_into) {
+                                                        bool columnwise, const OptTensor& amax_into,
+                                                        bool want_amax) {
   const char* op = "quantize_fp8";
   check_tensor(op, "x", x, high_precision());
   check_scalar(op, "scale", scale, x.device());
@@ -77,12 +77,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, const T
   auto [rows, cols] = matrix_shape(op, x);
   auto [data, data_t] = fp8_outputs(x, rows, cols, fp8_dtype, rowwise, columnwise);
   Tensor scale_inv = empty({1}, at::kFloat, x);
-  // Accumulating: the amax goes into amax_into, and the returned one is empty.
+  // Accumulating: the amax goes into amax_into, and the returned one is empty. Neither (a cast
+  // remade with a scale of before, which records nothing): no amax is taken at all -- no reset,
+  // no reduction -- and the returned one is empty.
   const bool acc = amax_into.has_value();
-  Tensor amax = acc ? nothing(at::kFloat, x) : empty({1}, at::kFloat, x);
+  FUS_VALUE_CHECK(want_amax || !acc, op,
+                  "argument 'want_amax' must be True when amax_into is given (it is the amax)");
+  Tensor amax = acc || !want_amax ? nothing(at::kFloat, x) : empty({1}, at::kFloat, x);
   if (!shapes_only(x)) {
     fus_quantized q = per_tensor_view(fp8_dtype, rows, cols, data, data_t, scale_inv, scale,
                                       acc ? *amax_into : amax, acc);
+    if (!acc && !want_amax) q.amax = nullptr;
     const fus_tensor in = mat(x, rows, cols);
     const fus_context ctx = context_of(x);
     check_status(op, fus_quantize(&in, &q, &ctx));
@@ -311,7 +316,7 @@ grouped_quantize_fp8(at::TensorList x, at::IntArrayRef m_splits, const OptTensor
 // Operator schemas (docs in python/fusible/_kernels/; the C contract in fusible/quantize.h).
 const char* const kSchemas[] = {
     "quantize_fp8(Tensor x, Tensor scale, ScalarType fp8_dtype, bool rowwise, bool columnwise,"
-    " Tensor(a!)? amax_into=None) -> (Tensor, Tensor, Tensor, Tensor)",
+    " Tensor(a!)? amax_into=None, bool want_amax=True) -> (Tensor, Tensor, Tensor, Tensor)",
     "quantize_fp8_current(Tensor x, ScalarType fp8_dtype, SymInt margin, bool rowwise,"
     " bool columnwise) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     "dequantize_fp8(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor",

@@ -1052,3 +1052,21 @@ def test_cuda_tensor_on_cpu_only_build():
         ops.quantize_mxfp8(x, E4M3, True, False)
     with pytest.raises(RuntimeError, match=r"fusible\.transpose_fp8: argument 'x'"):
         ops.transpose_fp8(torch.zeros(4, 64, dtype=torch.uint8, device="cuda").view(E4M3))
+
+
+def test_quantize_fp8_without_amax(devices):
+    """``want_amax=False``: the same data, transposed copy and ``scale_inv`` bits, no amax (an
+    empty tensor); with ``amax_into`` it is refused (that slot is the amax)."""
+    device = devices
+    torch.manual_seed(0)
+    x = torch.randn(67, 129, device=device, dtype=torch.bfloat16) * 3
+    scale = torch.tensor([1.7], device=device)
+    want = K.quantize_fp8(x, scale, torch.float8_e4m3fn, True, True)
+    got = K.quantize_fp8(x, scale, torch.float8_e4m3fn, True, True, want_amax=False)
+    for a, b in zip(want[:3], got[:3], strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b)  # fmt: skip
+    assert want[3].numel() == 1 and got[3].numel() == 0
+    slot = torch.zeros(1, device=device)
+    with pytest.raises(ValueError, match="want_amax"):
+        K.quantize_fp8(x, scale, torch.float8_e4m3fn, True, False, slot, want_amax=False)

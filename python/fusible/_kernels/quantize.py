@@ -2,7 +2,7 @@
 
 Per-tensor FP8
 --------------
-``quantize_fp8(x, scale, fp8_dtype, rowwise, columnwise, amax_into=None)
+``quantize_fp8(x, scale, fp8_dtype, rowwise, columnwise, amax_into=None, want_amax=True)
 -> (data, data_t, scale_inv, amax)``
     Cast with a given per-tensor ``scale`` (delayed scaling), one pass: ``data`` has ``x``'s shape,
     ``data_t`` is the transposed matrix ``[k, rows]`` (empty unless ``columnwise``),
@@ -10,6 +10,9 @@ Per-tensor FP8
     ``amax_into`` (float32, one value, mutated: a delayed-scaling history slot) the kernel
     max-combines ``max|x|`` into it instead (``amax_into = max(amax_into, max|x|)`` on the float
     bits, NaN wins: ``fus_quantized.amax_accumulate``) and the returned ``amax`` is empty.
+    ``want_amax=False`` (without ``amax_into``): no amax is taken (no reset, no reduction; a
+    cast remade with a scale of before, which records nothing) and the returned ``amax`` is
+    empty; the data and ``scale_inv`` are the same bits.
 ``quantize_fp8_current(x, fp8_dtype, margin, rowwise, columnwise)
 -> (data, data_t, scale, scale_inv, amax)``
     Current scaling: amax pass, ``scale = fp8_max / amax / 2**margin``, cast pass.
@@ -141,13 +144,16 @@ def _dequantize_fake(op: str, scale_name: str) -> Any:
 
 
 @_fake("quantize_fp8")
-def _quantize_fp8_fake(x, scale, fp8_dtype, rowwise, columnwise, amax_into=None):
+def _quantize_fp8_fake(x, scale, fp8_dtype, rowwise, columnwise, amax_into=None, want_amax=True):
     _check_same_device("quantize_fp8", "scale", scale, x.device)
     data, data_t = _fp8_outputs("quantize_fp8", x, fp8_dtype, rowwise, columnwise)
     if amax_into is not None:  # accumulated into amax_into: the returned amax is empty
+        if not want_amax:
+            raise ValueError("fusible.quantize_fp8: argument 'want_amax' must be True when "
+                             "amax_into is given (it is the amax)")  # fmt: skip
         _check_same_device("quantize_fp8", "amax_into", amax_into, x.device)
         return data, data_t, scale.new_empty(1), scale.new_empty(0)
-    return data, data_t, scale.new_empty(1), scale.new_empty(1)
+    return data, data_t, scale.new_empty(1), scale.new_empty(1 if want_amax else 0)
 
 
 @_fake("quantize_fp8_current")

@@ -255,7 +255,9 @@ class Float8Quantizer(Quantizer):
             scale, seen = self._pair()
         # The kernel max-combines the amax into this step's slot itself (amax_into; None in a
         # recomputation, which records nothing): no scratch amax, no maximum.
-        data, data_t, scale_inv, _ = _ops.quantize_fp8(x, scale, self.dtype, r, c, seen)
+        data, data_t, scale_inv, _ = _ops.quantize_fp8(
+            x, scale, self.dtype, r, c, seen, want_amax=seen is not None
+        )
         return Float8Data._trusted(
             data if r else None, data_t if c else None, scale_inv, self.dtype, x.shape
         )
@@ -268,7 +270,9 @@ class Float8Quantizer(Quantizer):
         again (how backward remakes the weight copy its forward made, after the step's update
         has changed the state)."""
         x = self._check_input(x)
-        data, data_t, scale_inv, _ = _ops.quantize_fp8(x, scale, self.dtype, rowwise, columnwise)
+        data, data_t, scale_inv, _ = _ops.quantize_fp8(
+            x, scale, self.dtype, rowwise, columnwise, want_amax=False
+        )
         return Float8Data._trusted(
             data if rowwise else None, data_t if columnwise else None, scale_inv, self.dtype,
             x.shape,

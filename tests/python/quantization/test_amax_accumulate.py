@@ -25,9 +25,11 @@ def _old_path(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, (at, out_at) in _INTO.items():
         real = getattr(K, name)
 
-        def wrapped(*args: Any, _real: Any = real, _at: int = at, _out: int = out_at) -> Any:
+        def wrapped(
+            *args: Any, _real: Any = real, _at: int = at, _out: int = out_at, **kw: Any
+        ) -> Any:
             into = args[_at] if len(args) > _at else None
-            out = _real(*args[:_at])
+            out = _real(*args[:_at], **kw)
             if into is None:
                 return out
             torch.maximum(into, out[_out], out=into)

@@ -260,7 +260,7 @@ def gather_quantized(
             if n > 1:
                 _all_reduce_max(amax, op.group)
             scale, _ = K.compute_scale(amax, q.dtype, q.margin)  # type: ignore[attr-defined]
-            data, _, scale_inv, _ = K.quantize_fp8(x, scale, q.dtype, True, False)
+            data, _, scale_inv, _ = K.quantize_fp8(x, scale, q.dtype, True, False, want_amax=False)
         else:
             assert isinstance(q, Float8Quantizer)
             data, _, scale_inv, amax = K.quantize_fp8(x, q.scale, q.dtype, True, False)
