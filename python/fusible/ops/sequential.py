@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import types
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -71,6 +72,24 @@ def _traced_plan_id(seq_uid: str, key: tuple[Any, ...], recipe_key: str | None) 
     seq = _SEQ_BY_UID[seq_uid]
     gens = tuple(op.state_gen for op in seq._runs()[key[0]][1])
     return seq._plan((*key, recipe_key, gens), recipe_from_key(recipe_key)).id
+
+
+def own_forward(module: torch.nn.Module) -> None:
+    """Give ``module`` a ``forward`` with a code object of its own: a copy of its class's.
+
+    ``torch.compile`` keeps a code object's graphs in one cache and, past
+    ``torch._dynamo.config.recompile_limit`` (8) entries, refuses more (``fullgraph=True``:
+    ``FailOnRecompileLimitHit``) or runs the frame eagerly. A fusible module's graph holds its
+    own plan ids as constants (:func:`_traced_plan_id`), so every module compiled on its own --
+    per layer, as FSDP2 is used -- is one more entry: with one shared ``forward`` the ninth
+    failed. Per instance each module keeps its own cache. Re-made by ``__setstate__`` (a copy
+    or an unpickled module), never pickled (``__getstate__`` drops it)."""
+    f = type(module).forward
+    fn = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__,
+                            f.__closure__)  # fmt: skip
+    fn.__kwdefaults__, fn.__qualname__, fn.__doc__ = f.__kwdefaults__, f.__qualname__, f.__doc__
+    fn.__dict__.update(f.__dict__)
+    module.__dict__["forward"] = types.MethodType(fn, module)
 
 
 def _recipe_key(recipe: Any) -> str | None:
@@ -148,6 +167,7 @@ class Sequential(torch.nn.Module):
         self._grad_reduce_ops: tuple[Any, ...] = ()
         self._token: Any = None  # (recipe key, ACTIVE_EPOCH) the ops' states were set for
         self._last_run: tuple[Any, torch.dtype, torch.device] | None = None
+        own_forward(self)
 
     def _replicate_for_data_parallel(self) -> Any:
         # A replica shares this container's __dict__ copy: it plans for its own ops.
@@ -158,7 +178,7 @@ class Sequential(torch.nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         # Plans reference this container's ops: a copy (deepcopy, pickle) plans afresh.
         state = self.__dict__.copy()
-        for k in ("_plans", "_plan_ids", "_runs_cache", "_token", "_seq_uid"):
+        for k in ("_plans", "_plan_ids", "_runs_cache", "_token", "_seq_uid", "forward"):
             state.pop(k, None)
         return state
 

@@ -455,14 +455,16 @@ def test_compiled_output_takes_inplace_ops(model_name, recipe_name, shape):
 _ISOLATE = "isolate_recompiles" in __import__("inspect").signature(torch.compile).parameters
 
 
-@pytest.mark.skipif(not _ISOLATE, reason="torch.compile has no isolate_recompiles (torch < 2.13)")
+@pytest.mark.parametrize("isolate", [False, True])
 @pytest.mark.parametrize("recipe_name", ["none", "current"])
-def test_per_layer_compile_past_the_recompile_limit(recipe_name):
+def test_per_layer_compile_past_the_recompile_limit(recipe_name, isolate):
     """More fusible layers than ``torch._dynamo.config.recompile_limit``, each compiled on its own
-    with ``fullgraph=True``: each layer's plan ids are constants of its graph, so the layers'
-    graphs are entries of one code object (``Sequential.forward``) and the ninth fails with
-    ``FailOnRecompileLimitHit``; ``isolate_recompiles=True`` gives each compiled layer its own
-    cache (the documented way, docs/distributed.md). Bits equal eager's."""
+    with ``fullgraph=True``. Each layer's plan ids are constants of its graph; with one shared
+    ``forward`` code object the ninth layer failed with ``FailOnRecompileLimitHit``. Each module
+    has a ``forward`` of its own code object (``sequential.own_forward``), so it compiles, also
+    with torch 2.13's ``isolate_recompiles=True``. Bits equal eager's."""
+    if isolate and not _ISOLATE:
+        pytest.skip("torch.compile has no isolate_recompiles (torch < 2.13)")
     rec = RECIPES[recipe_name]
     n = torch._dynamo.config.recompile_limit + 2
     torch.manual_seed(0)
@@ -480,17 +482,38 @@ def test_per_layer_compile_past_the_recompile_limit(recipe_name):
         return y, xi.grad
 
     torch._dynamo.reset()
-    compiled = [torch.compile(m, fullgraph=True, backend="aot_eager", isolate_recompiles=True)
-                for m in layers]  # fmt: skip
-    for _ in range(2):
-        got, want = run(compiled), run(ref)
-        for a, b in zip(got, want, strict=True):
-            assert torch.equal(a, b)
-    for m, r in zip(layers, ref, strict=True):
-        assert torch.equal(m.weight.grad, r.weight.grad)
-    # Without isolation the same loop fails past the limit (what the test guards against).
-    torch._dynamo.reset()
-    shared = [torch.compile(m, fullgraph=True, backend="aot_eager") for m in copy.deepcopy(ref)]
-    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
-        run(shared)
-    torch._dynamo.reset()
+    kw = {"isolate_recompiles": True} if isolate else {}
+    compiled = [torch.compile(m, fullgraph=True, backend="aot_eager", **kw) for m in layers]
+    try:
+        for _ in range(2):
+            got, want = run(compiled), run(ref)
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b)
+        for m, r in zip(layers, ref, strict=True):
+            assert torch.equal(m.weight.grad, r.weight.grad)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_own_forward_follows_copies_and_pickles():
+    """The per-instance ``forward`` is bound to its own module after ``deepcopy`` and a pickle
+    round trip (never to the original), and is the class's code (a copy of it)."""
+    import io
+    import pickle
+
+    m = fusible.LayerNormMLP(16, 32)
+    assert m.forward.__self__ is m
+    assert m.forward.__func__.__code__ is not type(m).forward.__code__
+    assert m.forward.__func__.__code__.co_code == type(m).forward.__code__.co_code
+    c = copy.deepcopy(m)
+    assert c.forward.__self__ is c
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    u = torch.load(buf, weights_only=False)
+    assert u.forward.__self__ is u
+    x = torch.randn(4, 16)
+    assert torch.equal(u(x), m(x)) and torch.equal(c(x), m(x))
+    t = fusible.TransformerLayer(16, 32, 2)
+    t2 = pickle.loads(pickle.dumps(t))
+    assert t.forward.__self__ is t and t2.forward.__self__ is t2

@@ -246,10 +246,11 @@ def test_inference_mode_makes_no_backward_copies(kernel, monkeypatch):
     model = ops.Sequential(ops.BasicLinear(H, F, dtype=DT))
     calls: list[bool] = []
     real = getattr(K, kernel)
+    at = 3 if kernel == "quantize_mxfp8" else 4  # the columnwise flag's position
 
-    def spy(*args: Any) -> Any:
-        calls.append(bool(args[-1]))  # the columnwise flag
-        return real(*args)
+    def spy(*args: Any, **kw: Any) -> Any:
+        calls.append(bool(args[at]))
+        return real(*args, **kw)
 
     monkeypatch.setattr(K, kernel, spy)
     with torch.inference_mode(), fusible.autocast(recipe=rec):
@@ -434,11 +435,11 @@ def test_save_original_input_forward_casts_rowwise_only(recipe_name, monkeypatch
     calls: list[tuple[tuple[int, ...], bool, bool]] = []
     real = getattr(K, kernel)
 
-    def spy(x: Any, *args: Any) -> Any:
+    def spy(x: Any, *args: Any, **kw: Any) -> Any:
         # rowwise, columnwise (quantize_fp8 passes its history slot, amax_into, after them)
         flags = args[2:4] if kernel == "quantize_fp8" else args[-2:]
         calls.append((tuple(x.shape), bool(flags[0]), bool(flags[1])))
-        return real(x, *args)
+        return real(x, *args, **kw)
 
     monkeypatch.setattr(K, kernel, spy)
     torch.manual_seed(0)
