@@ -12,7 +12,10 @@ Two tables:
    row runs 32 tokens and is compared with a torch eager row at 32 tokens.
 2. Host time per step: wall time of N steps (forward, backward, ``opt.step()``,
    ``zero_grad(set_to_none=True)``) issued back to back with one synchronize at the end, divided
-   by N. At this tiny shape the GPU idles, so this is the host's time per step (on the CPU
+   by N, in interleaved rounds (``--rounds``, default 5: each round runs every row once, so a
+   drift of the host's speed reaches every row alike); the median time, and the median of the
+   rounds' ratios to torch eager. At this tiny shape the GPU idles, so this is the host's time
+   per step (on the CPU
    (``--device cpu``) the kernels run on the host too: the time includes their arithmetic, in
    float32, and the ``graphed`` mode does not exist; the default modes there are ``eager``).
    Three modes:
@@ -228,47 +231,68 @@ class Stepper:
         return capture_cuda_graph(step, body, self._zero_grad)
 
 
-def host_ms_per_step(
-    step: Callable[[], Any], iters: int = 200, warmup: int = 10, repeats: int = 5
-) -> float:
-    """Wall time per step of ``iters`` steps issued back to back with one synchronize at the end
-    (median over ``repeats`` such runs, after ``warmup`` steps)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(warmup):
-        step()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            step()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(times)
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
-def _cell(fn: Callable[[], float]) -> float | str:
+def _cell(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except Exception as e:  # a variant that cannot run a mode is reported, not fatal
         return error_cell(e)
 
 
-def host_table(device: str, modes: list[str], iters: int) -> list[dict[str, Any]]:
-    """Host time per step (microseconds) of every variant in every mode; each row's
-    ``vs_torch_eager`` is its time over torch eager's at the same token count (same run)."""
+def _warmed(step: Callable[[], Any], warmup: int = 10) -> Callable[[], Any]:
+    for _ in range(warmup):
+        step()
+    _sync()
+    return step
+
+
+def _ms_per_step(step: Callable[[], Any], iters: int) -> float:
+    """Wall time per step of ``iters`` steps issued back to back, one synchronize at the end."""
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    _sync()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def host_table(device: str, modes: list[str], iters: int, rounds: int = 5) -> list[dict[str, Any]]:
+    """Host time per step (microseconds) of every variant in every mode. The variants are
+    measured in ``rounds`` interleaved rounds (each round runs every row once, ``iters`` steps),
+    so a drift of the host's speed -- on a shared machine torch eager's own time moves by tens of
+    percent between runs -- reaches every row of a round alike: ``host_us_per_step`` is the
+    median over the rounds, and ``vs_torch_eager`` the median of the rounds' ratios to torch
+    eager at the same token count (``ratio_spread``: their min-max)."""
     rows: list[dict[str, Any]] = []
+    steps: list[Any] = []
     for name, kind, rec, n in variants():
         torch.manual_seed(0)
         s = Stepper(build(kind, device), rec, new_input(n, device))
         for mode in modes:
             graphs = dynamo_graphs()
-            us = _cell(lambda: host_ms_per_step(s.make(mode), iters=iters) * 1e3)
-            rows.append({"variant": f"{name} {mode}", "mode": mode, "tokens": n,
-                         "host_us_per_step": us})  # fmt: skip
+            steps.append(_cell(lambda s=s, mode=mode: _warmed(s.make(mode))))
+            rows.append({"variant": f"{name} {mode}", "mode": mode, "tokens": n})
             if mode == "compiled":
                 rows[-1]["graphs"] = dynamo_graphs() - graphs
-    _add_ratios(rows, "host_us_per_step", "torch eager")
+    times: list[list[float]] = [[] for _ in rows]
+    for _ in range(rounds):
+        for i, step in enumerate(steps):
+            if callable(step):
+                times[i].append(_ms_per_step(step, iters) * 1e3)
+    ref = {r["tokens"]: i for i, r in enumerate(rows) if r["variant"] == "torch eager"}
+    for i, r in enumerate(rows):
+        if not callable(steps[i]):
+            r["host_us_per_step"] = steps[i]
+            continue
+        r["host_us_per_step"] = statistics.median(times[i])
+        base = times[ref[r["tokens"]]] if r["tokens"] in ref else []
+        if base:
+            ratios = [t / b for t, b in zip(times[i], base, strict=True)]
+            r["vs_torch_eager"] = statistics.median(ratios)
+            r["ratio_spread"] = f"{min(ratios):.3f}-{max(ratios):.3f}"
     return rows
 
 
@@ -313,6 +337,8 @@ def main() -> None:
                     help=f"host-time modes (default: {','.join(MODES)} on CUDA, eager on the "
                          "CPU)")  # fmt: skip
     ap.add_argument("--iters", type=int, default=200, help="steps per host-time measurement")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved host-time rounds (each runs every row once)")  # fmt: skip
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
     ap.add_argument("--calls-top", type=int, default=0, metavar="N",
                     help="also print each fusible variant's N most called functions")  # fmt: skip
@@ -341,11 +367,13 @@ def main() -> None:
     print_table(calls, ["variant", "tokens", "calls", "vs_torch_eager"])
     payload["calls"] = calls
     if not args.calls_only:
-        host = host_table(device, modes, args.iters)
+        host = host_table(device, modes, args.iters, args.rounds)
         what = "bf16 CUDA" if device == "cuda" else "float32 CPU, kernels' arithmetic included"
         print(f"host time per step, {args.iters} steps back to back (fwd, bwd, SGD step, "
-              f"zero_grad), {what}; ratios to torch eager at the same token count")  # fmt: skip
-        print_table(host, ["variant", "tokens", "host_us_per_step", "vs_torch_eager", "graphs"])
+              f"zero_grad), {what}; {args.rounds} interleaved rounds: median time, median of "
+              "the rounds' ratios to torch eager at the same token count")  # fmt: skip
+        print_table(host, ["variant", "tokens", "host_us_per_step", "vs_torch_eager",
+                           "ratio_spread", "graphs"])  # fmt: skip
         payload["host"] = host
     if args.out or not args.calls_only:
         print(f"wrote {write_json('overhead', payload, args.out)}")

@@ -54,6 +54,23 @@ def test_overhead_calls_only(tmp_path):
     assert len(list((tmp_path / "prof").glob("overhead_*.json"))) == 5  # torch + 4 recipes
 
 
+def test_overhead_host_time_cpu(tmp_path):
+    """The host-time table in interleaved rounds: every row has its median time, the median of
+    the rounds' ratios to torch eager and their spread."""
+    import json
+
+    _run("overhead.py", "--device", "cpu", "--iters", "2", "--rounds", "2", "--out",
+         str(tmp_path))  # fmt: skip
+    (path,) = tmp_path.glob("overhead_*.json")
+    rows = json.loads(path.read_text())["host"]
+    assert len(rows) == 6, rows
+    for r in rows:
+        assert r["host_us_per_step"] > 0 and r["vs_torch_eager"] > 0, r
+        lo, hi = (float(v) for v in r["ratio_spread"].split("-"))
+        assert lo <= r["vs_torch_eager"] <= hi, r
+    assert {r["vs_torch_eager"] for r in rows if r["variant"] == "torch eager"} == {1.0}
+
+
 def test_host_breakdown_cpu(tmp_path):
     out = _run("host_breakdown.py", "--device", "cpu", "--iters", "2", "--out", str(tmp_path))
     for variant in ("torch", "none", "delayed", "current"):
