@@ -75,21 +75,40 @@ def _traced_plan_id(seq_uid: str, key: tuple[Any, ...], recipe_key: str | None) 
 
 
 def own_forward(module: torch.nn.Module) -> None:
-    """Give ``module`` a ``forward`` with a code object of its own: a copy of its class's.
+    """Give ``module`` a ``forward`` with a code object of its own.
 
     ``torch.compile`` keeps a code object's graphs in one cache and, past
     ``torch._dynamo.config.recompile_limit`` (8) entries, refuses more (``fullgraph=True``:
     ``FailOnRecompileLimitHit``) or runs the frame eagerly. A fusible module's graph holds its
     own plan ids as constants (:func:`_traced_plan_id`), so every module compiled on its own --
     per layer, as FSDP2 is used -- is one more entry: with one shared ``forward`` the ninth
-    failed. Per instance each module keeps its own cache. Re-made by ``__setstate__`` (a copy
-    or an unpickled module), never pickled (``__getstate__`` drops it)."""
-    f = type(module).forward
-    fn = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__,
-                            f.__closure__)  # fmt: skip
-    fn.__kwdefaults__, fn.__qualname__, fn.__doc__ = f.__kwdefaults__, f.__qualname__, f.__doc__
-    fn.__dict__.update(f.__dict__)
-    module.__dict__["forward"] = types.MethodType(fn, module)
+    failed. The module's ``forward`` attribute is a function of its own code object (a copy of
+    :func:`_entry_code`'s) that calls its class's ``forward`` on the module, which it reaches
+    through a weak reference: a bound method in the module's ``__dict__`` would make a reference
+    cycle, and a dropped module would wait for the cyclic garbage collector to be freed. Re-made
+    by ``__setstate__`` (a copy or an unpickled module), never pickled (``__getstate__`` drops
+    it)."""
+    code = _FORWARD_ENTRY_CODE.replace()  # a new code object, its own cache
+    cell = types.CellType(weakref.ref(module))
+    fn = types.FunctionType(code, globals(), "forward", None, (cell,))
+    fn.__qualname__ = f"{type(module).__qualname__}.forward"
+    fn.__doc__ = type(module).forward.__doc__
+    module.__dict__["forward"] = fn
+
+
+def _entry_code() -> types.CodeType:
+    """The code of a module's own ``forward`` entry, with the module's weak reference ``ref`` as
+    its one free variable (closure cell)."""
+    ref: Any = None
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        m = ref()
+        return type(m).forward(m, *args, **kwargs)
+
+    return forward.__code__
+
+
+_FORWARD_ENTRY_CODE = _entry_code()
 
 
 def _recipe_key(recipe: Any) -> str | None:
