@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import types
 import weakref
@@ -93,7 +95,16 @@ def own_forward(module: torch.nn.Module) -> None:
     fn = types.FunctionType(code, globals(), "forward", None, (cell,))
     fn.__qualname__ = f"{type(module).__qualname__}.forward"
     fn.__doc__ = type(module).forward.__doc__
+    fn.__signature__ = _bound_signature(type(module))  # type: ignore[attr-defined]
     module.__dict__["forward"] = fn
+
+
+@functools.lru_cache(maxsize=None)
+def _bound_signature(cls: type) -> inspect.Signature:
+    """``cls.forward``'s signature without ``self`` (what ``inspect.signature(module.forward)``
+    reports for a bound method: tools that bind arguments by name read it)."""
+    sig = inspect.signature(cls.forward)  # type: ignore[attr-defined]
+    return sig.replace(parameters=list(sig.parameters.values())[1:])
 
 
 def _entry_code() -> types.CodeType:
