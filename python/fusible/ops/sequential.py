@@ -99,7 +99,7 @@ def own_forward(module: torch.nn.Module) -> None:
     module.__dict__["forward"] = fn
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bound_signature(cls: type) -> inspect.Signature:
     """``cls.forward``'s signature without ``self`` (what ``inspect.signature(module.forward)``
     reports for a bound method: tools that bind arguments by name read it)."""
