@@ -95,7 +95,7 @@ def own_forward(module: torch.nn.Module) -> None:
     fn = types.FunctionType(code, globals(), "forward", None, (cell,))
     fn.__qualname__ = f"{type(module).__qualname__}.forward"
     fn.__doc__ = type(module).forward.__doc__
-    fn.__signature__ = _bound_signature(type(module))  # type: ignore[attr-defined]
+    fn.__signature__ = _bound_signature(type(module))  # type: ignore[attr-defined, arg-type]
     module.__dict__["forward"] = fn
 
 
