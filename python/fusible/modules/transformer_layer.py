@@ -33,7 +33,7 @@ from fusible.modules.layernorm_linear import LayerNormLinear
 from fusible.modules.layernorm_mlp import LayerNormMLP
 from fusible.modules.linear import Linear
 from fusible.ops import AddExtraInput, Dropout, Sequential
-from fusible.ops.sequential import _NO_RECIPE, own_forward
+from fusible.ops.sequential import _NO_RECIPE, OwnForwardModule
 from fusible.quantization import QuantizerRole
 
 __all__ = ["MultiheadAttention", "RotaryPositionEmbedding", "TransformerLayer"]
@@ -110,23 +110,10 @@ def _explain_of(module: Sequential, **kw: Any) -> str:
     return "\n".join("  " + line for line in module.explain(**kw).splitlines())
 
 
-class _Block(torch.nn.Module):
+class _Block(OwnForwardModule):
     """A module of fusible modules (``MultiheadAttention``, ``TransformerLayer``): its quantizers
     are theirs, and ``explain()`` lists their plans (``_explain``, which a block that holds
     another calls with the attribute path as ``prefix``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        own_forward(self)  # torch.compile per layer: a cache per module (see own_forward)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("forward", None)  # bound to this instance, re-made by __setstate__
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        own_forward(self)
 
     def get_quantizer_roles(self, fwd: bool) -> list[QuantizerRole]:
         raise NotImplementedError

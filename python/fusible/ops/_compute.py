@@ -110,7 +110,7 @@ def gemm_output(y: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     itself eagerly when it has that shape already (a 2-D input; see :func:`as_2d`)."""
     if torch.compiler.is_compiling():
         return torch.ops.aten._unsafe_view(y, tuple(shape))
-    return y if y.shape == tuple(shape) else y.view(*shape)
+    return in_shape(y, shape)
 
 
 def hp_dtype(x: torch.Tensor | HandOff) -> torch.dtype:

@@ -122,13 +122,36 @@ def _entry_code() -> types.CodeType:
 _FORWARD_ENTRY_CODE = _entry_code()
 
 
+class OwnForwardModule(torch.nn.Module):
+    """A module with a ``forward`` of its own code object (:func:`own_forward`), kept through
+    copies, pickles and ``DataParallel`` replicas (each gets an entry that reaches itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        own_forward(self)
+
+    def _replicate_for_data_parallel(self) -> Any:
+        replica = super()._replicate_for_data_parallel()  # a copy of this module's __dict__
+        own_forward(replica)
+        return replica
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("forward", None)  # reaches this instance: re-made by __setstate__
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        own_forward(self)
+
+
 def _recipe_key(recipe: Any) -> str | None:
     # str(): dynamo may track the attribute as a lazily guarded constant, which it cannot hand
     # to an assume_constant_result function; the call makes a plain constant.
     return None if recipe is None else str(recipe.key)
 
 
-class Sequential(torch.nn.Module):
+class Sequential(OwnForwardModule):
     """A chain of ops. Nested ``Sequential``s are flattened; a plain ``nn.Module`` splits fusion.
 
     ``forward(x, *extra_inputs, is_first_microbatch=None, **call_kwargs)`` returns ``y``, or
@@ -197,7 +220,6 @@ class Sequential(torch.nn.Module):
         self._grad_reduce_ops: tuple[Any, ...] = ()
         self._token: Any = None  # (recipe key, ACTIVE_EPOCH) the ops' states were set for
         self._last_run: tuple[Any, torch.dtype, torch.device] | None = None
-        own_forward(self)
 
     def _replicate_for_data_parallel(self) -> Any:
         # A replica shares this container's __dict__ copy: it plans for its own ops.
@@ -207,8 +229,8 @@ class Sequential(torch.nn.Module):
 
     def __getstate__(self) -> dict[str, Any]:
         # Plans reference this container's ops: a copy (deepcopy, pickle) plans afresh.
-        state = self.__dict__.copy()
-        for k in ("_plans", "_plan_ids", "_runs_cache", "_token", "_seq_uid", "forward"):
+        state = super().__getstate__()
+        for k in ("_plans", "_plan_ids", "_runs_cache", "_token", "_seq_uid"):
             state.pop(k, None)
         return state
 

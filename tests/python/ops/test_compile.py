@@ -525,6 +525,10 @@ def test_own_forward_follows_copies_and_pickles():
     t = fusible.TransformerLayer(16, 32, 2)
     t2 = pickle.loads(pickle.dumps(t))
     assert target(t) is t and target(t2) is t2
+    # A DataParallel replica (a copy of the module's __dict__) reaches itself, not the original.
+    for mod in (m, t):
+        rep = mod._replicate_for_data_parallel()
+        assert target(rep) is rep
     gc.disable()
     try:
         r = weakref.ref(m)
