@@ -67,7 +67,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cast_copies(const char* op, const Ten
 std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, const Tensor& scale,
                                                         at::ScalarType fp8_dtype, bool rowwise,
                                                         bool columnwise, const OptTensor& amax_into,
-                                                        bool want_amax) {
+                                                        bool want_amax, bool keep_scale) {
   const char* op = "quantize_fp8";
   check_tensor(op, "x", x, high_precision());
   check_scalar(op, "scale", scale, x.device());
@@ -83,7 +83,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, const T
   const bool acc = amax_into.has_value();
   FUS_VALUE_CHECK(want_amax || !acc, op,
                   "argument 'want_amax' must be True when amax_into is given (it is the amax)");
-  Tensor amax = acc || !want_amax ? nothing(at::kFloat, x) : empty({1}, at::kFloat, x);
+  // keep_scale: the fourth output is a copy of `scale` as this cast read it (delayed scaling keeps
+  // it for backward's cast again; the state's scale changes in place at the step's update). Made
+  // here rather than by a clone after the call: one operator less, and a traced graph cannot
+  // recompute it in backward from the updated scale (a partitioner may recompute a clone).
+  FUS_VALUE_CHECK(!keep_scale || acc || !want_amax, op,
+                  "argument 'keep_scale' needs the amax not returned (amax_into given, or "
+                  "want_amax=False): the fourth output is the scale's copy then");
+  Tensor amax = keep_scale          ? scale.clone()
+                : acc || !want_amax ? nothing(at::kFloat, x)
+                                    : empty({1}, at::kFloat, x);
   if (!shapes_only(x)) {
     fus_quantized q = per_tensor_view(fp8_dtype, rows, cols, data, data_t, scale_inv, scale,
                                       acc ? *amax_into : amax, acc);
@@ -316,7 +325,8 @@ grouped_quantize_fp8(at::TensorList x, at::IntArrayRef m_splits, const OptTensor
 // Operator schemas (docs in python/fusible/_kernels/; the C contract in fusible/quantize.h).
 const char* const kSchemas[] = {
     "quantize_fp8(Tensor x, Tensor scale, ScalarType fp8_dtype, bool rowwise, bool columnwise,"
-    " Tensor(a!)? amax_into=None, bool want_amax=True) -> (Tensor, Tensor, Tensor, Tensor)",
+    " Tensor(a!)? amax_into=None, bool want_amax=True, bool keep_scale=False)"
+    " -> (Tensor, Tensor, Tensor, Tensor)",
     "quantize_fp8_current(Tensor x, ScalarType fp8_dtype, SymInt margin, bool rowwise,"
     " bool columnwise) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     "dequantize_fp8(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor",

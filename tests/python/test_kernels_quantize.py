@@ -863,6 +863,16 @@ def _opcheck_cases(device):
     q = x.to(E4M3)
     return {
         "quantize_fp8": (x, torch.tensor([2.0], device=device), E4M3, True, True),
+        "quantize_fp8:keep_scale": (
+            x,
+            torch.tensor([2.0], device=device),
+            E4M3,
+            True,
+            False,
+            torch.zeros(1, device=device),
+            True,
+            True,
+        ),
         "quantize_fp8_current": (x.bfloat16(), E5M2, 1, True, False),
         "dequantize_fp8": (q, torch.tensor([0.5], device=device), torch.bfloat16),
         "compute_amax": (x.half(),),
@@ -902,6 +912,7 @@ def _opcheck_cases(device):
 @pytest.mark.parametrize("op", list(_opcheck_cases("cpu")))
 def test_opcheck(op, devices):
     args = _opcheck_cases(devices)[op]
+    op = op.split(":")[0]  # "name:case": another argument combination of the operator name
     utils = [
         "test_schema",
         "test_autograd_registration",
@@ -941,6 +952,9 @@ _ERRORS = [
     ("scale_dtype", TypeError, "quantize_fp8", "scale", (_X, _S.double(), E4M3, True, False)),
     ("scale_meta", ValueError, "quantize_fp8", "scale", (_X, _S.to("meta"), E4M3, True, False)),
     ("fp8_dtype", TypeError, "quantize_fp8", "fp8_dtype", (_X, _S, torch.float16, True, False)),
+    # keep_scale returns the scale's copy in the amax's place: refused where the amax is returned
+    ("keep_scale_amax", ValueError, "quantize_fp8", "keep_scale",
+     (_X, _S, E4M3, True, False, None, True, True)),
     ("no_copy", ValueError, "quantize_fp8", "rowwise", (_X, _S, E4M3, False, False)),
     ("no_copy_col", ValueError, "quantize_fp8", "columnwise", (_X, _S, E4M3, False, False)),
     ("cur_int_x", TypeError, "quantize_fp8_current", "x", (_X.long(), E4M3, 0, True, False)),
@@ -1052,6 +1066,29 @@ def test_cuda_tensor_on_cpu_only_build():
         ops.quantize_mxfp8(x, E4M3, True, False)
     with pytest.raises(RuntimeError, match=r"fusible\.transpose_fp8: argument 'x'"):
         ops.transpose_fp8(torch.zeros(4, 64, dtype=torch.uint8, device="cuda").view(E4M3))
+
+
+def test_quantize_fp8_keeping_scale(devices):
+    """``keep_scale=True``: the same data, transposed copy and ``scale_inv`` bits, the amax
+    max-combined into ``amax_into`` as without it, and in the amax's place a new float32 ``(1,)``
+    tensor holding the scale the cast read (a copy: a later in-place change of the scale leaves
+    it alone). Also with ``want_amax=False``."""
+    device = devices
+    torch.manual_seed(0)
+    x = torch.randn(67, 129, device=device, dtype=torch.bfloat16) * 3
+    scale = torch.tensor([1.7], device=device)
+    want_slot, slot = torch.full((1,), 0.5, device=device), torch.full((1,), 0.5, device=device)
+    want = K.quantize_fp8(x, scale, torch.float8_e4m3fn, True, True, want_slot)
+    for args in ((slot,), (None, False)):
+        got = K.quantize_fp8(x, scale, torch.float8_e4m3fn, True, True, *args, keep_scale=True)
+        for a, b in zip(want[:3], got[:3], strict=True):
+            assert_bits_equal(a, b, "keep_scale changed the cast")
+        kept = got[3]
+        assert kept.dtype == torch.float32 and kept.shape == (1,) and torch.equal(kept, scale)
+        assert kept.data_ptr() != scale.data_ptr()
+    assert torch.equal(slot, want_slot) and slot.item() > 0.5  # accumulated once, as without it
+    scale.mul_(2)  # the step's update, in place
+    assert kept.item() == pytest.approx(1.7)
 
 
 def test_quantize_fp8_without_amax(devices):

@@ -2,8 +2,8 @@
 
 Per-tensor FP8
 --------------
-``quantize_fp8(x, scale, fp8_dtype, rowwise, columnwise, amax_into=None, want_amax=True)
--> (data, data_t, scale_inv, amax)``
+``quantize_fp8(x, scale, fp8_dtype, rowwise, columnwise, amax_into=None, want_amax=True,
+keep_scale=False) -> (data, data_t, scale_inv, amax)``
     Cast with a given per-tensor ``scale`` (delayed scaling), one pass: ``data`` has ``x``'s shape,
     ``data_t`` is the transposed matrix ``[k, rows]`` (empty unless ``columnwise``),
     ``scale_inv = 1/scale`` and ``amax = max|x|`` are float32 of shape ``(1,)``. With
@@ -12,7 +12,11 @@ Per-tensor FP8
     bits, NaN wins: ``fus_quantized.amax_accumulate``) and the returned ``amax`` is empty.
     ``want_amax=False`` (without ``amax_into``): no amax is taken (no reset, no reduction; a
     cast remade with a scale of before, which records nothing) and the returned ``amax`` is
-    empty; the data and ``scale_inv`` are the same bits.
+    empty; the data and ``scale_inv`` are the same bits. ``keep_scale=True`` (only where the
+    amax is not returned: with ``amax_into`` or ``want_amax=False``) returns in the ``amax``
+    place a float32 ``(1,)`` copy of ``scale`` as the cast read it: what delayed scaling keeps for
+    backward's cast again, made by the operator (no clone after it, which a traced graph's
+    partitioner could recompute in backward from the scale the step's update changed).
 ``quantize_fp8_current(x, fp8_dtype, margin, rowwise, columnwise)
 -> (data, data_t, scale, scale_inv, amax)``
     Current scaling: amax pass, ``scale = fp8_max / amax / 2**margin``, cast pass.
@@ -144,16 +148,22 @@ def _dequantize_fake(op: str, scale_name: str) -> Any:
 
 
 @_fake("quantize_fp8")
-def _quantize_fp8_fake(x, scale, fp8_dtype, rowwise, columnwise, amax_into=None, want_amax=True):
+def _quantize_fp8_fake(
+    x, scale, fp8_dtype, rowwise, columnwise, amax_into=None, want_amax=True, keep_scale=False
+):
     _check_same_device("quantize_fp8", "scale", scale, x.device)
+    if keep_scale and amax_into is None and want_amax:
+        raise ValueError("fusible.quantize_fp8: argument 'keep_scale' needs the amax not returned "
+                         "(amax_into given, or want_amax=False): the fourth output is the scale's "
+                         "copy then")  # fmt: skip
     data, data_t = _fp8_outputs("quantize_fp8", x, fp8_dtype, rowwise, columnwise)
     if amax_into is not None:  # accumulated into amax_into: the returned amax is empty
         if not want_amax:
             raise ValueError("fusible.quantize_fp8: argument 'want_amax' must be True when "
                              "amax_into is given (it is the amax)")  # fmt: skip
         _check_same_device("quantize_fp8", "amax_into", amax_into, x.device)
-        return data, data_t, scale.new_empty(1), scale.new_empty(0)
-    return data, data_t, scale.new_empty(1), scale.new_empty(1 if want_amax else 0)
+        return data, data_t, scale.new_empty(1), scale.new_empty(1 if keep_scale else 0)
+    return data, data_t, scale.new_empty(1), scale.new_empty(1 if want_amax or keep_scale else 0)
 
 
 @_fake("quantize_fp8_current")

@@ -262,6 +262,28 @@ class Float8Quantizer(Quantizer):
             data if r else None, data_t if c else None, scale_inv, self.dtype, x.shape
         )
 
+    def quantize_keeping_scale(
+        self, x: torch.Tensor, *, rowwise: bool, columnwise: bool
+    ) -> tuple[Float8Data, torch.Tensor]:
+        """``(quantize(x), scale)``: the cast, recording its amax as :meth:`quantize` does, and a
+        float32 ``(1,)`` copy of the scale it cast with, made by the cast operator itself
+        (``keep_scale``): what backward hands :meth:`quantize_with_scale` to make the same bits
+        again after the step's update has changed this quantizer's scale in place."""
+        x = self._check_input(x)
+        if _log_stack:
+            scale, seen = self.scale, self.amax_into()  # through the checkpoint's scale log
+        else:
+            scale, seen = self._pair()
+        data, data_t, scale_inv, kept = _ops.quantize_fp8(
+            x, scale, self.dtype, rowwise, columnwise, seen, want_amax=seen is not None,
+            keep_scale=True,
+        )  # fmt: skip
+        q = Float8Data._trusted(
+            data if rowwise else None, data_t if columnwise else None, scale_inv, self.dtype,
+            x.shape,
+        )  # fmt: skip
+        return q, kept
+
     def quantize_with_scale(
         self, x: torch.Tensor, scale: torch.Tensor, *, rowwise: bool, columnwise: bool
     ) -> Float8Data:

@@ -205,6 +205,18 @@ def test_save_original_input_compiled_matches_eager(recipe_name, devices):
     assert counts == [1, 1], counts
 
 
+def test_inductor_delayed_scaling_recasts_in_backward(devices):
+    """Delayed scaling under inductor (its min-cut partitioner, which recomputes cheap ops such
+    as a clone in backward) on the re-cast path: the weight and the kept input are cast again in
+    backward with the scale their forward cast read, a copy the cast operator returns
+    (``keep_scale``), so it cannot be recomputed from the state the forward graph's update has
+    changed. Three uncached steps (the scale changes at each), compiled == eager bit for bit
+    (the bias gradient, which inductor sums itself, within fp32 reassociation)."""
+    counts = _compare("Linear(save_original_input)", "delayed", "module", [None] * 3, devices,
+                      backend="inductor", exact=False)  # fmt: skip
+    assert counts == [1, 1, 1], counts
+
+
 def test_inductor_delayed_scaling_with_cache(devices):
     """One inductor case (its C++ compilation is slow): the block under delayed scaling (state
     mutated in the forward and the backward graphs) with the cache; compiled forward, compiled

@@ -323,11 +323,16 @@ class BasicLinear(QuantizedWeightOp):
             xq = x.take()  # this op's alone: its rowwise copy is freed after the forward GEMM
         elif qx is None:
             xq = x
-        elif prep.x_requant is not None and not (prep.x_delayed and torch.compiler.is_compiling()):
-            # The forward makes the rowwise copy only; backward casts x again (the same bits).
+        elif prep.x_requant is not None:
+            # The forward makes the rowwise copy only; backward casts x again (the same bits),
+            # under delayed scaling with the scale this cast read (the cast keeps a copy).
             x_requant = qx
-            x_scale = qx.scale.clone() if prep.x_delayed else None  # type: ignore[attr-defined]
-            xq = C.quantize(qx, x, rowwise=True, columnwise=False)
+            if prep.x_delayed:
+                xq, x_scale = qx.quantize_keeping_scale(  # type: ignore[attr-defined]
+                    x, rowwise=True, columnwise=False
+                )
+            else:
+                xq = C.quantize(qx, x, rowwise=True, columnwise=False)
         else:
             xq = C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
         if need_wgrad and x_requant is None and type(xq) is not torch.Tensor:
@@ -354,15 +359,20 @@ class BasicLinear(QuantizedWeightOp):
                 prep.requant
                 and w_own
                 and wq is self.weight  # not a torch.autocast cast or a dequantized stored weight
-                # A traced graph may re-read the scale in backward, after the update.
-                and not (delayed and torch.compiler.is_compiling())
             ):
                 # Backward quantizes the parameter again for dgrad: the forward makes the
                 # rowwise copy only, and saves the parameter (no copy) and, for delayed
-                # scaling, the scale it cast with.
+                # scaling, the scale it cast with (a copy the cast operator makes: see
+                # quantize_keeping_scale; a clone here could be recomputed by a traced graph's
+                # partitioner in backward, after the update).
                 requant = qw
-                w_scale = qw.scale.clone() if delayed else None  # type: ignore[attr-defined]
-                wq, ctx.new_workspace = quantize_weight(wq, qw, None, False, columnwise=False)
+                if delayed:
+                    wq, w_scale = qw.quantize_keeping_scale(  # type: ignore[attr-defined]
+                        wq, rowwise=True, columnwise=False
+                    )
+                    ctx.new_workspace = None
+                else:
+                    wq, ctx.new_workspace = quantize_weight(wq, qw, None, False, columnwise=False)
             else:
                 wq, ctx.new_workspace = quantize_weight(
                     wq, qw, ctx.workspace, ctx.cache_weight, columnwise=need_dgrad
