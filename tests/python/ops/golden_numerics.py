@@ -35,6 +35,13 @@ digests of 8 cases, every one in a no-recipe case or the GPT model, downstream o
 kernels). :func:`expected` merges them; on a capability with no record the digests known to
 vary are left out and the rest compared. Record a new capability (after checking that the
 base digests of the FP8 cases hold there) with ``--write-isa``.
+
+torch's capability alone does not name the code path: an AMD EPYC (Zen 4) with AVX-512 and
+AVX512-BF16 reports ``AVX512`` too, and torch's bf16 GEMMs give other bits there (session 20:
+the no-recipe and GPT cases, 8 cases; every fusible-only FP8 case kept its base digests). So a
+record may be keyed by :func:`cpu_key` -- the capability, the CPU vendor and whether it has
+AVX512-BF16 -- which is looked up first; ``--write-isa`` writes that key (the ``AVX2`` record
+predates it and is found by the capability).
 """
 
 from __future__ import annotations
@@ -227,13 +234,34 @@ def _isa_records() -> dict[str, dict[str, dict[str, str]]]:
     return json.loads(GOLDEN_ISA.read_text()) if GOLDEN_ISA.exists() else {}  # type: ignore[no-any-return]
 
 
-def expected(case: str, capability: str | None = None) -> dict[str, str]:
-    """The digests ``case`` must give on this CPU (``capability``: torch's CPU capability,
-    default this machine's): the base record, with the differing digests of the capability's
-    record; on a capability with neither, the base without the digests that vary by ISA."""
+def cpu_key() -> str:
+    """torch's CPU capability, then the CPU's vendor and ``avx512_bf16`` if it has that
+    extension (Linux ``/proc/cpuinfo``; the capability alone elsewhere): what a record of the
+    digests that differ on a kind of CPU is keyed by."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return cap
+    info = {}
+    for line in lines:
+        k, _, v = line.partition(":")
+        info.setdefault(k.strip(), v.strip())
+    bf16 = "avx512_bf16" in info.get("flags", "").split()
+    return f"{cap} {info.get('vendor_id', '?')}" + (" avx512_bf16" if bf16 else "")
+
+
+def expected(case: str, key: str | None = None) -> dict[str, str]:
+    """The digests ``case`` must give on this CPU (``key``: a :func:`cpu_key`, or torch's
+    capability alone; default this machine's): the base record, with the differing digests of
+    the record under the key, else under its capability; the base record as it is on the base
+    capability; on a capability with no record the base without the digests that vary by ISA."""
     base = _base_record()[case]
-    cap = torch.backends.cpu.get_cpu_capability() if capability is None else capability
+    key = cpu_key() if key is None else key
+    cap = key.split()[0]
     records = _isa_records()
+    if key in records:
+        return {**base, **records[key].get(case, {})}
     if cap == BASE_CAPABILITY:
         return dict(base)
     if cap in records:
@@ -248,7 +276,7 @@ def main() -> None:
     ap.add_argument(
         "--write-isa",
         action="store_true",
-        help=f"record in {GOLDEN_ISA.name} the digests that differ on this CPU's capability",
+        help=f"record in {GOLDEN_ISA.name} the digests that differ on this kind of CPU (cpu_key)",
     )
     ap.add_argument("--only", default=None, help="only the cases of this recipe (e.g. blockwise)")
     args = ap.parse_args()
@@ -256,9 +284,7 @@ def main() -> None:
     result = {name: compute(name) for name in names}
     golden = _base_record()
     if args.write_isa:
-        cap = torch.backends.cpu.get_cpu_capability()
-        if cap == BASE_CAPABILITY:
-            raise SystemExit(f"this CPU is the base capability ({cap}): use --write")
+        cap = cpu_key()
         records = dict(_isa_records())  # the cached record stays as read
         own = {n: {k: v for k, v in r.items() if golden[n].get(k) != v} for n, r in result.items()}
         records[cap] = {n: d for n, d in own.items() if d}
