@@ -30,6 +30,7 @@ prefetching) is FSDP2's own. See docs/distributed.md, "FSDP2 with an FP8 weight 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,7 @@ from fusible.quantization.roles import QuantizerRole
 from fusible.quantization.state import RecipeState, update_delayed_scaling
 from fusible.quantization.tensor import Float8Tensor, QuantizedTensor
 
-__all__ = ["Float8AllGatherWeight", "fully_shard_fp8"]
+__all__ = ["Float8AllGatherWeight", "fully_shard_fp8", "precompute_fp8_scales"]
 
 _aten = torch.ops.aten
 
@@ -80,6 +81,9 @@ class _GatherSpec:
     margin: int
     delayed: RecipeState | None = None  # DelayedScaling: the weight's own one-slot state
     gathers: int = field(default=0)  # forward all-gathers so far (for tests and messages)
+    # Current scaling, by precompute_fp8_scales: (scale, what it is valid for, see
+    # _shard_key); used while the shard is unchanged (no optimizer step since).
+    precomputed: tuple[torch.Tensor, Any, tuple[int, int]] | None = None
 
 
 def _in_backward() -> bool:
@@ -195,10 +199,14 @@ class Float8AllGatherWeight(torch.Tensor):
             )
         group = mesh.get_group()
         if spec.delayed is None:
-            amax = K.compute_amax(x)
-            if n > 1:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-            scale, _ = K.compute_scale(amax, spec.fp8_dtype, spec.margin)
+            pre = spec.precomputed
+            if pre is not None and _shard_key(pre[1](), self._tensor) == pre[2]:
+                scale = pre[0]  # precompute_fp8_scales: agreed already, no collective here
+            else:
+                amax = K.compute_amax(x)
+                if n > 1:
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+                scale, _ = K.compute_scale(amax, spec.fp8_dtype, spec.margin)
             data, _, scale_inv, _ = K.quantize_fp8(x, scale, spec.fp8_dtype, True, False)
         else:
             state = spec.delayed
@@ -263,6 +271,58 @@ class Float8AllGatherWeight(torch.Tensor):
             return None
         qdata = Float8Data(data, None, scale_inv, fp8_dtype, torch.Size(data.shape))
         return Float8Tensor(qdata, dtype=param_dtype), inner
+
+
+def _shard_key(param: Any, master: torch.Tensor) -> tuple[int, int] | None:
+    """What a precomputed scale is valid for: the sharded parameter's version and the master
+    shard's storage. An optimizer step writes the parameter in place, which bumps the version
+    of the ``DTensor`` parameter (not of its local tensor's inner tensor, whose writes run below
+    the dispatcher's version-counter key: checked); None once the parameter is gone."""
+    return None if param is None else (param._version, master.data_ptr())
+
+
+@torch.no_grad()
+def precompute_fp8_scales(module: torch.nn.Module) -> int:
+    """The FP8 all-gather scales of every current-scaling :func:`fully_shard_fp8` weight inside
+    ``module``, agreed with **one** ``all_reduce(MAX)`` per process group instead of one per
+    weight at each of its all-gathers (forward, and backward when resharded); returns how many
+    weights got one. Call it on every rank after each optimizer step (and before the first
+    forward), as torchao's ``precompute_float8_dynamic_scale_for_fsdp``.
+
+    Each scale is the one ``fsdp_pre_all_gather`` would agree on (the max over the ranks of
+    each shard's amax, then the recipe's scale rule): the same bits. It is used while the
+    master shard is unchanged; after an optimizer step without a new call the all-gather agrees
+    on its scale itself again (correct, one collective per weight and gather). Delayed-scaling
+    weights keep their own per-gather amax reduction (their scale comes from the history)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"precompute_fp8_scales: 'module' must be a torch.nn.Module, got "
+            f"{type(module).__name__}"
+        )
+    groups: dict[Any, list[tuple[DTensor, Float8AllGatherWeight, torch.Tensor]]] = {}
+    for p in module.parameters():
+        if not isinstance(p, DTensor):
+            continue
+        local = p.to_local()
+        if not isinstance(local, Float8AllGatherWeight) or local._spec.delayed is not None:
+            continue
+        x = local.master
+        key = (p.device_mesh.get_group(), x.device)
+        groups.setdefault(key, []).append((p, local, K.compute_amax(x.contiguous())))
+    count = 0
+    for (group, _), items in groups.items():
+        amaxes = torch.cat([a for _, _, a in items])
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+        for i, (p, local, _) in enumerate(items):
+            spec = local._spec
+            scale, _ = K.compute_scale(amaxes[i : i + 1], spec.fp8_dtype, spec.margin)
+            spec.precomputed = (scale, weakref.ref(p), _shard_key(p, local.master))
+            count += 1
+    return count
 
 
 def _recipe_spec(recipe: Any, where: str, op: BasicLinear, device: torch.device) -> _GatherSpec:

@@ -324,6 +324,71 @@ def bad_input() -> None:
     assert type(m.get_parameter("0.weight")) is torch.nn.Parameter
 
 
+@contextlib.contextmanager
+def count_all_reduce() -> Iterator[list[int]]:
+    calls, orig = [0], dist.all_reduce
+
+    def fn(*a: Any, **k: Any) -> Any:
+        calls[0] += 1
+        return orig(*a, **k)
+
+    dist.all_reduce = fn  # type: ignore[assignment]
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = orig
+
+
+@case("precompute_scales")
+def precompute_scales() -> None:
+    """precompute_fp8_scales (current scaling, LayerNormMLP inside a root fully_shard, so each
+    weight is gathered for forward and again for backward): three SGD steps bit for bit equal to
+    the same model agreeing on each scale at each gather -- outputs, input and parameter
+    gradients, gathered weights -- with one all_reduce per call and none in forward or backward
+    (4 there without it); after an optimizer step without a new call the gathers agree again
+    themselves (stale scales are not used)."""
+    from fusible.distributed import precompute_fp8_scales
+
+    rec = R.Float8CurrentScaling()
+    torch.manual_seed(0)
+    src = MAKERS["lnmlp"]()
+    runs = []
+    for _ in range(2):
+        inner = MAKERS["lnmlp"]()
+        inner.load_state_dict(src.state_dict())
+        model = torch.nn.Sequential(inner)
+        fully_shard_fp8(inner, recipe=rec, mesh=mesh())
+        fully_shard(model, mesh=mesh())
+        runs.append((model, torch.optim.SGD(model.parameters(), lr=LR)))
+    (plain, plain_opt), (pre, pre_opt) = runs
+    n = 1 if base.WORLD > 1 else 0
+    for k in range(3):
+        x = rand(S, H, seed=80 + 10 * k + base.RANK)
+        dy = rand(S, H, seed=81 + 10 * k + base.RANK)
+        tag = f"precompute step {k}"
+        fresh = k < 2  # step 2: the optimizer stepped, precompute not called again
+        if fresh:
+            with count_all_reduce() as calls:
+                got = precompute_fp8_scales(pre)
+            if got != 2 or calls[0] != n:
+                raise AssertionError(f"{tag}: {got} weights, {calls[0]} all_reduces")
+        with count_all_reduce() as calls:
+            y, dx = step(pre, x, dy, rec)
+        want = 0 if fresh else 4 * n
+        if calls[0] != want:
+            raise AssertionError(f"{tag}: {calls[0]} all_reduces in the step, expected {want}")
+        y_ref, dx_ref = step(plain, x, dy, rec)
+        exact(f"{tag} output", y, y_ref)
+        exact(f"{tag} dx", dx, dx_ref)
+        for (name, p), q in zip(pre.named_parameters(), plain.parameters(), strict=True):
+            exact(f"{tag} grad {name}", p.grad.full_tensor(), q.grad.full_tensor())
+        for opt in (pre_opt, plain_opt):
+            opt.step()
+            opt.zero_grad()
+    bad = base._raises
+    bad(lambda: precompute_fp8_scales("model"), "precompute_fp8_scales", "'module'")  # type: ignore[arg-type]
+
+
 @case("compile")
 def compile_case() -> None:
     """torch.compile of a fully_shard_fp8 module is not supported: it fails with the quantized
