@@ -140,6 +140,9 @@ class WorkspaceCache:
 
     workspace: QuantizedData | None = None
     key: Any = None
+    # Stored under torch.inference_mode: its tensors are inference tensors, which autograd
+    # refuses to save, so a step outside inference mode does not use it (a miss).
+    inference: bool = False
     # The FSDP2 FSDPParam of the weight last stored (None: not FSDP2's), and that weight's id.
     fsdp: Any = None
     fsdp_for: int | None = None
@@ -182,6 +185,8 @@ class WorkspaceCache:
         (under torch.compile the weight's version is not compared, see ``key_for``)."""
         if self.workspace is None or self.key is None:
             return None
+        if self.inference and not torch.is_inference_mode_enabled():
+            return None
         key = self.key_for(weight, quantizer, source_dtype, self.fsdp)
         if torch.compiler.is_compiling():
             key, stored = key[:1] + key[2:], self.key[:1] + self.key[2:]
@@ -200,6 +205,7 @@ class WorkspaceCache:
         if ws is None:
             self.key = None
             return
+        self.inference = torch.is_inference_mode_enabled()
         if self.fsdp_for != id(weight) and not torch.compiler.is_compiling():
             # (A held FSDPParam keeps its unsharded parameter alive: its id is not reused.)
             self.fsdp, self.fsdp_for = fsdp_param_of(weight), id(weight)

@@ -331,7 +331,8 @@ class autocast(contextlib.ContextDecorator):
         if recipe is not None and not isinstance(recipe, Recipe):
             raise TypeError(
                 "fusible.autocast: 'recipe' must be a fusible.recipe recipe (DelayedScaling, "
-                f"Float8CurrentScaling, MXFP8BlockScaling, CustomRecipe) or None, got {recipe!r}"
+                "Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling, CustomRecipe) or "
+                f"None, got {recipe!r}"
             )
         if isinstance(amax_reduction_group, (bool, int, float, str)):
             raise TypeError(

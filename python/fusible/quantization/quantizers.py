@@ -359,7 +359,15 @@ class Float8Quantizer(Quantizer):
         cached = self._views.get(name)
         if cached is not None and cached[0] is buf:
             return cached[1]
-        view = (buf if name == "scale" else buf[0])[self.slot : self.slot + 1]
+        # Made with grad mode on: a view made under no_grad (a cast in an ordinary backward)
+        # and cached would be refused by autograd as the cast's in-place amax target in a later
+        # grad-mode call (a create_graph backward). The buffers need no gradient: no graph.
+        prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(True)
+        try:
+            view = (buf if name == "scale" else buf[0])[self.slot : self.slot + 1]
+        finally:
+            torch._C._set_grad_enabled(prev)
         if not torch.compiler.is_compiling():  # traced (make_fx): no state changes
             self._views[name] = (buf, view)
         return view

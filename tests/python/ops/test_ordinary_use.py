@@ -328,3 +328,63 @@ def test_compile_with_quantized_weights_raises_the_documented_error(fullgraph):
     with pytest.raises(RuntimeError, match=r"torch\.compile does not support quantized weights"):
         with fusible.autocast(recipe=rec):
             f(torch.randn(32, 64))
+
+
+# ---- found by a new-user probe (session 20) ------------------------------------------------
+
+
+@pytest.mark.parametrize("rec", ["delayed", "current"])
+def test_create_graph_grad_after_an_ordinary_backward(rec):
+    """``torch.autograd.grad(..., create_graph=True)`` (a gradient penalty's first step) after
+    an ordinary training step: delayed scaling raised autograd's "view created in no_grad mode
+    ... modified inplace" from the cast, because the amax slot view it writes was made (and
+    cached) in the ordinary backward, under no_grad. The gradient equals the one without
+    create_graph, bit for bit."""
+    r = RECIPES[rec]
+    torch.manual_seed(0)
+    m = fusible.Linear(64, 64)
+    _train(m, r, 1)
+    x = torch.randn(32, 64, requires_grad=True)
+    grads = []
+    for create_graph in (False, True):
+        state = copy.deepcopy(m.state_dict())
+        with fusible.autocast(recipe=r):
+            y = m(x)
+        (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=create_graph)
+        grads.append(g.detach())
+        m.load_state_dict(state)
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("rec", ["delayed", "current", "mxfp8"])
+def test_weight_cached_under_inference_mode_then_training(rec):
+    """A weight workspace cached under ``torch.inference_mode`` (``is_first_microbatch=True``)
+    holds inference tensors, which autograd refuses to save; a training step with
+    ``is_first_microbatch=False`` used to fail with torch's "Inference tensors cannot be saved
+    for backward". It is now a miss: the step quantizes the weight itself, giving the bits of
+    an uncached step."""
+    r = RECIPES[rec]
+    torch.manual_seed(0)
+    m = fusible.Linear(64, 64)
+    twin = copy.deepcopy(m)
+    x0 = torch.randn(32, 64)
+    with torch.inference_mode(), fusible.autocast(recipe=r):
+        m(x0, is_first_microbatch=True)
+        twin(x0)  # the same recipe-state history as m
+    x = torch.randn(32, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    with fusible.autocast(recipe=r):
+        y = m(x, is_first_microbatch=False)
+        y2 = twin(x2)
+    y.sum().backward()
+    y2.sum().backward()
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
+    assert torch.equal(m.weight.grad, twin.weight.grad)
+
+
+def test_autocast_recipe_error_lists_every_recipe():
+    with pytest.raises(TypeError) as info:
+        fusible.autocast(recipe="fp8")  # type: ignore[arg-type]
+    for name in ("DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling",
+                 "Float8BlockScaling", "CustomRecipe"):  # fmt: skip
+        assert name in str(info.value)
