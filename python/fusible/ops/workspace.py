@@ -186,7 +186,7 @@ class WorkspaceCache:
         if self.workspace is None or self.key is None:
             return None
         if self.inference and not torch.is_inference_mode_enabled():
-            return None
+            return None  # (never set by a traced store: dynamo cannot trace the mode check)
         key = self.key_for(weight, quantizer, source_dtype, self.fsdp)
         if torch.compiler.is_compiling():
             key, stored = key[:1] + key[2:], self.key[:1] + self.key[2:]
@@ -205,7 +205,7 @@ class WorkspaceCache:
         if ws is None:
             self.key = None
             return
-        self.inference = torch.is_inference_mode_enabled()
+        self.inference = not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
         if self.fsdp_for != id(weight) and not torch.compiler.is_compiling():
             # (A held FSDPParam keeps its unsharded parameter alive: its id is not reused.)
             self.fsdp, self.fsdp_for = fsdp_param_of(weight), id(weight)

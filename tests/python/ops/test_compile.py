@@ -205,6 +205,27 @@ def test_save_original_input_compiled_matches_eager(recipe_name, devices):
     assert counts == [1, 1], counts
 
 
+def test_recipe_switched_away_and_back_traces_again(devices):
+    """A compiled module run under DelayedScaling, then Float8CurrentScaling, then DelayedScaling
+    again: the switch sets the delayed states aside and restores them, which happens at trace
+    time only; the graph guards on the container's activation token, so the return traces again
+    instead of running the first graph bound to states the ops no longer held (it gave other
+    outputs, 1.9 off at this size, and an empty recipe state in ``state_dict()``). Compiled ==
+    eager bit for bit, recipe states too, at every step."""
+    names = ["delayed", "delayed", "current", "delayed", "delayed"]
+    torch.manual_seed(0)
+    model = MODELS["Linear"]().to(devices)
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(_forward, backend=CountingBackend(), fullgraph=True)
+    for i, ((x, extra, g), name) in enumerate(
+        zip(_data("Linear", devices, len(names)), names, strict=True)
+    ):
+        got = _run(compiled, "module", model, x, extra, g, RECIPES[name], None)
+        want = _run(_forward, "module", twin, x, extra, g, RECIPES[name], None)
+        _assert_match(got, want, f"step {i} ({name})")
+        assert model.state_dict().keys() == twin.state_dict().keys()
+
+
 def test_inductor_delayed_scaling_recasts_in_backward(devices):
     """Delayed scaling under inductor (its min-cut partitioner, which recomputes cheap ops such
     as a clone in backward) on the re-cast path: the weight and the kept input are cast again in
