@@ -317,10 +317,12 @@ def precompute_fp8_scales(module: torch.nn.Module) -> int:
         amaxes = torch.cat([a for _, _, a in items])
         if dist.get_world_size(group) > 1:
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
-        for i, (p, local, _) in enumerate(items):
+        for i, (param, local, _) in enumerate(items):
             spec = local._spec
             scale, _ = K.compute_scale(amaxes[i : i + 1], spec.fp8_dtype, spec.margin)
-            spec.precomputed = (scale, weakref.ref(p), _shard_key(p, local.master))
+            valid = _shard_key(param, local.master)
+            assert valid is not None
+            spec.precomputed = (scale, weakref.ref(param), valid)
             count += 1
     return count
 
