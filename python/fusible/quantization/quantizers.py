@@ -43,12 +43,14 @@ from fusible.quantization.recipe import (
 )
 from fusible.quantization.roles import QuantizerRole, as_role
 from fusible.quantization.scale_log import (
+    SNAPSHOT_SCALES,
     ScaleLog,
     ScalingBuffers,
     _dynamo_compiling,
     _log_stack,
     replaying_scales,
     scale_log,
+    scale_snapshot,
 )
 from fusible.quantization.tensor import (
     Float8BlockTensor,
@@ -336,6 +338,8 @@ class Float8Quantizer(Quantizer):
         scale, hist = b.scale, b.amax_history
         if _dynamo_compiling():  # see _slot_view
             s = self.slot
+            if SNAPSHOT_SCALES[0]:  # inside a compiled fusible.checkpoint: a saved copy
+                return scale_snapshot(scale[s : s + 1]), hist[0][s : s + 1]
             return scale[s : s + 1], hist[0][s : s + 1]
         v = self._views2
         if v is not None and v[0] is scale and v[1] is hist:

@@ -24,6 +24,7 @@ no frame and is not adopted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import torch.utils.checkpoint
 
 from fusible.quantization.autocast import AutocastState, get_autocast_state, restored_state
-from fusible.quantization.quantizers import ScaleLog, scale_log
+from fusible.quantization.quantizers import SNAPSHOT_SCALES, ScaleLog, scale_log
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _current_node = torch._C._current_autograd_node
@@ -55,15 +56,38 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if "context_fn" in kwargs:
         raise ValueError("fusible.checkpoint: 'context_fn' is set by fusible.checkpoint itself")
     if torch.compiler.is_compiling():
-        # Compiled code recomputes from its own functional graph (the autocast state and scales
-        # are graph inputs there), and dynamo cannot trace a context_fn.
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+        # Compiled code recomputes from its own functional graph (the autocast state is traced
+        # into it), and dynamo cannot trace fusible's context_fn. The delayed-scaling scales
+        # are graph inputs that the step's update changes in place before backward, and
+        # AOTAutograd recomputes a read of them there (pytorch/pytorch PR #197039): inside the
+        # region the quantizers read them as copies (SNAPSHOT_SCALES), which torch's selective
+        # checkpointing saves; everything else is recomputed as plain checkpointing does.
+        SNAPSHOT_SCALES[0] = True
+        try:
+            return torch.utils.checkpoint.checkpoint(
+                function, *args, use_reentrant=False,
+                context_fn=functools.partial(
+                    torch.utils.checkpoint.create_selective_checkpoint_contexts, _save_scales
+                ),
+                **kwargs,
+            )  # fmt: skip
+        finally:
+            SNAPSHOT_SCALES[0] = False
     state = get_autocast_state()
     log = ScaleLog()
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False,
         context_fn=lambda: (scale_log(log, replaying=False), _Replay(state, log)), **kwargs,
     )  # fmt: skip
+
+
+def _save_scales(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective checkpoint policy of a compiled fusible.checkpoint: save the scale copies
+    (``fusible::scale_snapshot``), recompute everything else."""
+    policy = torch.utils.checkpoint.CheckpointPolicy
+    if op is torch.ops.fusible.scale_snapshot.default:
+        return policy.MUST_SAVE
+    return policy.MUST_RECOMPUTE
 
 
 class _Replay:

@@ -53,6 +53,25 @@ class ScaleLog:
 _log_stack: list[tuple[ScaleLog, bool]] = []
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
+# Set (at trace time) while dynamo traces the function of a compiled fusible.checkpoint: the
+# delayed-scaling quantizers then read their scale as a copy that the region's selective
+# checkpoint policy saves (see recompute.checkpoint), not as a view of the state buffer that
+# the recomputation in backward would read after the step's update changed it.
+SNAPSHOT_SCALES = [False]
+
+
+@torch.library.custom_op("fusible::scale_snapshot", mutates_args=())
+def scale_snapshot(scale: torch.Tensor) -> torch.Tensor:
+    """A copy of ``scale``: an operator of its own (inductor removes an ``aten.clone`` it finds
+    needless, and the selective checkpoint policy of a compiled fusible.checkpoint saves the
+    output of this one; see SNAPSHOT_SCALES)."""
+    return scale.clone()
+
+
+@scale_snapshot.register_fake
+def _scale_snapshot_fake(scale: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(scale)
+
 
 class scale_log:
     """Activate ``log`` (recording, or replaying from the start) for the region. Re-enterable:
