@@ -430,6 +430,16 @@ def can_requantize_columnwise(q: Quantizer) -> bool:
     )
 
 
+def quantize_rowwise_for_requant(q: Quantizer, x: torch.Tensor) -> tuple[QuantizedData, Any]:
+    """``(x's rowwise copy, what requantize_columnwise needs)``: the forward half of a tensor
+    backward casts again (:func:`requantize_columnwise`). Delayed scaling keeps the scale the
+    cast read (a copy the cast operator makes: a clone after it could be recomputed in backward
+    by a traced graph's partitioner, after the step's update); other quantizers need nothing."""
+    if isinstance(q, Float8Quantizer):
+        return q.quantize_keeping_scale(x, rowwise=True, columnwise=False)
+    return q.quantize(x, rowwise=True, columnwise=False), None
+
+
 def requantize_columnwise(
     q: Quantizer, w: torch.Tensor, scale: torch.Tensor | None
 ) -> QuantizedData:

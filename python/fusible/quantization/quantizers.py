@@ -249,20 +249,7 @@ class Float8Quantizer(Quantizer):
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None
     ) -> Float8Data:
-        x = self._check_input(x)
-        r, c = self._usage(rowwise, columnwise)
-        if _log_stack:
-            scale, seen = self.scale, self.amax_into()  # through the checkpoint's scale log
-        else:
-            scale, seen = self._pair()
-        # The kernel max-combines the amax into this step's slot itself (amax_into; None in a
-        # recomputation, which records nothing): no scratch amax, no maximum.
-        data, data_t, scale_inv, _ = _ops.quantize_fp8(
-            x, scale, self.dtype, r, c, seen, want_amax=seen is not None
-        )
-        return Float8Data._trusted(
-            data if r else None, data_t if c else None, scale_inv, self.dtype, x.shape
-        )
+        return self._cast(x, rowwise, columnwise, False)[0]
 
     def quantize_keeping_scale(
         self, x: torch.Tensor, *, rowwise: bool, columnwise: bool
@@ -271,20 +258,28 @@ class Float8Quantizer(Quantizer):
         float32 ``(1,)`` copy of the scale it cast with, made by the cast operator itself
         (``keep_scale``): what backward hands :meth:`quantize_with_scale` to make the same bits
         again after the step's update has changed this quantizer's scale in place."""
+        return self._cast(x, rowwise, columnwise, True)
+
+    def _cast(
+        self, x: torch.Tensor, rowwise: bool | None, columnwise: bool | None, keep_scale: bool
+    ) -> tuple[Float8Data, torch.Tensor]:
+        """The cast of :meth:`quantize` and its fourth output (the scale's copy with
+        ``keep_scale``, else an empty tensor)."""
         x = self._check_input(x)
+        r, c = self._usage(rowwise, columnwise)
         if _log_stack:
             scale, seen = self.scale, self.amax_into()  # through the checkpoint's scale log
         else:
             scale, seen = self._pair()
-        data, data_t, scale_inv, kept = _ops.quantize_fp8(
-            x, scale, self.dtype, rowwise, columnwise, seen, want_amax=seen is not None,
-            keep_scale=True,
-        )  # fmt: skip
+        # The kernel max-combines the amax into this step's slot itself (amax_into; None in a
+        # recomputation, which records nothing): no scratch amax, no maximum.
+        data, data_t, scale_inv, fourth = _ops.quantize_fp8(
+            x, scale, self.dtype, r, c, seen, want_amax=seen is not None, keep_scale=keep_scale
+        )
         q = Float8Data._trusted(
-            data if rowwise else None, data_t if columnwise else None, scale_inv, self.dtype,
-            x.shape,
-        )  # fmt: skip
-        return q, kept
+            data if r else None, data_t if c else None, scale_inv, self.dtype, x.shape
+        )
+        return q, fourth
 
     def quantize_with_scale(
         self, x: torch.Tensor, scale: torch.Tensor, *, rowwise: bool, columnwise: bool
@@ -366,12 +361,8 @@ class Float8Quantizer(Quantizer):
         # Made with grad mode on: a view made under no_grad (a cast in an ordinary backward)
         # and cached would be refused by autograd as the cast's in-place amax target in a later
         # grad-mode call (a create_graph backward). The buffers need no gradient: no graph.
-        prev = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(True)
-        try:
+        with torch.enable_grad():  # once per buffer tensor
             view = (buf if name == "scale" else buf[0])[self.slot : self.slot + 1]
-        finally:
-            torch._C._set_grad_enabled(prev)
         if not torch.compiler.is_compiling():  # traced (make_fx): no state changes
             self._views[name] = (buf, view)
         return view

@@ -53,10 +53,10 @@ class BasicLinear(QuantizedWeightOp):
     scale the forward cast with, saved; current scaling takes the same amax; MXFP8 blocks do
     not depend on the other copy), freed after dgrad. Backward then needs the parameter as the
     forward saw it: an in-place change in between raises, as it does without a recipe. With the
-    weight workspace cache (``is_first_microbatch``), under ``torch.autocast`` (the weight is a
-    cast) and for delayed scaling under ``torch.compile`` (its partitioner may recompute the
-    scale's copy in backward, from the updated state) the forward's columnwise copy is saved
-    instead.
+    weight workspace cache (``is_first_microbatch``) and under ``torch.autocast`` (the weight is
+    a cast) the forward's columnwise copy is saved instead. Delayed scaling's saved scale is an
+    output of the forward's cast operator (``quantize_fp8(keep_scale=True)``), which a traced
+    graph's partitioner does not recompute in backward from the updated state.
 
     ``scope`` / ``name``: the roles' scope (default ``linear``) and name, as
     :meth:`set_role_scope` sets them; modules pass theirs here so that a weight built inside
@@ -71,8 +71,8 @@ class BasicLinear(QuantizedWeightOp):
     that input anyway (attention keeps its output for its backward: the output projection's
     input); otherwise it costs the difference between the input's bytes and its FP8 copy's.
     The op then asks the previous op for a high-precision input (no quantizer hand-off); an input
-    that arrives quantized all the same, a custom quantizer, and delayed scaling under
-    ``torch.compile`` (see above) keep the FP8 copy as without it. Without a recipe, or
+    that arrives quantized all the same and a custom quantizer keep the FP8 copy as without
+    it. Without a recipe, or
     without a weight gradient, it changes nothing. Fixed at construction (plans resolve it).
 
     Quantized weights (built inside ``fusible.quantized_model_init``, or any
@@ -324,15 +324,9 @@ class BasicLinear(QuantizedWeightOp):
         elif qx is None:
             xq = x
         elif prep.x_requant is not None:
-            # The forward makes the rowwise copy only; backward casts x again (the same bits),
-            # under delayed scaling with the scale this cast read (the cast keeps a copy).
+            # The forward makes the rowwise copy only; backward casts x again (the same bits).
             x_requant = qx
-            if prep.x_delayed:
-                xq, x_scale = qx.quantize_keeping_scale(  # type: ignore[attr-defined]
-                    x, rowwise=True, columnwise=False
-                )
-            else:
-                xq = C.quantize(qx, x, rowwise=True, columnwise=False)
+            xq, x_scale = C.quantize_rowwise_for_requant(qx, x)
         else:
             xq = C.quantize(qx, x, rowwise=True, columnwise=need_wgrad)
         if need_wgrad and x_requant is None and type(xq) is not torch.Tensor:
@@ -354,7 +348,6 @@ class BasicLinear(QuantizedWeightOp):
         if qw is not None:
             w_hp = False
             w_own = ctx.workspace is None and not ctx.cache_weight
-            delayed = prep.delayed
             if (
                 prep.requant
                 and w_own
@@ -362,17 +355,10 @@ class BasicLinear(QuantizedWeightOp):
             ):
                 # Backward quantizes the parameter again for dgrad: the forward makes the
                 # rowwise copy only, and saves the parameter (no copy) and, for delayed
-                # scaling, the scale it cast with (a copy the cast operator makes: see
-                # quantize_keeping_scale; a clone here could be recomputed by a traced graph's
-                # partitioner in backward, after the update).
+                # scaling, the scale it cast with.
                 requant = qw
-                if delayed:
-                    wq, w_scale = qw.quantize_keeping_scale(  # type: ignore[attr-defined]
-                        wq, rowwise=True, columnwise=False
-                    )
-                    ctx.new_workspace = None
-                else:
-                    wq, ctx.new_workspace = quantize_weight(wq, qw, None, False, columnwise=False)
+                wq, w_scale = C.quantize_rowwise_for_requant(qw, wq)
+                ctx.new_workspace = None
             else:
                 wq, ctx.new_workspace = quantize_weight(
                     wq, qw, ctx.workspace, ctx.cache_weight, columnwise=need_dgrad
@@ -507,7 +493,6 @@ class LinearPrep:
         self.mx = isinstance(qx, MXFP8Quantizer) or isinstance(qw, MXFP8Quantizer)
         # Whether an operand may be MXFP8 data (the GEMM's operands are then dequantized first).
         self.may_mx = any(q is not None and type(q) not in _NOT_MX for q in (qx, qw, self.qg))
-        self.delayed = isinstance(qw, Float8Quantizer)
         self.requant = need_dgrad and qw is not None and C.can_requantize_columnwise(qw)
         # save_original_input: the input quantizer backward casts the saved input with again.
         self.x_requant = (
@@ -516,7 +501,6 @@ class LinearPrep:
             and C.can_requantize_columnwise(qx)
             else None
         )  # fmt: skip
-        self.x_delayed = isinstance(qx, Float8Quantizer)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tested by type first (isinstance is a call)
