@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -169,9 +170,9 @@ def cuda_only(name: str, dev: str) -> str | None:
 
 def mlp_rows(
     args: argparse.Namespace, splits: list[int], dev: str, dt: torch.dtype, iters: int
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """The forward + backward tables (fresh gradients, then accumulating) and the forward-only
-    table."""
+) -> tuple[list[dict[str, Any]], ...]:
+    """The forward + backward tables (fresh gradients, then accumulating), the forward-only
+    table and the interleaved rounds' table (empty without ``--rounds``)."""
     e, h, f, n = args.experts, args.hidden, args.ffn, args.tokens
     x = torch.randn(n, h, device=dev, dtype=dt, requires_grad=True)
     dy = torch.randn(n, h, device=dev, dtype=dt)
@@ -223,16 +224,7 @@ def mlp_rows(
 
     def fwd_bwd(accumulate: bool) -> list[dict[str, Any]]:
         def variant(fn: Callable[[], Any], module: torch.nn.Module) -> Callable[[], None]:
-            if accumulate:
-                return fn
-            params = [x, *module.parameters()]
-
-            def fresh() -> None:
-                for p in params:  # zero_grad(set_to_none=True): backward assigns, adds nothing
-                    p.grad = None
-                fn()
-
-            return fresh
+            return fn if accumulate else fresh_step(fn, [x, *module.parameters()])
 
         got = [timed_row(loop, variant(lambda: ref(x, splits).backward(dy), ref), flops, iters,
                          None)]  # fmt: skip
@@ -265,6 +257,16 @@ def mlp_rows(
         return got
 
     rows, acc_rows = fwd_bwd(False), fwd_bwd(True)
+    # The FP8 rows against the loop in interleaved rounds (--rounds): a drift of the host's or
+    # the GPU's speed between rows reaches every row of a round alike.
+    rounds: list[dict[str, Any]] = []
+    if args.rounds:
+        steps = {loop: fresh_step(lambda: ref(x, splits).backward(dy), [x, *ref.parameters()])}
+        for name in ("delayed", "current"):
+            steps[f"fusible {name}"] = fresh_step(
+                fusible_step(RECIPES[name], True), [x, *model.parameters()]
+            )
+        rounds = interleaved_rounds(steps, loop, args.rounds, iters)
     # What FP8 weights cost once per optimizer step: MasterWeightOptimizer re-quantizes each
     # weight from its fp32 master (QuantizedTensor.copy_), both copies with keep_transpose.
     for tag, m in (("", fp8_model), (" + transposes", fp8t_model)):
@@ -304,7 +306,37 @@ def mlp_rows(
         fwd.append(timed_row("torch _scaled_grouped_mm FP8 rowwise (no bias), forward",
                              scaled_grouped_mlp(xs, offs, e, h, f, dev), fwd_flops, iters,
                              loop_ms))  # fmt: skip
-    return rows, acc_rows, fwd
+    return rows, acc_rows, fwd, rounds
+
+
+def fresh_step(fn: Callable[[], Any], params: list[torch.Tensor]) -> Callable[[], None]:
+    """``fn`` after setting every ``.grad`` of ``params`` to None (as
+    ``zero_grad(set_to_none=True)`` leaves them: backward assigns, adds nothing)."""
+
+    def fresh() -> None:
+        for p in params:
+            p.grad = None
+        fn()
+
+    return fresh
+
+
+def interleaved_rounds(
+    steps: dict[str, Callable[[], Any]], ref: str, rounds: int, iters: int
+) -> list[dict[str, Any]]:
+    """``steps`` timed in ``rounds`` rounds (each round times every step once, ``time_ms``):
+    per step the median ms, and the median and spread of the rounds' ratios to ``ref``'s."""
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            times[name].append(time_ms(fn, warmup=2, iters=iters))
+    rows = []
+    for name, ts in times.items():
+        ratios = [t / b for t, b in zip(ts, times[ref], strict=True)]
+        rows.append({"variant": name, "ms": statistics.median(ts),
+                     "time_vs_bf16_loop": statistics.median(ratios),
+                     "ratio_spread": f"{min(ratios):.3f}-{max(ratios):.3f}"})  # fmt: skip
+    return rows
 
 
 def scaled_grouped_mlp(
@@ -409,6 +441,12 @@ def main() -> None:
     add_shape_arguments(ap)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny sizes, few iterations")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="also time the loop, delayed and current in this many interleaved rounds",
+    )
     args = ap.parse_args()
     if args.tiny:
         args.experts, args.tokens, args.hidden, args.ffn = 4, 256, 64, 128
@@ -422,11 +460,17 @@ def main() -> None:
     e, h, f, n = args.experts, args.hidden, args.ffn, args.tokens
     splits = make_splits(n, e, args.imbalance)
     print(f"experts {e}, tokens {n}, hidden {h}, ffn {f}, m_splits {splits}, {dt}, {dev}")
-    rows, acc_rows, fwd = mlp_rows(args, splits, dev, dt, iters)
+    rows, acc_rows, fwd, rounds = mlp_rows(args, splits, dev, dt, iters)
     print("forward + backward (fresh gradients: .grad set to None before each step)")
     print_table(rows, COLUMNS)
     print("forward + backward, accumulating into .grad (micro-batches of one optimizer step)")
     print_table(acc_rows, COLUMNS)
+    if rounds:
+        print(
+            f"forward + backward, fresh gradients, {args.rounds} interleaved rounds: median ms, "
+            "median and spread of the rounds' ratios to the loop"
+        )
+        print_table(rounds, ["variant", "ms", "time_vs_bf16_loop", "ratio_spread"])
     print("forward only (torch.no_grad)")
     print_table(fwd, COLUMNS)
     if dev == "cuda":
@@ -438,7 +482,8 @@ def main() -> None:
         return
     shape = {**vars(args), "m_splits": splits}
     payload = {"env": environment(), "shape": shape, "results": rows,
-               "results_accumulate": acc_rows, "forward": fwd, "gemm": gemm}  # fmt: skip
+               "results_accumulate": acc_rows, "forward": fwd, "gemm": gemm,
+               "rounds": rounds}  # fmt: skip
     path = write_json("grouped", payload, args.out)
     print(f"wrote {path}")
 
