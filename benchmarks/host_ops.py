@@ -7,12 +7,15 @@ Float8CurrentScaling, MXFP8BlockScaling; the block LayerNorm -> Linear -> GELU -
 under a ``TorchDispatchMode`` that records every operator call below autograd with its
 arguments. Each recorded call is then issued ``--calls`` times back to back from Python (autograd
 excluded, as inside the step; one synchronize at the end): its host cost per call (on a GPU at
-this size the kernels take a few microseconds, so the host is what is timed). The step's
-operator cost is the sum over its calls; ``framework_us`` is the measured host time of the step
-(``overhead.py``'s way: steps issued back to back) minus that sum: what Python, autograd's engine
-and the executor add around the operators. Profiling the operators this way adds the Python call
-of an ``OpOverload`` (a few microseconds) to each, for torch's and fusible's operators alike; the
-replay's C++ loop calls them without it, so ``framework_us`` is a lower bound.
+this size the kernels take a few microseconds, so the host is what is timed), twice: called
+from Python (``py_us``: the ``OpOverload`` call converts every Python argument to the
+dispatcher's values, a cost that grows with the argument count) and from the replay executor's
+C++ loop (``loop_us``: a program of ``--calls`` copies of the call, its arguments held as
+prepared constants, as a replayed step runs fusible's operators; ``fusible/ops/replay.py``).
+The step's operator cost is the sum over its calls; ``framework_us`` is the measured host time of
+the step (``overhead.py``'s way: steps issued back to back) minus the loop sum: what Python,
+autograd's engine and the executor add around the operators (torch eager calls its operators
+from autograd's C++ kernels, unboxed: its loop figures are an upper bound of what they cost it).
 
     python benchmarks/host_ops.py [--device cuda|cpu] [--calls 300] [--top 12] [--out DIR]
 """
@@ -31,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import overhead as ob
 from _common import environment, print_table, write_json
+from fusible.ops import replay
 
 SKIP = ("profiler.",)  # record_function's markers: not work of the step
 
@@ -72,6 +76,35 @@ def _call_us(func: Any, args: Any, kwargs: Any, n: int, device: str) -> float:
             del guard
 
 
+def _loop_us(func: Any, args: Any, kwargs: Any, n: int, device: str) -> float | None:
+    """Host microseconds per call of ``func(*args, **kwargs)`` run ``n`` times by the replay
+    executor's C++ loop (every argument a constant; outputs dropped), or None where the library
+    has no loop or the call has an argument it cannot hold."""
+    if replay._PROGRAM is None:
+        return None
+    with torch.no_grad():
+        out = func(*args, **kwargs)
+    # The outputs' structure, each value unread (None): a list return keeps its length.
+    if isinstance(out, (tuple, list)) and len(func._schema.returns) != 1:
+        outs: Any = tuple([None] * len(o) if isinstance(o, (list, tuple)) else None for o in out)
+    elif isinstance(out, (list, tuple)):
+        outs = [None] * len(out)
+    else:
+        outs = None
+    try:
+        call = replay._Call(func, args, kwargs, outs)
+        prog = replay._program([call] * n, {}, set(), 0, [])
+    except replay._Unreplayable:
+        return None
+    with torch.no_grad():
+        prog.run([])
+        _sync(device)
+        t0 = time.perf_counter()
+        prog.run([])
+        _sync(device)
+        return (time.perf_counter() - t0) * 1e6 / n
+
+
 def _step_us(step: Callable[[], Any], device: str, iters: int = 200, rounds: int = 5) -> float:
     for _ in range(10):
         step()
@@ -96,19 +129,24 @@ def variant_rows(device: str, calls: int, top: int) -> list[dict[str, Any]]:
         rec_mode = _Record()
         with rec_mode:
             step()
-        per_op: dict[str, list[float]] = defaultdict(list)
+        py: dict[str, list[float]] = defaultdict(list)
+        loop: dict[str, list[float]] = defaultdict(list)
         for func, args, kwargs in rec_mode.calls:
-            per_op[str(func)].append(_call_us(func, args, kwargs, calls, device))
-        ops_us = sum(sum(v) for v in per_op.values())
+            py[str(func)].append(_call_us(func, args, kwargs, calls, device))
+            t = _loop_us(func, args, kwargs, calls, device)
+            loop[str(func)].append(t if t is not None else py[str(func)][-1])
+        py_us = sum(sum(v) for v in py.values())
+        loop_us = sum(sum(v) for v in loop.values())
         label = "torch eager" if kind == "torch" else name
         rows.append({"variant": label, "tokens": n, "ops": len(rec_mode.calls),
-                     "step_host_us": step_us, "ops_host_us": ops_us,
-                     "framework_us": step_us - ops_us})  # fmt: skip
-        detail = sorted(per_op.items(), key=lambda kv: -sum(kv[1]))[:top]
+                     "step_host_us": step_us, "ops_py_us": py_us, "ops_loop_us": loop_us,
+                     "framework_us": step_us - loop_us})  # fmt: skip
+        detail = sorted(loop.items(), key=lambda kv: -sum(kv[1]))[:top]
         print(f"== {label}, {n} tokens: {len(rec_mode.calls)} operator calls a step")
-        table = [{"operator": k, "calls": len(v), "us_per_call": sum(v) / len(v), "us": sum(v)}
+        table = [{"operator": k, "calls": len(v), "py_us_per_call": sum(py[k]) / len(v),
+                  "loop_us_per_call": sum(v) / len(v), "loop_us": sum(v)}
                  for k, v in detail]  # fmt: skip
-        print_table(table, ["operator", "calls", "us_per_call", "us"])
+        print_table(table, ["operator", "calls", "py_us_per_call", "loop_us_per_call", "loop_us"])
     return rows
 
 
@@ -121,7 +159,8 @@ def main() -> None:
     args = ap.parse_args()
     rows = variant_rows(args.device, args.calls, args.top)
     print(f"host time of a step and of its operators ({args.device}, microseconds)")
-    print_table(rows, ["variant", "tokens", "ops", "step_host_us", "ops_host_us", "framework_us"])
+    cols = ["variant", "tokens", "ops", "step_host_us", "ops_py_us", "ops_loop_us", "framework_us"]
+    print_table(rows, cols)
     if args.out is not None:
         payload = {"env": environment(), "device": args.device, "rows": rows}
         print(f"wrote {write_json('host_ops', payload, args.out)}")

@@ -45,7 +45,7 @@ def _assume_constant_result(fn: Any) -> Any:
 
 
 @_assume_constant_result
-def _traced_activate(seq_uid: str, recipe_key: str | None) -> tuple[int, ...]:
+def _traced_activate(seq_uid: str, recipe_key: str | None) -> int:
     """Make the recipe states of the Sequential ``seq_uid``'s ops those of the recipe with key
     ``recipe_key`` (see :meth:`Sequential._activate`). Under ``torch.compile`` this runs at
     trace time, outside the graph, like :func:`_traced_plan_id`: the states' tensors
@@ -55,9 +55,9 @@ def _traced_activate(seq_uid: str, recipe_key: str | None) -> tuple[int, ...]:
     states are also written in the backward graph (amax recording and the immediate update),
     so AOTAutograd's partitioner finds forward outputs that depend on the backward, and
     ``id()`` of the quantizers built in-trace (the weight-workspace cache key) cannot be
-    reconstructed after the graph. Only constants cross into it. Returns the ops' state
-    generations after the activation (constants; the caller compares the live ones with them,
-    see forward)."""
+    reconstructed after the graph. Only constants cross into it. Returns 0 (an int: older
+    dynamo takes no tuple from an ``assume_constant_result`` function); the ops' state
+    generations after the activation are left in ``seq._traced_gens`` (see forward)."""
     seq = _SEQ_BY_UID[seq_uid]
     for m in seq._modules.values():
         if any(isinstance(p, QuantizedTensor) for p in getattr(m, "_parameters", {}).values()):
@@ -65,7 +65,8 @@ def _traced_activate(seq_uid: str, recipe_key: str | None) -> tuple[int, ...]:
             raise RuntimeError(_COMPILE_UNSUPPORTED.format(op=type(m).__name__))
     seq._runs()  # cached here, outside the trace
     seq._activate(recipe_from_key(recipe_key))
-    return seq._state_gens()
+    seq._traced_gens = seq._state_gens()
+    return 0
 
 
 @_assume_constant_result
@@ -216,6 +217,7 @@ class Sequential(OwnForwardModule):
         self._plan_ids: list[int] = []
         weakref.finalize(self, fuser.release_plans, self._plan_ids)
         self._runs_cache: tuple[tuple[Any, ...], list[Any]] | None = None
+        self._traced_gens: tuple[int, ...] = ()  # see _traced_activate
         # Children whose parameters' gradients are summed over a group (sequence-parallel
         # replicated parameters, modules/_tp.py reduce_grad_over; ops/grad_reduction.py); set
         # with the runs, eagerly.
@@ -445,15 +447,16 @@ class Sequential(OwnForwardModule):
             recipe = _autocast.get_recipe()
             rkey = _recipe_key(recipe)
             uid = str(self._seq_uid)  # a plain constant (see _recipe_key)
-            gens = _traced_activate(uid, rkey)
+            _traced_activate(uid, rkey)
             # The activation runs at trace time only: a graph is valid while the ops hold the
             # states it was traced with. Comparing the ops' state generations read here (after
-            # the activation) makes dynamo guard on them, so a call that finds other states --
+            # the activation) with those it left makes dynamo guard on them (module attributes,
+            # read as constants), so a call that finds other states --
             # the recipe switched to another one and back, which builds new states each time --
             # traces again (and activates) instead of running a graph bound to states the ops
             # no longer hold. (Per op, not the global ACTIVE_EPOCH: other modules' activations
             # would recompile this one.)
-            if self._state_gens() != gens:
+            if self._state_gens() != self._traced_gens:
                 raise RuntimeError(f"{type(self).__name__}: recipe states changed while tracing")
             runs = self._runs()
         else:
