@@ -89,6 +89,24 @@ def test_explain_outside_autocast_shows_last_run_and_keeps_state():
     assert m[1].recipe_state(True).amax_history.abs().sum() > 0
 
 
+@pytest.mark.parametrize("dgrad_add", [False, True])
+def test_explain_frozen_weight_lists_no_wgrad(dgrad_add):
+    """A frozen weight's backward runs no wgrad GEMM; explain() says so instead of listing one
+    (the plain backward, and the fused dgrad + branch-gradient add of a residual block)."""
+    if dgrad_add:
+        m = ops.Sequential(ops.MakeExtraOutput(), ops.Linear(64, 64, bias=False))
+    else:
+        m = ops.Sequential(ops.LayerNorm(64), ops.Linear(64, 64))
+    linear = next(op for op in m if isinstance(op, ops.BasicLinear))
+    assert "gemm(wgrad)" in m.explain() and "frozen" not in m.explain()
+    linear.weight.requires_grad_(False)
+    text = m.explain()
+    assert "no gemm(wgrad): the weight is frozen" in text, text
+    assert "gemm(dgrad" in text and ", gemm(wgrad)" not in text, text
+    if dgrad_add:
+        assert "linear_dgrad_add" in text, text
+
+
 def test_different_recipe_replaces_state():
     m = fusible.Linear(64, 64)
     _train(m, DELAYED, 2)

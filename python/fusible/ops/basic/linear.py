@@ -201,11 +201,16 @@ class BasicLinear(QuantizedWeightOp):
 
     def kernels(self, fwd: bool) -> list[str]:
         out = (
-            [self.gemm_kernel("fprop")]
-            if fwd
-            else [self.gemm_kernel(w) for w in ("dgrad", "wgrad")]
+            [self.gemm_kernel("fprop")] if fwd else [self.gemm_kernel("dgrad"), self.wgrad_kernel()]
         )
         return self.weight_kernels(fwd) + out
+
+    def wgrad_kernel(self) -> str:
+        """The wgrad GEMM as ``explain()`` names it: none for a frozen weight (the backward
+        skips it: the plan's requires-grad pattern)."""
+        if not self.weight.requires_grad:
+            return "no gemm(wgrad): the weight is frozen (requires_grad=False)"
+        return self.gemm_kernel("wgrad")
 
     def gemm_kernel(self, what: str) -> str:
         """How ``explain()`` names one of this Linear's GEMMs (fused ops running it use it too):

@@ -25,7 +25,7 @@ class BackwardLinearAdd(FusedOperation):
     def kernels(self, fwd: bool) -> list[str]:
         linear: BasicLinear = self.ops[1]  # type: ignore[assignment]
         dgrad = linear.gemm_kernel("dgrad, beta=1 accumulate the branch gradient")
-        return [*linear.weight_kernels(fwd), dgrad, linear.gemm_kernel("wgrad")]
+        return [*linear.weight_kernels(fwd), dgrad, linear.wgrad_kernel()]
 
     def fuser_backward(self, ctxs, dy, *, prev_grad_quantizer, extra_output_grads):
         linear: BasicLinear = self.ops[1]  # type: ignore[assignment]
