@@ -15,8 +15,10 @@ out=None)`` after it, the same pair torchao's float8 training and TransformerEng
   ``scale_inv`` (4 bytes) as the all-gather inputs. Current scaling: the shard's amax is
   ``all_reduce(MAX)``-ed over the group *before* the cast (as torchao's float8 FSDP2 path does),
   so every rank casts with the whole weight's scale. Delayed scaling: the weight's own
-  one-slot state; the cast uses its scale, the amax is max-reduced after the cast and recorded
-  (so every rank's history, hence scale, is the same).
+  one-slot state; the cast uses its scale and records this rank's amax; the step's recorded
+  amax is max-reduced over the group once, at the next forward all-gather before the scale
+  update (or for every weight in one collective by :func:`precompute_fp8_scales`), so every
+  rank's history, hence scale, is the same.
 - ``fsdp_post_all_gather`` wraps the gathered bytes and rank 0's ``scale_inv`` (views of FSDP's
   all-gather output, no copy) in a ``Float8Tensor``: the unsharded parameter the Linear sees is
   FP8, and ``BasicLinear`` uses a stored per-tensor FP8 weight as its GEMM operand as it is (no
@@ -84,6 +86,9 @@ class _GatherSpec:
     # Current scaling, by precompute_fp8_scales: (scale, what it is valid for, see
     # _shard_key); used while the shard is unchanged (no optimizer step since).
     precomputed: tuple[torch.Tensor, Any, tuple[int, int]] | None = None
+    # Delayed scaling: the amax slot of ``delayed`` holds the group's max (precompute_fp8_scales
+    # reduced it, and no gather recorded since), so the next forward gather need not reduce it.
+    agreed: bool = False
 
 
 def _in_backward() -> bool:
@@ -216,13 +221,17 @@ class Float8AllGatherWeight(torch.Tensor):
                 # A new forward pass: the scale from the amaxes recorded so far (each step's
                 # forward casts with the previous steps' history); the backward re-gather of a
                 # resharded weight casts with its forward's scale, so dgrad reads the same bits.
+                # The amaxes the gathers recorded since the last update are this rank's: their
+                # max over the group first (max commutes with max: the bits of a reduction at
+                # each gather), one collective a step instead of one a gather.
+                if n > 1 and not spec.agreed:
+                    _reduce_amax_slots([state], group)
                 update_delayed_scaling([state])
             q = state.quantizers[0]
             assert isinstance(q, Float8Quantizer)
             data, _, scale_inv, amax = K.quantize_fp8(x, q.scale, spec.fp8_dtype, True, False)
-            if n > 1:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
             q.record_amax(amax)
+            spec.agreed = False
         if not _in_backward():
             spec.gathers += 1
         if n == 1:
@@ -281,19 +290,34 @@ def _shard_key(param: Any, master: torch.Tensor) -> tuple[int, int] | None:
     return None if param is None else (param._version, master.data_ptr())
 
 
+def _reduce_amax_slots(states: list[RecipeState], group: Any) -> None:
+    """Max-reduce the current amax slot (``amax_history[0]``) of every one-slot delayed state
+    over ``group`` in one ``all_reduce`` (in place)."""
+    import torch.distributed as dist
+
+    slots = torch.cat([s.amax_history[0] for s in states])
+    dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=group)
+    for i, s in enumerate(states):
+        s.amax_history[0].copy_(slots[i : i + 1])
+
+
 @torch.no_grad()
 def precompute_fp8_scales(module: torch.nn.Module) -> int:
-    """The FP8 all-gather scales of every current-scaling :func:`fully_shard_fp8` weight inside
-    ``module``, agreed with **one** ``all_reduce(MAX)`` per process group instead of one per
-    weight at each of its all-gathers (forward, and backward when resharded); returns how many
-    weights got one. Call it on every rank after each optimizer step (and before the first
-    forward), as torchao's ``precompute_float8_dynamic_scale_for_fsdp``.
+    """The FP8 all-gather scales of every :func:`fully_shard_fp8` weight inside ``module``,
+    agreed with **one** ``all_reduce(MAX)`` per process group and recipe kind instead of one per
+    weight and step (delayed scaling) or per weight and all-gather (current scaling: forward,
+    and backward when resharded); returns how many weights got one. Call it on every rank after
+    each optimizer step (and before the first forward), as torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``.
 
-    Each scale is the one ``fsdp_pre_all_gather`` would agree on (the max over the ranks of
-    each shard's amax, then the recipe's scale rule): the same bits. It is used while the
-    master shard is unchanged; after an optimizer step without a new call the all-gather agrees
-    on its scale itself again (correct, one collective per weight and gather). Delayed-scaling
-    weights keep their own per-gather amax reduction (their scale comes from the history)."""
+    Current scaling: each scale is the one ``fsdp_pre_all_gather`` would agree on (the max over
+    the ranks of each shard's amax, then the recipe's scale rule): the same bits. It is used
+    while the master shard is unchanged; after an optimizer step without a new call the
+    all-gather agrees on its scale itself again (correct, one collective per weight and
+    gather). Delayed scaling: the amaxes the step's gathers recorded are max-reduced (what the
+    next forward gather would do, the same bits) and that gather skips its own reduction;
+    without a call, or after a gather recorded since, it reduces itself (correct, one
+    collective per weight and step)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -303,16 +327,29 @@ def precompute_fp8_scales(module: torch.nn.Module) -> int:
             f"{type(module).__name__}"
         )
     groups: dict[Any, list[tuple[DTensor, Float8AllGatherWeight, torch.Tensor]]] = {}
+    delayed: dict[Any, list[_GatherSpec]] = {}
     for p in module.parameters():
         if not isinstance(p, DTensor):
             continue
         local = p.to_local()
-        if not isinstance(local, Float8AllGatherWeight) or local._spec.delayed is not None:
+        if not isinstance(local, Float8AllGatherWeight):
             continue
         x = local.master
         key = (p.device_mesh.get_group(), x.device)
+        spec = local._spec
+        if spec.delayed is not None:
+            if spec.delayed.device != x.device:
+                spec.delayed.to(x.device)
+            delayed.setdefault(key, []).append(spec)
+            continue
         groups.setdefault(key, []).append((p, local, K.compute_amax(x.contiguous())))
     count = 0
+    for (group, _), specs in delayed.items():
+        if dist.get_world_size(group) > 1:
+            _reduce_amax_slots([s.delayed for s in specs if s.delayed is not None], group)
+        for s in specs:
+            s.agreed = True
+        count += len(specs)
     for (group, _), items in groups.items():
         amaxes = torch.cat([a for _, _, a in items])
         if dist.get_world_size(group) > 1:

@@ -339,17 +339,17 @@ def count_all_reduce() -> Iterator[list[int]]:
         dist.all_reduce = orig
 
 
-@case("precompute_scales")
-def precompute_scales() -> None:
-    """precompute_fp8_scales (current scaling, LayerNormMLP inside a root fully_shard, so each
-    weight is gathered for forward and again for backward): three SGD steps bit for bit equal to
-    the same model agreeing on each scale at each gather -- outputs, input and parameter
-    gradients, gathered weights -- with one all_reduce per call and none in forward or backward
-    (4 there without it); after an optimizer step without a new call the gathers agree again
-    themselves (stale scales are not used)."""
+def precompute_scales(rec_name: str) -> None:
+    """precompute_fp8_scales (LayerNormMLP inside a root fully_shard, so each weight is gathered
+    for forward and again for backward): three SGD steps bit for bit equal to the same model
+    agreeing on its scales itself -- outputs, input and parameter gradients -- with one
+    all_reduce per call and none in forward or backward (without it: current scaling 4, one per
+    weight and gather; delayed 2, one per weight at its forward gather); after an optimizer step
+    without a new call the gathers agree again themselves (current: stale scales are not used;
+    delayed: the step's amaxes are reduced at the forward gather)."""
     from fusible.distributed import precompute_fp8_scales
 
-    rec = R.Float8CurrentScaling()
+    rec = R.Float8CurrentScaling() if rec_name == "current" else R.DelayedScaling()
     torch.manual_seed(0)
     src = MAKERS["lnmlp"]()
     runs = []
@@ -374,7 +374,7 @@ def precompute_scales() -> None:
                 raise AssertionError(f"{tag}: {got} weights, {calls[0]} all_reduces")
         with count_all_reduce() as calls:
             y, dx = step(pre, x, dy, rec)
-        want = 0 if fresh else 4 * n
+        want = 0 if fresh else (4 if rec_name == "current" else 2) * n
         if calls[0] != want:
             raise AssertionError(f"{tag}: {calls[0]} all_reduces in the step, expected {want}")
         y_ref, dx_ref = step(plain, x, dy, rec)
@@ -387,6 +387,10 @@ def precompute_scales() -> None:
             opt.zero_grad()
     bad = base._raises
     bad(lambda: precompute_fp8_scales("model"), "precompute_fp8_scales", "'module'")  # type: ignore[arg-type]
+
+
+case("precompute_scales")(lambda: precompute_scales("current"))
+case("precompute_scales_delayed")(lambda: precompute_scales("delayed"))
 
 
 @case("compile")

@@ -15,6 +15,7 @@ CASES = [
     *(f"train_{k}_{r}" for k in ("linear", "lnlinear", "lnmlp") for r in ("current", "delayed")),
     "train_lnmlp_delayed_no_reshard", "all_gather_bytes", "mixed_group",
     "plain_fully_shard_unchanged", "bad_input", "compile", "precompute_scales",
+    "precompute_scales_delayed",
 ]  # fmt: skip
 
 
