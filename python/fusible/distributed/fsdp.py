@@ -46,7 +46,11 @@ from fusible.quantization.data import Float8Data
 from fusible.quantization.quantizers import Float8Quantizer
 from fusible.quantization.recipe import DelayedScaling, Float8CurrentScaling
 from fusible.quantization.roles import QuantizerRole
-from fusible.quantization.state import RecipeState, update_delayed_scaling
+from fusible.quantization.state import (
+    DelayedScalingRecipeState,
+    RecipeState,
+    update_delayed_scaling,
+)
 from fusible.quantization.tensor import Float8Tensor, QuantizedTensor
 
 __all__ = ["Float8AllGatherWeight", "fully_shard_fp8", "precompute_fp8_scales"]
@@ -290,11 +294,12 @@ def _shard_key(param: Any, master: torch.Tensor) -> tuple[int, int] | None:
     return None if param is None else (param._version, master.data_ptr())
 
 
-def _reduce_amax_slots(states: list[RecipeState], group: Any) -> None:
+def _reduce_amax_slots(states: list[Any], group: Any) -> None:
     """Max-reduce the current amax slot (``amax_history[0]``) of every one-slot delayed state
     over ``group`` in one ``all_reduce`` (in place)."""
     import torch.distributed as dist
 
+    assert all(isinstance(s, DelayedScalingRecipeState) for s in states)
     slots = torch.cat([s.amax_history[0] for s in states])
     dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=group)
     for i, s in enumerate(states):
