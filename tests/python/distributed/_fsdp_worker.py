@@ -33,7 +33,12 @@ MAKERS: dict[str, Callable[[], torch.nn.Module]] = {
     "linear": lambda: fusible.Linear(H, F),
     "lnlinear": lambda: fusible.LayerNormLinear(H, F),
     "lnmlp": lambda: fusible.LayerNormMLP(H, F),
+    # Every BasicLinear inside converts: QKV, projection, fc1, fc2 (attention through SDPA).
+    "tlayer": lambda: fusible.TransformerLayer(H, F, 4),
 }
+# The input of each kind ([batch, seq, hidden] for the transformer layer) and its output width.
+SHAPES: dict[str, tuple[int, ...]] = {"tlayer": (2, S // 2, H)}
+OUT_DIMS = {"linear": F, "lnlinear": F, "lnmlp": H, "tlayer": H}
 
 
 def case(name: str) -> Any:
@@ -132,10 +137,10 @@ def train(kind: str, rec_name: str, reshard: bool = True) -> None:
     inner.register_forward_pre_hook(capture)  # runs after FSDP2's (prepended) unshard hook
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     history: list[torch.Tensor] = []  # delayed: the amaxes of earlier steps' weights
-    out_dim = H if kind == "lnmlp" else F
+    shape = SHAPES.get(kind, (S, H))
     for k in range(2):
-        x = rand(S, H, seed=60 + 10 * k + base.RANK)
-        dy = rand(S, out_dim, seed=61 + 10 * k + base.RANK)
+        x = rand(*shape, seed=60 + 10 * k + base.RANK)
+        dy = rand(*shape[:-1], OUT_DIMS[kind], seed=61 + 10 * k + base.RANK)
         if rec_name == "current":
             scales = [scale_of(amax(w)) for w in masters]
         elif k == 0:

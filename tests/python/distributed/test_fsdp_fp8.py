@@ -12,7 +12,8 @@ from _launch import two_rank_suite
 TIMEOUT_S = 120
 _WORKER = Path(__file__).with_name("_fsdp_worker.py")
 CASES = [
-    *(f"train_{k}_{r}" for k in ("linear", "lnlinear", "lnmlp") for r in ("current", "delayed")),
+    *(f"train_{k}_{r}" for k in ("linear", "lnlinear", "lnmlp", "tlayer")
+      for r in ("current", "delayed")),
     "train_lnmlp_delayed_no_reshard", "all_gather_bytes", "mixed_group",
     "plain_fully_shard_unchanged", "bad_input", "compile", "precompute_scales",
     "precompute_scales_delayed",
