@@ -66,8 +66,9 @@ def test_overhead_host_time_cpu(tmp_path):
     assert len(rows) == 6, rows
     for r in rows:
         assert r["host_us_per_step"] > 0 and r["vs_torch_eager"] > 0, r
+        # The spread is printed to 3 decimals: the median may lie up to half a unit outside.
         lo, hi = (float(v) for v in r["ratio_spread"].split("-"))
-        assert lo <= r["vs_torch_eager"] <= hi, r
+        assert lo - 5e-4 <= r["vs_torch_eager"] <= hi + 5e-4, r
     assert {r["vs_torch_eager"] for r in rows if r["variant"] == "torch eager"} == {1.0}
 
 
