@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fusible._kernels import HIGH_PRECISION_DTYPES
 from fusible.ops import fuser, registry
 from fusible.ops.basic.linear import _COMPILE_UNSUPPORTED
 from fusible.ops.grad_reduction import with_grad_reductions
@@ -510,7 +511,10 @@ class Sequential(OwnForwardModule):
                     extra = fuser.distinct_inputs(x, extra)
             else:
                 key = self._eager_key(index, rkey, x, extra, run_params, run)
-                plan = self._plans.get(key) or self._plan(key, recipe)
+                plan = self._plans.get(key)
+                if plan is None:  # a new key: its dtypes are checked once, here
+                    self._check_dtypes(x, extra, run, run_params)
+                    plan = self._plan(key, recipe)
             calls = fuser.call_args(plan, call_kwargs) if plan.call_ops else None
             x, outs = fuser.run_plan(
                 plan, x, extra, run_params, is_first_microbatch, params, calls, not traced
@@ -525,6 +529,28 @@ class Sequential(OwnForwardModule):
             # Written past Module.__setattr__ (a dozen calls per step): a plain attribute.
             self.__dict__["_last_run"] = (recipe, x.dtype, x.device)
         return (x, *extra_outputs) if extra_outputs else x
+
+    def _check_dtypes(
+        self, x: torch.Tensor, extra: Any, run: list[Any], params: list[torch.Tensor]
+    ) -> None:
+        """The input, extra inputs and parameters a run's kernels get are float32, float16 or
+        bfloat16 (else the first kernel would refuse them, naming itself, not the module)."""
+        allowed = "fusible computes in float32, float16 or bfloat16"
+        name = type(self).__name__
+        for what, t in (("the input", x), *((f"extra input {i}", e) for i, e in enumerate(extra))):
+            if t.dtype not in HIGH_PRECISION_DTYPES:
+                raise TypeError(
+                    f"{name}.forward: {what} has dtype {t.dtype}; {allowed} (cast it, e.g. "
+                    f"x.float() or x.to(torch.bfloat16))"
+                )
+        for p in params:
+            if p.dtype not in HIGH_PRECISION_DTYPES:
+                names = {id(v): f"{k}" for k, v in self.named_parameters()}
+                raise TypeError(
+                    f"{name}.forward: parameter '{names.get(id(p), '?')}' has dtype {p.dtype}; "
+                    f"{allowed} (convert the model, e.g. model.float() or "
+                    f"model.to(torch.bfloat16))"
+                )
 
     def _check_call_kwargs(self, kwargs: dict[str, Any]) -> None:
         known = {k for m in self if isinstance(m, BasicOperation) for k in m.call_kwargs}

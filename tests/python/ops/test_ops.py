@@ -294,8 +294,22 @@ def test_feature_mismatch_names_op():
 
 
 def test_wrong_dtype_raises():
-    with pytest.raises((TypeError, ValueError), match=r"LayerNorm|norm_fwd"):
+    """An input or parameter dtype no kernel takes is refused when its plan is built, naming
+    the module, the tensor and what to do (not the first kernel that would refuse it)."""
+    with pytest.raises(TypeError, match=r"Sequential.forward: the input has dtype torch.int32; "
+                       r"fusible computes in float32, float16 or bfloat16"):  # fmt: skip
         ops.Sequential(ops.LayerNorm(8))(torch.ones(3, 8, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"Linear.forward: the input has dtype torch.float64"):
+        fusible.Linear(8, 4).double()(torch.randn(3, 8, dtype=torch.float64))
+    m = ops.Sequential(ops.LayerNorm(8), ops.Linear(8, 4))
+    m[1].weight.data = m[1].weight.data.double()
+    with pytest.raises(TypeError, match=r"parameter '1.weight' has dtype torch.float64.*"
+                       r"model.float\(\)"):  # fmt: skip
+        m(torch.randn(3, 8))
+    with pytest.raises(TypeError, match=r"extra input 0 has dtype torch.int64"):
+        ops.Sequential(ops.Linear(8, 8), ops.AddExtraInput())(
+            torch.randn(3, 8), torch.ones(3, 8, dtype=torch.int64)
+        )
 
 
 def test_mxfp8_non_divisible_raises():
