@@ -162,3 +162,18 @@ def _report_te_names(module: Any, incompatible_keys: Any) -> None:
     for i in range(start, len(error_msgs)):
         for old, new in te.items():
             error_msgs[i] = error_msgs[i].replace(f"for {old}:", f"for {new}:")
+
+
+def resolve_params_dtype(
+    module: str, dtype: torch.dtype | None, params_dtype: torch.dtype | None
+) -> torch.dtype | None:
+    """``dtype``, or TransformerEngine's name for it, ``params_dtype`` (so a TE module's
+    arguments carry over); both may be given when they agree."""
+    if params_dtype is None:
+        return dtype
+    if dtype is not None and dtype != params_dtype:
+        raise ValueError(
+            f"{module}: 'dtype' ({dtype}) and 'params_dtype' ({params_dtype}) disagree; give one "
+            "('params_dtype' is TransformerEngine's name for 'dtype')"
+        )
+    return params_dtype

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from fusible.modules._common import use_te_state_dict_names
+from fusible.modules._common import resolve_params_dtype, use_te_state_dict_names
 from fusible.modules._tp import TensorParallel
 from fusible.ops import GroupedLinear as _GroupedLinearOp
 from fusible.ops import Sequential
@@ -52,11 +52,13 @@ class GroupedLinear(Sequential):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        params_dtype: torch.dtype | None = None,
         name: str | None = None,
         tp_group: Any = None,
         parallel_mode: str | None = None,
         sequence_parallel: bool = False,
     ) -> None:
+        dtype = resolve_params_dtype("GroupedLinear", dtype, params_dtype)
         tp = TensorParallel.resolve("GroupedLinear", tp_group, parallel_mode, sequence_parallel)
         if tp.sequence_parallel:
             raise ValueError(

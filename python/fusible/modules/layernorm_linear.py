@@ -11,6 +11,7 @@ from fusible.modules._common import (
     linear_te_names,
     make_norm,
     norm_te_names,
+    resolve_params_dtype,
     use_te_state_dict_names,
 )
 from fusible.modules._tp import TensorParallel, reduce_grad_over
@@ -47,11 +48,13 @@ class LayerNormLinear(NormFirst, LinearParameters):
         zero_centered_gamma: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        params_dtype: torch.dtype | None = None,
         name: str | None = None,
         tp_group: Any = None,
         parallel_mode: str | None = None,
         sequence_parallel: bool = False,
     ) -> None:
+        dtype = resolve_params_dtype("LayerNormLinear", dtype, params_dtype)
         tp = TensorParallel.resolve("LayerNormLinear", tp_group, parallel_mode, sequence_parallel)
         if tp.mode == "row":
             raise ValueError(

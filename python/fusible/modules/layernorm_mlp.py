@@ -13,6 +13,7 @@ from fusible.modules._common import (
     make_activation,
     make_norm,
     norm_te_names,
+    resolve_params_dtype,
     use_te_state_dict_names,
 )
 from fusible.modules._tp import TensorParallel, reduce_grad_over
@@ -55,9 +56,11 @@ class LayerNormMLP(NormFirst):
         zero_centered_gamma: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        params_dtype: torch.dtype | None = None,
         tp_group: Any = None,
         sequence_parallel: bool = False,
     ) -> None:
+        dtype = resolve_params_dtype("LayerNormMLP", dtype, params_dtype)
         mode = None if tp_group is None else "column"  # fc1's; fc2 is row-parallel
         tp = TensorParallel.resolve("LayerNormMLP", tp_group, mode, sequence_parallel)
         norm = make_norm(normalization, hidden_size, eps, zero_centered_gamma, device, dtype,

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from fusible.modules._common import linear_te_names, use_te_state_dict_names
+from fusible.modules._common import linear_te_names, resolve_params_dtype, use_te_state_dict_names
 from fusible.modules._tp import TensorParallel, reduce_grad_over
 from fusible.ops import BasicLinear, Bias
 from fusible.ops.linear import Linear as _OpsLinear
@@ -48,12 +48,14 @@ class Linear(_OpsLinear):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        params_dtype: torch.dtype | None = None,
         name: str | None = None,
         tp_group: Any = None,
         parallel_mode: str | None = None,
         sequence_parallel: bool = False,
         save_original_input: bool = False,
     ) -> None:
+        dtype = resolve_params_dtype("Linear", dtype, params_dtype)
         tp = TensorParallel.resolve("Linear", tp_group, parallel_mode, sequence_parallel)
         if not tp.active:
             super().__init__(in_features, out_features, bias, device=device, dtype=dtype,

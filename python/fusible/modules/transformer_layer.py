@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fusible.modules._common import resolve_params_dtype
 from fusible.modules._tp import TensorParallel
 from fusible.modules.layernorm_linear import LayerNormLinear
 from fusible.modules.layernorm_mlp import LayerNormMLP
@@ -183,10 +184,12 @@ class MultiheadAttention(_Block):
         hidden_dropout: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        params_dtype: torch.dtype | None = None,
         name: str | None = None,
         tp_group: Any = None,
         sequence_parallel: bool = False,
     ) -> None:
+        dtype = resolve_params_dtype(type(self).__name__, dtype, params_dtype)
         super().__init__()
         owner = type(self).__name__
         tp = TensorParallel.resolve(owner, tp_group, None if tp_group is None else "column",
@@ -425,10 +428,12 @@ class TransformerLayer(_Block):
         rotary_base: float = 10000.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        params_dtype: torch.dtype | None = None,
         name: str | None = None,
         tp_group: Any = None,
         sequence_parallel: bool = False,
     ) -> None:
+        dtype = resolve_params_dtype(type(self).__name__, dtype, params_dtype)
         super().__init__()
         owner = type(self).__name__
         TensorParallel.resolve(owner, tp_group, None if tp_group is None else "column",

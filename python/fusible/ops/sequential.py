@@ -511,10 +511,11 @@ class Sequential(OwnForwardModule):
                     extra = fuser.distinct_inputs(x, extra)
             else:
                 key = self._eager_key(index, rkey, x, extra, run_params, run)
-                plan = self._plans.get(key)
-                if plan is None:  # a new key: its dtypes are checked once, here
+                found = self._plans.get(key)
+                if found is None:  # a new key: its dtypes are checked once, here
                     self._check_dtypes(x, extra, run, run_params)
-                    plan = self._plan(key, recipe)
+                    found = self._plan(key, recipe)
+                plan = found
             calls = fuser.call_args(plan, call_kwargs) if plan.call_ops else None
             x, outs = fuser.run_plan(
                 plan, x, extra, run_params, is_first_microbatch, params, calls, not traced

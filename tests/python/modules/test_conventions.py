@@ -520,3 +520,31 @@ def test_distributed_checkpoint_state_dict_helpers(case):
     result = set_model_state_dict(dst, sd)
     assert result.missing_keys == [] and result.unexpected_keys == []
     _assert_same_model(dst, src)
+
+
+# ---- TransformerEngine's argument names -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda **kw: fusible.Linear(16, 8, **kw),
+        lambda **kw: fusible.LayerNormLinear(16, 8, **kw),
+        lambda **kw: fusible.LayerNormMLP(16, 32, **kw),
+        lambda **kw: fusible.GroupedLinear(2, 16, 8, **kw),
+        lambda **kw: fusible.MultiheadAttention(16, 2, **kw),
+        lambda **kw: fusible.TransformerLayer(16, 32, 2, **kw),
+    ],
+    ids=["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "MHA", "TransformerLayer"],
+)
+def test_params_dtype_is_dtype(make):
+    """``params_dtype`` (TransformerEngine's name) sets the parameters' dtype as ``dtype``
+    does; both may be given when they agree, and disagreeing ones raise naming both."""
+    for kw in ({"params_dtype": torch.bfloat16},
+               {"params_dtype": torch.bfloat16, "dtype": torch.bfloat16}):  # fmt: skip
+        m = make(**kw)
+        assert {p.dtype for p in m.parameters()} == {torch.bfloat16}, kw
+    assert {p.dtype for p in make().parameters()} == {torch.get_default_dtype()}
+    with pytest.raises(ValueError, match=r"'dtype' \(torch.float32\) and 'params_dtype' "
+                       r"\(torch.bfloat16\) disagree"):  # fmt: skip
+        make(dtype=torch.float32, params_dtype=torch.bfloat16)
