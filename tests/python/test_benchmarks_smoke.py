@@ -1,5 +1,6 @@
 """The benchmarks run end to end at tiny sizes: benchmarks/gpt.py (every variant, eager, and its
-profiler path), benchmarks/overhead.py --calls-only, benchmarks/grouped.py --tiny,
+profiler path), benchmarks/overhead.py --calls-only, benchmarks/grouped.py --tiny (with
+--rounds), benchmarks/host_ops.py on the CPU,
 benchmarks/peak_memory.py and benchmarks/act_math.py (one round), as
 subprocesses (PYTHONPATH kept)."""
 
@@ -81,7 +82,7 @@ def test_host_breakdown_cpu(tmp_path):
 
 
 def test_grouped_tiny(tmp_path):
-    out = _run("grouped.py", "--tiny", "--out", str(tmp_path))
+    out = _run("grouped.py", "--tiny", "--rounds", "2", "--out", str(tmp_path))
     for variant in ("torch eager", "fusible bf16", "fusible delayed", "fusible mxfp8"):
         assert variant in out, out
     assert "fresh gradients" in out and "accumulating into .grad" in out, out
@@ -99,6 +100,27 @@ def test_grouped_tiny(tmp_path):
     ):
         assert row in out, (row, out)
     assert all(isinstance(r["ms"], float) for r in got["results"]), got
+    # --rounds: the loop, delayed and current, each with its median ratio and spread.
+    rounds = {r["variant"]: r for r in got["rounds"]}
+    assert set(rounds) == {"torch eager (per-expert loop)", "fusible delayed", "fusible current"}
+    assert rounds["torch eager (per-expert loop)"]["time_vs_bf16_loop"] == 1.0
+    assert "interleaved rounds" in out, out
+
+
+def test_host_ops_cpu(tmp_path):
+    """benchmarks/host_ops.py: every variant's operators recorded and timed from Python and in
+    the replay's C++ loop, and the step's split."""
+    out = _run("host_ops.py", "--device", "cpu", "--calls", "3", "--top", "3", "--out",
+               str(tmp_path))  # fmt: skip
+    (path,) = tmp_path.glob("host_ops_*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["variant"] for r in rows] == [
+        "torch eager", "fusible bf16", "fusible delayed", "fusible current", "fusible mxfp8",
+    ]  # fmt: skip
+    for r in rows:
+        assert r["ops"] > 0 and r["ops_loop_us"] > 0 and r["step_host_us"] > 0, r
+        assert r["framework_us"] == pytest.approx(r["step_host_us"] - r["ops_loop_us"]), r
+    assert "fusible.gemm.default" in out and "loop_us_per_call" in out, out
 
 
 def test_peak_memory_tiny(tmp_path):
