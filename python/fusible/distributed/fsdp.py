@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_map_only
 
 from fusible import _kernels as K
 from fusible._kernels import HIGH_PRECISION_DTYPES
+from fusible.ops.basic.grouped_linear import GroupedLinear
 from fusible.ops.basic.linear import BasicLinear
 from fusible.quantization.data import Float8Data
 from fusible.quantization.quantizers import Float8Quantizer
@@ -369,11 +370,20 @@ def precompute_fp8_scales(module: torch.nn.Module) -> int:
     return count
 
 
-def _recipe_spec(recipe: Any, where: str, op: BasicLinear, device: torch.device) -> _GatherSpec:
+def _gathered_weights(op: torch.nn.Module) -> list[tuple[str, QuantizerRole]]:
+    """The weights of ``op`` the FP8 all-gather converts, with their quantizer roles: a
+    ``BasicLinear``'s ``weight``; each expert's ``weight<i>`` of a ``GroupedLinear``."""
+    if isinstance(op, BasicLinear):
+        return [("weight", QuantizerRole("weight", op.scope, op.quantizer_name))]
+    if isinstance(op, GroupedLinear):
+        return list(op.weight_roles().items())
+    return []
+
+
+def _recipe_spec(recipe: Any, where: str, role: QuantizerRole, device: torch.device) -> _GatherSpec:
     dtype = recipe.fp8_format.dtype("forward")
     if isinstance(recipe, Float8CurrentScaling):
         return _GatherSpec(where, dtype, recipe.margin)
-    role = QuantizerRole("weight", op.scope, op.quantizer_name)
     state = RecipeState.create(recipe, mode="forward", num_quantizers=1, roles=[role],
                                device=device)  # fmt: skip
     return _GatherSpec(where, dtype, recipe.margin, delayed=state)
@@ -395,10 +405,10 @@ def fully_shard_fp8(
     Linear computes with the gathered weight dequantized (correct, but the full weight exists in
     high precision for that GEMM).
 
-    Every ``BasicLinear`` weight inside ``module`` not already sharded by an inner
-    ``fully_shard`` is converted; other parameters (norms, biases) are gathered by FSDP2 as
-    usual. Apply it per layer and then ``fully_shard`` (or ``fully_shard_fp8``) on the root, as
-    with ``fully_shard``. Plain ``fully_shard`` is unchanged.
+    Every ``BasicLinear`` weight and ``GroupedLinear`` expert weight inside ``module`` not
+    already sharded by an inner ``fully_shard`` is converted; other parameters (norms, biases)
+    are gathered by FSDP2 as usual. Apply it per layer and then ``fully_shard`` (or
+    ``fully_shard_fp8``) on the root, as with ``fully_shard``. Plain ``fully_shard`` is unchanged.
 
     Errors (``ValueError`` / ``TypeError``, on every rank, before any collective): a recipe
     other than the two above; ``shard_placement_fn`` (the FP8 gather shards the rows); a mesh
@@ -441,45 +451,53 @@ def fully_shard_fp8(
                 "torch.distributed.init_process_group() first"
             )
         world = int(dist.get_world_size())
-    targets: list[tuple[BasicLinear, str]] = []
+    targets: list[tuple[torch.nn.Module, str, QuantizerRole, str]] = []
     for path, m in module.named_modules():
-        where = top + (f".{path}" if path else "")
+        at = top + (f".{path}" if path else "")
         if int(getattr(m, "tp_size", 1) or 1) > 1:
             raise ValueError(
-                f"{fn}: {where} is tensor-parallel (tp_size {m.tp_size}); FSDP2 + tensor "
+                f"{fn}: {at} is tensor-parallel (tp_size {m.tp_size}); FSDP2 + tensor "
                 "parallelism (2-D meshes) is not supported"
             )
-        if not isinstance(m, BasicLinear):
-            continue
-        w = m._parameters.get("weight")
-        where = f"{where}.weight" + (f" ({m.quantizer_name})" if m.quantizer_name else "")
-        if w is None or isinstance(w, (DTensor, Float8AllGatherWeight)):
-            continue  # sharded by an inner fully_shard, or already converted
-        if isinstance(w, QuantizedTensor):
-            raise ValueError(
-                f"{fn}: {where} is a quantized weight ({type(w).__name__}, from "
-                "quantized_model_init); the FP8 all-gather quantizes high-precision master "
-                "weights: build the model without quantized_model_init"
-            )
-        if w.dtype not in HIGH_PRECISION_DTYPES:
-            raise ValueError(f"{fn}: {where} must be float32, bfloat16 or float16, got {w.dtype}")
-        if w.shape[0] % world:
-            raise ValueError(
-                f"{fn}: {where} has {w.shape[0]} rows (out_features), not divisible by the "
-                f"{world} ranks of the mesh; the FP8 all-gather needs an even shard per rank"
-            )
-        targets.append((m, where))
+        for name, role in _gathered_weights(m):
+            w = m._parameters.get(name)
+            where = f"{at}.{name}" + (f" ({role.name})" if role.name else "")
+            if w is None or isinstance(w, (DTensor, Float8AllGatherWeight)):
+                continue  # sharded by an inner fully_shard, or already converted
+            if isinstance(w, QuantizedTensor):
+                raise ValueError(
+                    f"{fn}: {where} is a quantized weight ({type(w).__name__}, from "
+                    "quantized_model_init); the FP8 all-gather quantizes high-precision master "
+                    "weights: build the model without quantized_model_init"
+                )
+            if w.dtype not in HIGH_PRECISION_DTYPES:
+                raise ValueError(
+                    f"{fn}: {where} must be float32, bfloat16 or float16, got {w.dtype}"
+                )
+            if w.shape[0] % world:
+                raise ValueError(
+                    f"{fn}: {where} has {w.shape[0]} rows (out_features), not divisible by the "
+                    f"{world} ranks of the mesh; the FP8 all-gather needs an even shard per rank"
+                )
+            targets.append((m, name, role, where))
     if not targets:
         raise ValueError(
-            f"{fn}: {top} has no Linear weight to all-gather in FP8 (no BasicLinear with a "
-            "high-precision weight that is not already sharded)"
+            f"{fn}: {top} has no Linear weight to all-gather in FP8 (no BasicLinear or "
+            "GroupedLinear with a high-precision weight that is not already sharded)"
         )
-    for m, where in targets:
-        w = m.weight
-        spec = _recipe_spec(recipe, where, m, w.device)
-        wrapped = Float8AllGatherWeight(w.detach(), spec)
-        m.weight = torch.nn.Parameter(wrapped, requires_grad=w.requires_grad)
-        m.register_state_dict_post_hook(_master_state_dict)
+    hooked: set[int] = set()
+    made: dict[int, torch.nn.Parameter] = {}  # a weight shared by experts stays shared
+    for m, name, role, where in targets:
+        w = getattr(m, name)
+        new = made.get(id(w))
+        if new is None:
+            spec = _recipe_spec(recipe, where, role, w.device)
+            wrapped = Float8AllGatherWeight(w.detach(), spec)
+            new = made[id(w)] = torch.nn.Parameter(wrapped, requires_grad=w.requires_grad)
+        setattr(m, name, new)
+        if id(m) not in hooked:
+            hooked.add(id(m))
+            m.register_state_dict_post_hook(_master_state_dict)
     return fully_shard(module, mesh=mesh, **kwargs)
 
 
@@ -494,13 +512,14 @@ def _master_state_dict(
     full tensors. ``keep_vars=True`` (parameters themselves) is left as it is."""
     from torch.distributed.tensor import DTensor
 
-    key = prefix + "weight"
-    v = state_dict.get(key)
-    if isinstance(v, torch.nn.Parameter) or not isinstance(v, DTensor):
-        return
-    local = v.to_local()
-    if isinstance(local, Float8AllGatherWeight):
-        state_dict[key] = DTensor.from_local(
-            local.master, v.device_mesh, v.placements, run_check=False, shape=v.shape,
-            stride=v.stride(),
-        )  # fmt: skip
+    for name, _ in _gathered_weights(module):
+        key = prefix + name
+        v = state_dict.get(key)
+        if isinstance(v, torch.nn.Parameter) or not isinstance(v, DTensor):
+            continue
+        local = v.to_local()
+        if isinstance(local, Float8AllGatherWeight):
+            state_dict[key] = DTensor.from_local(
+                local.master, v.device_mesh, v.placements, run_check=False, shape=v.shape,
+                stride=v.stride(),
+            )  # fmt: skip

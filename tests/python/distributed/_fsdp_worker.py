@@ -21,6 +21,7 @@ import fusible
 from fusible import _kernels as K
 from fusible import recipe as R
 from fusible.distributed import Float8AllGatherWeight, fully_shard_fp8
+from fusible.ops.basic.grouped_linear import GroupedLinear as GroupedLinearOp
 from fusible.ops.basic.linear import BasicLinear
 from fusible.quantization.data import Float8Data
 from fusible.quantization.tensor import Float8Tensor, QuantizedTensor
@@ -35,10 +36,11 @@ MAKERS: dict[str, Callable[[], torch.nn.Module]] = {
     "lnmlp": lambda: fusible.LayerNormMLP(H, F),
     # Every BasicLinear inside converts: QKV, projection, fc1, fc2 (attention through SDPA).
     "tlayer": lambda: fusible.TransformerLayer(H, F, 4),
+    "grouped": lambda: Experts(),
 }
 # The input of each kind ([batch, seq, hidden] for the transformer layer) and its output width.
 SHAPES: dict[str, tuple[int, ...]] = {"tlayer": (2, S // 2, H)}
-OUT_DIMS = {"linear": F, "lnlinear": F, "lnmlp": H, "tlayer": H}
+OUT_DIMS = {"linear": F, "lnlinear": F, "lnmlp": H, "tlayer": H, "grouped": F}
 
 
 def case(name: str) -> Any:
@@ -56,6 +58,44 @@ def mesh() -> Any:
 
 def linears(m: torch.nn.Module) -> list[BasicLinear]:
     return [o for o in m.modules() if isinstance(o, BasicLinear)]
+
+
+class W:
+    """One gathered weight of a module: ``op``'s parameter ``name`` (``weight`` of a
+    BasicLinear, ``weight<i>`` of a GroupedLinear op), read and assigned as ``.value``."""
+
+    def __init__(self, op: torch.nn.Module, name: str) -> None:
+        self.op, self.name = op, name
+
+    @property
+    def value(self) -> Any:
+        return getattr(self.op, self.name)
+
+    @value.setter
+    def value(self, v: Any) -> None:
+        setattr(self.op, self.name, v)
+
+
+def gathered(m: torch.nn.Module) -> list[W]:
+    """The weights ``fully_shard_fp8`` converts in ``m``, in module order."""
+    out = []
+    for o in m.modules():
+        if isinstance(o, BasicLinear):
+            out.append(W(o, "weight"))
+        elif isinstance(o, GroupedLinearOp):
+            out += [W(o, f"weight{i}") for i in range(o.num_gemms)]
+    return out
+
+
+class Experts(torch.nn.Module):
+    """An MoE expert layer: fusible.GroupedLinear(2, H, F) on an uneven token split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = fusible.GroupedLinear(2, H, F)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, [S // 2 - 8, S // 2 + 8])
 
 
 def amax(w: torch.Tensor) -> torch.Tensor:
@@ -114,20 +154,20 @@ def train(kind: str, rec_name: str, reshard: bool = True) -> None:
     ref = MAKERS[kind]()
     inner = MAKERS[kind]()
     inner.load_state_dict(ref.state_dict())
-    masters = [op.weight.detach().clone() for op in linears(ref)]
+    masters = [w.value.detach().clone() for w in gathered(ref)]
     names = [n for n, _ in ref.named_parameters()]
     model = torch.nn.Sequential(inner)
     fully_shard_fp8(inner, recipe=rec, mesh=mesh(), reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh())
-    for op in linears(inner):
-        local = op.weight.to_local()
+    for w in gathered(inner):
+        local = w.value.to_local()
         assert isinstance(local, Float8AllGatherWeight), type(local)
     seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
 
     def capture(mod: torch.nn.Module, args: Any) -> None:
         got = []
-        for op in linears(mod):
-            w = op.weight
+        for g in gathered(mod):
+            w = g.value
             assert type(w) is Float8Tensor or isinstance(w, Float8Tensor), type(w)
             got.append((w.qdata.data.view(torch.uint8).clone(), w.qdata.scale_inv.clone()))
         seen.append(got)
@@ -149,8 +189,8 @@ def train(kind: str, rec_name: str, reshard: bool = True) -> None:
             scales = [scale_of(torch.stack([h[i] for h in history]).amax(0)) for i in
                       range(len(masters))]  # fmt: skip
         history.append(torch.stack([amax(w) for w in masters]))
-        for op, w, s in zip(linears(ref), masters, scales, strict=True):
-            op.weight = fp8_param(w, s)
+        for g, w, s in zip(gathered(ref), masters, scales, strict=True):
+            g.value = fp8_param(w, s)
         y_ref, dx_ref = step(ref, x, dy, rec)
         with count_dequantize() as calls:
             y, dx = step(model, x, dy, rec)
@@ -158,9 +198,9 @@ def train(kind: str, rec_name: str, reshard: bool = True) -> None:
         if calls[0]:
             raise AssertionError(f"{tag}: {calls[0]} dequantize call(s) of a quantized weight")
         # The gathered FP8 weight == quantize(full weight, agreed scale), bit for bit.
-        for i, (op, (data, scale_inv)) in enumerate(zip(linears(ref), seen[-1], strict=True)):
-            exact(f"{tag} gathered weight {i} bytes", data, op.weight.qdata.data.view(torch.uint8))
-            exact(f"{tag} gathered weight {i} scale_inv", scale_inv, op.weight.qdata.scale_inv)
+        for i, (g, (data, scale_inv)) in enumerate(zip(gathered(ref), seen[-1], strict=True)):
+            exact(f"{tag} gathered weight {i} bytes", data, g.value.qdata.data.view(torch.uint8))
+            exact(f"{tag} gathered weight {i} scale_inv", scale_inv, g.value.qdata.scale_inv)
         exact(f"{tag} output", y, y_ref)
         exact(f"{tag} dx", dx, dx_ref)
         # FSDP2's gradient is the mean over ranks of every rank's gradient (reduce-scatter).
@@ -183,8 +223,8 @@ def train(kind: str, rec_name: str, reshard: bool = True) -> None:
             q.grad = None
         for w, n in zip(masters, lin_names, strict=True):
             w.add_(avg[n], alpha=-LR)
-        for op, w in zip(linears(inner), masters, strict=True):
-            local = op.weight.to_local()
+        for g, w in zip(gathered(inner), masters, strict=True):
+            local = g.value.to_local()
             exact(f"{tag} master shard after the step", local.master,
                   w.chunk(base.WORLD)[base.RANK])  # fmt: skip
     # Per step: forward (+ backward when resharded); FSDP2 on one rank gathers nothing.
@@ -258,6 +298,41 @@ def all_gather_bytes() -> None:
         ratio = (n + 4) / (n * dtype.itemsize)
         if ratio > 1 / dtype.itemsize + 4 / n:
             raise AssertionError(f"{dtype}: fp8 moved {n + 4} bytes, plain {n * dtype.itemsize}")
+
+
+@case("grouped_shared_weight")
+def grouped_shared_weight() -> None:
+    """Experts sharing one weight (weight1 = weight0) keep sharing it: one Float8AllGatherWeight
+    parameter, gathered once, and two training steps give the same output and gradients as the
+    unsharded layer whose experts share the FP8 weight."""
+    rec = R.Float8CurrentScaling()
+    torch.manual_seed(0)
+    ref, inner = Experts(), Experts()
+    inner.load_state_dict(ref.state_dict())
+    for m in (ref, inner):
+        op = gathered(m)[0].op
+        op.weight1 = op.weight0
+    model = torch.nn.Sequential(inner)
+    fully_shard_fp8(inner, recipe=rec, mesh=mesh())
+    fully_shard(model, mesh=mesh())
+    op = gathered(inner)[0].op
+    if op.weight0 is not op.weight1:
+        raise AssertionError("the shared expert weight was split into two parameters")
+    if not isinstance(op.weight0.to_local(), Float8AllGatherWeight):
+        raise AssertionError(f"not converted: {type(op.weight0.to_local())}")
+    ref_op = gathered(ref)[0].op
+    master = ref_op.weight0.detach().clone()
+    ref_op.weight0 = fp8_param(master, scale_of(amax(master)))
+    ref_op.weight1 = ref_op.weight0
+    x = rand(S, H, seed=90 + base.RANK)
+    dy = rand(S, F, seed=91 + base.RANK)
+    y, dx = step(model, x, dy, rec)
+    y_ref, dx_ref = step(ref, x, dy, rec)
+    exact("shared weight output", y, y_ref)
+    exact("shared weight dx", dx, dx_ref)
+    g = ref_op.weight0.grad.clone()
+    dist.all_reduce(g)
+    exact("shared weight grad", op.weight0.grad.full_tensor(), g / base.WORLD)
 
 
 @case("mixed_group")
