@@ -43,6 +43,7 @@ from fusible import _kernels as K
 from fusible._kernels import HIGH_PRECISION_DTYPES
 from fusible.ops.basic.grouped_linear import GroupedLinear
 from fusible.ops.basic.linear import BasicLinear
+from fusible.ops.op import GATHER_KEY
 from fusible.quantization.data import Float8Data
 from fusible.quantization.quantizers import Float8Quantizer
 from fusible.quantization.recipe import DelayedScaling, Float8CurrentScaling
@@ -50,6 +51,8 @@ from fusible.quantization.roles import QuantizerRole
 from fusible.quantization.state import (
     DelayedScalingRecipeState,
     RecipeState,
+    load_recipe_state,
+    recipe_state_to_dict,
     update_delayed_scaling,
 )
 from fusible.quantization.tensor import Float8Tensor, QuantizedTensor
@@ -498,6 +501,7 @@ def fully_shard_fp8(
         if id(m) not in hooked:
             hooked.add(id(m))
             m.register_state_dict_post_hook(_master_state_dict)
+            m._register_load_state_dict_pre_hook(_load_gather_state, with_module=True)
     return fully_shard(module, mesh=mesh, **kwargs)
 
 
@@ -512,14 +516,47 @@ def _master_state_dict(
     full tensors. ``keep_vars=True`` (parameters themselves) is left as it is."""
     from torch.distributed.tensor import DTensor
 
+    gather_state: dict[str, torch.Tensor] = {}
     for name, _ in _gathered_weights(module):
         key = prefix + name
         v = state_dict.get(key)
-        if isinstance(v, torch.nn.Parameter) or not isinstance(v, DTensor):
+        if not isinstance(v, DTensor):
             continue
         local = v.to_local()
-        if isinstance(local, Float8AllGatherWeight):
+        if not isinstance(local, Float8AllGatherWeight):
+            continue
+        if local._spec.delayed is not None:
+            for field, t in recipe_state_to_dict(local._spec.delayed).items():
+                gather_state[f"{GATHER_KEY}.{name}.{field}"] = t
+        if not isinstance(v, torch.nn.Parameter):
             state_dict[key] = DTensor.from_local(
                 local.master, v.device_mesh, v.placements, run_check=False, shape=v.shape,
                 stride=v.stride(),
             )  # fmt: skip
+    if gather_state:
+        # Delayed scaling's per-weight gather state rides in the op's extra state (a plain
+        # fully_shard model's op skips these keys: BasicOperation.set_extra_state).
+        extra = state_dict.get(prefix + "_extra_state")
+        state_dict[prefix + "_extra_state"] = {**(extra or {}), **gather_state}
+
+
+def _load_gather_state(
+    module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    """Load pre-hook of a converted op: the delayed-scaling gather state in the incoming extra
+    state (see :func:`_master_state_dict`) goes into each weight's own state, bit for bit, and
+    the next forward gather agrees on it over the group again. A checkpoint without it (plain
+    ``fully_shard``, current scaling, older ones) leaves the state as it is."""
+    extra = state_dict.get(prefix + "_extra_state")
+    if not isinstance(extra, dict):
+        return
+    for name, _ in _gathered_weights(module):
+        param: Any = getattr(module, name, None)
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if not isinstance(local, Float8AllGatherWeight) or local._spec.delayed is None:
+            continue
+        head = f"{GATHER_KEY}.{name}."
+        fields = {k[len(head) :]: v for k, v in extra.items() if str(k).startswith(head)}
+        if fields:
+            load_recipe_state(local._spec.delayed, fields)
+            local._spec.agreed = False

@@ -80,6 +80,12 @@ OPS_BY_UID: weakref.WeakValueDictionary[int, BasicOperation] = weakref.WeakValue
 #: ops' generations. Stashing and restoring a state (a run without a recipe between runs with
 #: one) keeps the quantizer objects and the generation.
 _STATE_GENS = itertools.count(1)
+
+#: The namespace, in an op's ``_extra_state``, of state that belongs to its weights' wrappers and
+#: not to the op: ``fusible.distributed.fully_shard_fp8``'s delayed-scaling all-gather state
+#: (``gather.<weight>.amax_history`` / ``.scale``). ``set_extra_state`` skips it, so such a
+#: checkpoint loads into a model without the wrapper (plain ``fully_shard``).
+GATHER_KEY = "gather"
 #: Bumped whenever any op's active states change (built, stashed or restored): a Sequential
 #: re-activates its ops' states only when the recipe or this changed.
 ACTIVE_EPOCH = [0]
@@ -308,6 +314,8 @@ class BasicOperation(torch.nn.Module):
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in state.items():
             mode, _, field = str(key).partition(".")
+            if mode == GATHER_KEY:
+                continue  # a weight's FP8 all-gather state (fusible.distributed): not the op's
             if mode not in ("forward", "backward") or not field:
                 raise ValueError(
                     f"{type(self).__name__}: malformed recipe state key {key!r} in checkpoint; "

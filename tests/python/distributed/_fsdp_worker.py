@@ -300,6 +300,55 @@ def all_gather_bytes() -> None:
             raise AssertionError(f"{dtype}: fp8 moved {n + 4} bytes, plain {n * dtype.itemsize}")
 
 
+@case("delayed_state_checkpoint")
+def delayed_state_checkpoint() -> None:
+    """The delayed-scaling gather state is in the state dict (each converted op's extra state,
+    ``gather.<weight>.*``): a model loaded from a trained one's state dict holds the same
+    histories and scales and its next step equals the trained model's bit for bit (it would
+    cast with scale 1 otherwise); a plain fully_shard model loads the same state dict strictly
+    (the gather keys are skipped)."""
+    rec = R.DelayedScaling()
+
+    def build(fp8: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        inner = MAKERS["lnmlp"]()
+        model = torch.nn.Sequential(inner)
+        if fp8:
+            fully_shard_fp8(inner, recipe=rec, mesh=mesh())
+        else:
+            fully_shard(inner, mesh=mesh())
+        fully_shard(model, mesh=mesh())
+        return model
+
+    def specs(m: torch.nn.Module) -> list[Any]:
+        return [g.value.to_local()._spec for g in gathered(m)]
+
+    trained = build(True)
+    opt = torch.optim.SGD(trained.parameters(), lr=LR)
+    for k in range(2):
+        step(trained, rand(S, H, seed=100 + k + base.RANK), rand(S, H, seed=110 + k), rec)
+        opt.step()
+        opt.zero_grad()
+    sd = trained.state_dict()
+    with_gather = [k for k, v in sd.items() if k.endswith("_extra_state")
+                   and {"gather.weight.amax_history", "gather.weight.scale"} <= set(v)]  # fmt: skip
+    if with_gather != ["0.fc1._extra_state", "0.fc2._extra_state"]:
+        raise AssertionError(f"gather state in {with_gather}; keys {sorted(sd)}")
+    loaded = build(True)
+    loaded.load_state_dict(sd)
+    for a, b in zip(specs(trained), specs(loaded), strict=True):
+        exact("loaded amax history", b.delayed.amax_history, a.delayed.amax_history)
+        exact("loaded scale", b.delayed.scale, a.delayed.scale)
+    x, dy = rand(S, H, seed=120 + base.RANK), rand(S, H, seed=121)
+    y, dx = step(loaded, x, dy, rec)
+    y_ref, dx_ref = step(trained, x, dy, rec)
+    exact("step after loading: output", y, y_ref)
+    exact("step after loading: dx", dx, dx_ref)
+    for (n, p), q in zip(loaded.named_parameters(), trained.parameters(), strict=True):
+        exact(f"step after loading: grad {n}", p.grad.full_tensor(), q.grad.full_tensor())
+    build(False).load_state_dict(sd)  # strict: the gather keys are not the op's
+
+
 @case("grouped_shared_weight")
 def grouped_shared_weight() -> None:
     """Experts sharing one weight (weight1 = weight0) keep sharing it: one Float8AllGatherWeight

@@ -14,7 +14,8 @@ _WORKER = Path(__file__).with_name("_fsdp_worker.py")
 CASES = [
     *(f"train_{k}_{r}" for k in ("linear", "lnlinear", "lnmlp", "tlayer", "grouped")
       for r in ("current", "delayed")),
-    "train_lnmlp_delayed_no_reshard", "grouped_shared_weight", "all_gather_bytes", "mixed_group",
+    "train_lnmlp_delayed_no_reshard", "grouped_shared_weight",
+    "delayed_state_checkpoint", "all_gather_bytes", "mixed_group",
     "plain_fully_shard_unchanged", "bad_input", "compile", "precompute_scales",
     "precompute_scales_delayed",
 ]  # fmt: skip
