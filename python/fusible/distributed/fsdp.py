@@ -99,6 +99,13 @@ class _GatherSpec:
     agreed: bool = False
 
 
+def _shard_mesh(mesh: Any) -> Any:
+    """The dimension of ``mesh`` FSDP2 shards over: the mesh itself (FSDP), its last dimension
+    (HSDP: ``(replicate, shard)``, as FSDP2 names it). The FP8 scales are agreed over it; the
+    replicas hold the same shards, so the same amaxes."""
+    return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
+
+
 def _in_backward() -> bool:
     """Whether the autograd engine is running a backward pass (FSDP2's pre-backward all-gather
     of a resharded weight)."""
@@ -204,6 +211,7 @@ class Float8AllGatherWeight(torch.Tensor):
 
         spec = self._spec
         x = self._tensor.contiguous()
+        mesh = _shard_mesh(mesh)
         n = int(mesh.size())
         if x.shape[0] * n != outer_size[0]:
             raise RuntimeError(
@@ -344,7 +352,7 @@ def precompute_fp8_scales(module: torch.nn.Module) -> int:
         if not isinstance(local, Float8AllGatherWeight):
             continue
         x = local.master
-        key = (p.device_mesh.get_group(), x.device)
+        key = (_shard_mesh(p.device_mesh).get_group(), x.device)
         spec = local._spec
         if spec.delayed is not None:
             if spec.delayed.device != x.device:
@@ -415,7 +423,9 @@ def fully_shard_fp8(
 
     Errors (``ValueError`` / ``TypeError``, on every rank, before any collective): a recipe
     other than the two above; ``shard_placement_fn`` (the FP8 gather shards the rows); a mesh
-    that is not 1-D; a weight whose rows (``out_features``) do not divide by the mesh size; a
+    that is neither 1-D (FSDP) nor 2-D with names (HSDP: ``(replicate, shard)``; the scales are
+    agreed over the shard dimension); a weight whose rows (``out_features``) do not divide by
+    the shard dimension's size; a
     quantized weight (``quantized_model_init``); a non-fp32/bf16/fp16 weight; a tensor-parallel
     module (``tp_group`` with more than one rank); a module without a Linear weight to gather.
     """
@@ -441,12 +451,13 @@ def fully_shard_fp8(
             "each weight by rows (FSDP2's default Shard(0))"
         )
     if mesh is not None:
-        if int(mesh.ndim) != 1:
+        if int(mesh.ndim) not in (1, 2) or (mesh.ndim == 2 and mesh.mesh_dim_names is None):
             raise ValueError(
-                f"{fn} ({top}): 'mesh' must be a 1-D DeviceMesh (FSDP; HSDP is not supported), "
-                f"got {mesh.ndim} dimensions"
+                f"{fn} ({top}): 'mesh' must be a 1-D DeviceMesh (FSDP) or a 2-D one with "
+                f"dimension names (HSDP: replicate, shard), got {mesh.ndim} dimensions"
+                + (" without names" if mesh.ndim == 2 else "")
             )
-        world = int(mesh.size())
+        world = int(_shard_mesh(mesh).size())
     else:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(

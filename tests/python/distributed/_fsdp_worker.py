@@ -12,7 +12,7 @@ from typing import Any
 import _tp_worker as base
 import torch
 import torch.distributed as dist
-from _tp_worker import exact, rand
+from _tp_worker import close, exact, rand
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
@@ -144,11 +144,17 @@ def count_dequantize() -> Iterator[list[int]]:
             cls.dequantize = orig  # type: ignore[method-assign]
 
 
-def train(kind: str, rec_name: str, reshard: bool = True) -> None:
+def hsdp_mesh() -> Any:
+    """HSDP: two replicas of a 2-way shard, ``(replicate, shard)`` (four ranks)."""
+    return init_device_mesh(base.DEVICE, (base.WORLD // 2, 2), mesh_dim_names=("rep", "shard"))
+
+
+def train(kind: str, rec_name: str, reshard: bool = True, make_mesh: Any = mesh) -> None:
     """Two SGD steps of ``fully_shard_fp8`` (inside a root ``fully_shard``, so the weights are
     resharded after forward and all-gathered again for backward, unless ``reshard`` is False)
     against the unsharded module whose Linear weights are the reference FP8 weights:
-    quantize(full master, expected scale)."""
+    quantize(full master, expected scale). ``make_mesh``: FSDP's 1-D mesh, or HSDP's 2-D one
+    (every rank's gradient averaged all the same; each replica holds the same shards)."""
     rec = R.Float8CurrentScaling() if rec_name == "current" else R.DelayedScaling()
     torch.manual_seed(0)
     ref = MAKERS[kind]()
@@ -157,8 +163,11 @@ def train(kind: str, rec_name: str, reshard: bool = True) -> None:
     masters = [w.value.detach().clone() for w in gathered(ref)]
     names = [n for n, _ in ref.named_parameters()]
     model = torch.nn.Sequential(inner)
-    fully_shard_fp8(inner, recipe=rec, mesh=mesh(), reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh())
+    the_mesh = make_mesh()
+    fully_shard_fp8(inner, recipe=rec, mesh=the_mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=the_mesh)
+    shard_mesh = the_mesh if the_mesh.ndim == 1 else the_mesh["shard"]
+    shards, shard_rank = shard_mesh.size(), shard_mesh.get_local_rank()
     for w in gathered(inner):
         local = w.value.to_local()
         assert isinstance(local, Float8AllGatherWeight), type(local)
@@ -211,7 +220,13 @@ def train(kind: str, rec_name: str, reshard: bool = True) -> None:
             avg[n] = g / base.WORLD
         for (n, p), n_ref in zip(inner.named_parameters(), names, strict=True):
             assert n == n_ref, (n, n_ref)
-            exact(f"{tag} grad {n}", p.grad.full_tensor(), avg[n])
+            if the_mesh.ndim == 1:
+                exact(f"{tag} grad {n}", p.grad.full_tensor(), avg[n])
+            else:
+                # HSDP reduces over the shard, then the replicas: another summation order. The
+                # reference then steps with HSDP's mean, so the masters stay bit-exact.
+                close(f"{tag} grad {n}", p.grad.full_tensor(), avg[n], 1e-6)
+                avg[n] = p.grad.full_tensor()
         opt.step()
         opt.zero_grad()
         # The same update of the reference's masters (SGD: p += -lr * grad).
@@ -226,9 +241,9 @@ def train(kind: str, rec_name: str, reshard: bool = True) -> None:
         for g, w in zip(gathered(inner), masters, strict=True):
             local = g.value.to_local()
             exact(f"{tag} master shard after the step", local.master,
-                  w.chunk(base.WORLD)[base.RANK])  # fmt: skip
+                  w.chunk(shards)[shard_rank])  # fmt: skip
     # Per step: forward (+ backward when resharded); FSDP2 on one rank gathers nothing.
-    gathers = 0 if base.WORLD == 1 else 4 if reshard else 2
+    gathers = 0 if shards == 1 else 4 if reshard else 2
     if len(spy.inputs) != gathers:
         raise AssertionError(
             f"{kind} {rec_name}: {len(spy.inputs)} all-gathers, expected {gathers}"
@@ -242,6 +257,9 @@ for _kind in MAKERS:
         case(f"train_{_kind}_{_rec}")(lambda k=_kind, r=_rec: train(k, r))
 # Kept unsharded from forward to backward: one all-gather per step, no backward re-gather.
 case("train_lnmlp_delayed_no_reshard")(lambda: train("lnmlp", "delayed", reshard=False))
+# HSDP (test_fsdp_fp8_hsdp.py runs these on four ranks).
+for _rec in ("current", "delayed"):
+    case(f"hsdp_lnmlp_{_rec}")(lambda r=_rec: train("lnmlp", r, make_mesh=hsdp_mesh))
 
 
 class SpyAllGather(AllGather):
@@ -445,8 +463,8 @@ def bad_input() -> None:
     raises(lambda: fully_shard_fp8(qm, mesh=mesh()), "Linear.0.weight", "quantized_model_init")
     raises(lambda: fully_shard_fp8(torch.nn.LayerNorm(H), mesh=mesh()),
            "LayerNorm", "no Linear weight")  # fmt: skip
-    two_d = init_device_mesh(base.DEVICE, (1, base.WORLD), mesh_dim_names=("rep", "shard"))
-    raises(lambda: fully_shard_fp8(fusible.Linear(H, F), mesh=two_d), "'mesh'", "1-D")
+    two_d = init_device_mesh(base.DEVICE, (1, base.WORLD))  # HSDP needs named dimensions
+    raises(lambda: fully_shard_fp8(fusible.Linear(H, F), mesh=two_d), "'mesh'", "without names")
     # Nothing was converted by a refused call: the module is still usable as it was.
     m = fusible.Linear(H, 63)
     raises(lambda: fully_shard_fp8(m, mesh=mesh()), "63 rows")
@@ -468,7 +486,7 @@ def count_all_reduce() -> Iterator[list[int]]:
         dist.all_reduce = orig
 
 
-def precompute_scales(rec_name: str) -> None:
+def precompute_scales(rec_name: str, make_mesh: Any = mesh) -> None:
     """precompute_fp8_scales (LayerNormMLP inside a root fully_shard, so each weight is gathered
     for forward and again for backward): three SGD steps bit for bit equal to the same model
     agreeing on its scales itself -- outputs, input and parameter gradients -- with one
@@ -486,8 +504,9 @@ def precompute_scales(rec_name: str) -> None:
         inner = MAKERS["lnmlp"]()
         inner.load_state_dict(src.state_dict())
         model = torch.nn.Sequential(inner)
-        fully_shard_fp8(inner, recipe=rec, mesh=mesh())
-        fully_shard(model, mesh=mesh())
+        the_mesh = make_mesh()
+        fully_shard_fp8(inner, recipe=rec, mesh=the_mesh)
+        fully_shard(model, mesh=the_mesh)
         runs.append((model, torch.optim.SGD(model.parameters(), lr=LR)))
     (plain, plain_opt), (pre, pre_opt) = runs
     n = 1 if base.WORLD > 1 else 0
@@ -503,10 +522,17 @@ def precompute_scales(rec_name: str) -> None:
                 raise AssertionError(f"{tag}: {got} weights, {calls[0]} all_reduces")
         with count_all_reduce() as calls:
             y, dx = step(pre, x, dy, rec)
-        want = 0 if fresh else (4 if rec_name == "current" else 2) * n
-        if calls[0] != want:
-            raise AssertionError(f"{tag}: {calls[0]} all_reduces in the step, expected {want}")
-        y_ref, dx_ref = step(plain, x, dy, rec)
+        with count_all_reduce() as plain_calls:
+            y_ref, dx_ref = step(plain, x, dy, rec)
+        # Ours: without the call 4 (current: per weight and gather) or 2 (delayed: per weight
+        # and step). HSDP's own all-reduce of the gradients over the replicas counts in both.
+        ours = (4 if rec_name == "current" else 2) * n
+        want = 0 if fresh else ours
+        if plain_calls[0] - calls[0] != ours - want or (make_mesh is mesh and calls[0] != want):
+            raise AssertionError(
+                f"{tag}: {calls[0]} all_reduces in the step ({plain_calls[0]} without the "
+                f"call), expected {want} of the gathers'"
+            )
         exact(f"{tag} output", y, y_ref)
         exact(f"{tag} dx", dx, dx_ref)
         for (name, p), q in zip(pre.named_parameters(), plain.parameters(), strict=True):
@@ -520,6 +546,8 @@ def precompute_scales(rec_name: str) -> None:
 
 case("precompute_scales")(lambda: precompute_scales("current"))
 case("precompute_scales_delayed")(lambda: precompute_scales("delayed"))
+for _rec in ("current", "delayed"):  # HSDP: the scales agreed over the shard dimension
+    case(f"hsdp_precompute_{_rec}")(lambda r=_rec: precompute_scales(r, hsdp_mesh))
 
 
 @case("compile")
