@@ -420,14 +420,17 @@ def fully_shard_fp8(
     already sharded by an inner ``fully_shard`` is converted; other parameters (norms, biases)
     are gathered by FSDP2 as usual. Apply it per layer and then ``fully_shard`` (or
     ``fully_shard_fp8``) on the root, as with ``fully_shard``. Plain ``fully_shard`` is unchanged.
+    A tensor-parallel module (``tp_group``) is sharded over the data-parallel mesh given: each
+    tensor-parallel rank's local weight is gathered in FP8 over ``mesh`` with the scale of that
+    local weight, the scale the tensor-parallel layer casts its weight shard with (its own per
+    shard, as TransformerEngine's).
 
     Errors (``ValueError`` / ``TypeError``, on every rank, before any collective): a recipe
     other than the two above; ``shard_placement_fn`` (the FP8 gather shards the rows); a mesh
     that is neither 1-D (FSDP) nor 2-D with names (HSDP: ``(replicate, shard)``; the scales are
     agreed over the shard dimension); a weight whose rows (``out_features``) do not divide by
-    the shard dimension's size; a
-    quantized weight (``quantized_model_init``); a non-fp32/bf16/fp16 weight; a tensor-parallel
-    module (``tp_group`` with more than one rank); a module without a Linear weight to gather.
+    the shard dimension's size; a quantized weight (``quantized_model_init``); a
+    non-fp32/bf16/fp16 weight; a module without a Linear weight to gather.
     """
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -468,11 +471,6 @@ def fully_shard_fp8(
     targets: list[tuple[torch.nn.Module, str, QuantizerRole, str]] = []
     for path, m in module.named_modules():
         at = top + (f".{path}" if path else "")
-        if int(getattr(m, "tp_size", 1) or 1) > 1:
-            raise ValueError(
-                f"{fn}: {at} is tensor-parallel (tp_size {m.tp_size}); FSDP2 + tensor "
-                "parallelism (2-D meshes) is not supported"
-            )
         for name, role in _gathered_weights(m):
             w = m._parameters.get(name)
             where = f"{at}.{name}" + (f" ({role.name})" if role.name else "")

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import fusible
+from fusible.distributed import Float8AllGatherWeight, fully_shard_fp8
 
 S, H, F = base.S, base.H, base.F
 DP = TP = 2
@@ -66,7 +67,10 @@ def batch(kind: str, sp: bool, seed: int, dp_rank: int, tp_rank: int) -> tuple[A
     return x, dy
 
 
-def two_d(kind: str, rec_name: str, sp: bool) -> None:
+def two_d(kind: str, rec_name: str, sp: bool, fp8_gather: bool = False) -> None:
+    """``fp8_gather``: ``fusible.distributed.fully_shard_fp8`` over ``dp`` (each tp rank's
+    local weight gathered in FP8 with that local weight's scale, the one the TP module casts its
+    shard with), else plain ``fully_shard``."""
     if base.WORLD != DP * TP:
         raise AssertionError(f"needs {DP * TP} ranks, got {base.WORLD}")
     rec = RECIPES[rec_name]
@@ -77,7 +81,10 @@ def two_d(kind: str, rec_name: str, sp: bool) -> None:
     ref = MAKERS[kind](tp_group, sp)
     m = MAKERS[kind](tp_group, sp)
     m.load_state_dict(ref.state_dict())
-    fully_shard(m, mesh=mesh["dp"])
+    if fp8_gather:
+        fully_shard_fp8(m, recipe=rec, mesh=mesh["dp"])
+    else:
+        fully_shard(m, mesh=mesh["dp"])
     names = [n for n, _ in ref.named_parameters()]
     for n, p in m.named_parameters():
         if p.device_mesh.mesh_dim_names != ("dp",):
@@ -100,12 +107,20 @@ def two_d(kind: str, rec_name: str, sp: bool) -> None:
             o.zero_grad()
         for n, p in zip(names, m.parameters(), strict=True):
             exact(f"{tag} {n} after the step", p.full_tensor(), ref.get_parameter(n))
+    if fp8_gather:  # every Linear weight was gathered in FP8
+        converted = [n for n, p in m.named_parameters()
+                     if isinstance(p.to_local(), Float8AllGatherWeight)]  # fmt: skip
+        if len(converted) != (2 if kind == "lnmlp" else 1):
+            raise AssertionError(f"{kind}: converted weights {converted}")
 
 
 for _kind in MAKERS:
     for _rec in RECIPES:
         case(f"{_kind}_{_rec}")(lambda k=_kind, r=_rec: two_d(k, r, False))
     case(f"{_kind}_current_sp")(lambda k=_kind: two_d(k, "current", True))
+    # The FP8 weight all-gather over dp of the TP module (current scaling; SP too).
+    case(f"fp8gather_{_kind}_current")(lambda k=_kind: two_d(k, "current", False, True))
+    case(f"fp8gather_{_kind}_current_sp")(lambda k=_kind: two_d(k, "current", True, True))
 
 
 def compiled(kind: str, rec_name: str, sp: bool, eager_first: bool = False) -> None:

@@ -441,7 +441,6 @@ def plain_fully_shard_unchanged() -> None:
 @case("bad_input")
 def bad_input() -> None:
     raises = base._raises
-    g = dist.group.WORLD
     raises(lambda: fully_shard_fp8("model"), "fully_shard_fp8", "'module'")  # type: ignore[arg-type]
     raises(lambda: fully_shard_fp8(fusible.Linear(H, F), recipe=R.MXFP8BlockScaling(), mesh=mesh()),
            "fully_shard_fp8 (Linear)", "'recipe'", "MXFP8BlockScaling")  # fmt: skip
@@ -455,9 +454,6 @@ def bad_input() -> None:
     raises(lambda: fully_shard_fp8(fusible.Linear(H, F), mesh=mesh(),
                                    shard_placement_fn=lambda p: None),
            "'shard_placement_fn'")  # fmt: skip
-    raises(lambda: fully_shard_fp8(fusible.Linear(H, F, tp_group=g, parallel_mode="column"),
-                                   mesh=mesh()),
-           "fully_shard_fp8", "Linear", "tensor-parallel")  # fmt: skip
     with fusible.quantized_model_init(recipe=R.Float8CurrentScaling()):
         qm = fusible.Linear(H, F)
     raises(lambda: fully_shard_fp8(qm, mesh=mesh()), "Linear.0.weight", "quantized_model_init")

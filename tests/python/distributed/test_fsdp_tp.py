@@ -20,6 +20,11 @@ _RECIPES = ("none", "delayed", "current", "mxfp8")
 CASES = [
     *(f"{k}_{r}" for k in ("column", "row", "lnlinear", "lnmlp") for r in _RECIPES),
     *(f"{k}_current_sp" for k in ("column", "row", "lnlinear", "lnmlp")),
+    *(
+        f"fp8gather_{k}_current{sp}"
+        for k in ("column", "row", "lnlinear", "lnmlp")
+        for sp in ("", "_sp")
+    ),
     *(f"compile_{k}_{r}" for k in ("column", "row") for r in (*_RECIPES, "current_sp")),
     "compile_row_current_sp_eager_first",
 ]
