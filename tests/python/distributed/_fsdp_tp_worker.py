@@ -121,6 +121,7 @@ for _kind in MAKERS:
     # The FP8 weight all-gather over dp of the TP module (current scaling; SP too).
     case(f"fp8gather_{_kind}_current")(lambda k=_kind: two_d(k, "current", False, True))
     case(f"fp8gather_{_kind}_current_sp")(lambda k=_kind: two_d(k, "current", True, True))
+    case(f"fp8gather_{_kind}_delayed")(lambda k=_kind: two_d(k, "delayed", False, True))
 
 
 def compiled(kind: str, rec_name: str, sp: bool, eager_first: bool = False) -> None:
