@@ -21,9 +21,9 @@ CASES = [
     *(f"{k}_{r}" for k in ("column", "row", "lnlinear", "lnmlp") for r in _RECIPES),
     *(f"{k}_current_sp" for k in ("column", "row", "lnlinear", "lnmlp")),
     *(
-        f"fp8gather_{k}_current{sp}"
+        f"fp8gather_{k}_{r}"
         for k in ("column", "row", "lnlinear", "lnmlp")
-        for sp in ("", "_sp")
+        for r in ("current", "current_sp", "delayed")
     ),
     *(f"compile_{k}_{r}" for k in ("column", "row") for r in (*_RECIPES, "current_sp")),
     "compile_row_current_sp_eager_first",
