@@ -192,7 +192,11 @@ class Sequential(OwnForwardModule):
         # embedding.weight``, Hugging Face's tie_weights) replaces the op's parameter;
         # nn.Module would refuse it ("attribute 'weight' already exists": the name is a
         # property here, not a registered parameter).
-        if isinstance(value, torch.nn.Parameter):
+        # A plain tensor goes into the op's parameter slot as it is, as torch.func.functional_call
+        # (torch.nn.utils.stateless) puts one into a module's own parameter slot: functional
+        # calls by state_dict() names (the TE names) then work, and its restore assigns the
+        # Parameter back through the branch above.
+        if isinstance(value, torch.Tensor):
             target = self._forwarded_parameter(name)
             if target is not None:
                 op, attr = target
@@ -202,7 +206,10 @@ class Sequential(OwnForwardModule):
                         f"{type(self).__name__}.{name}: a parameter of shape "
                         f"{tuple(old.shape)} was expected, got {tuple(value.shape)}"
                     )
-                setattr(op, attr, value)
+                if isinstance(value, torch.nn.Parameter):
+                    setattr(op, attr, value)
+                else:
+                    op._parameters[attr] = value
                 return
         super().__setattr__(name, value)
 

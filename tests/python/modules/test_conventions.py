@@ -548,3 +548,31 @@ def test_params_dtype_is_dtype(make):
     with pytest.raises(ValueError, match=r"'dtype' \(torch.float32\) and 'params_dtype' "
                        r"\(torch.bfloat16\) disagree"):  # fmt: skip
         make(dtype=torch.float32, params_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_functional_call_by_state_dict_names(case):
+    """``torch.func.functional_call`` with the parameters keyed by ``state_dict()``'s (TE)
+    names computes what the positional names give, leaves the module's own parameters in place,
+    and backward through it gives the given tensors the ordinary backward's gradients.
+    (functorch transforms -- ``torch.func.grad``, ``vmap`` -- are not supported: fusible's
+    autograd Function has no ``setup_context``.)"""
+    from torch.func import functional_call
+
+    make, _, _ = CASES[case]
+    torch.manual_seed(0)
+    m = make()
+    x = torch.randn(4, H)
+    own = list(m.parameters())
+    te = {k: v for k, v in m.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+    pos = dict(m.named_parameters())
+    assert len(te) == len(pos)
+    twice_te = functional_call(m, {k: v.detach() * 2 for k, v in te.items()}, (x,))
+    twice_pos = functional_call(m, {k: v.detach() * 2 for k, v in pos.items()}, (x,))
+    assert torch.equal(twice_te, twice_pos)
+    assert all(a is b for a, b in zip(own, m.parameters(), strict=True))
+    given = {k: v.detach().clone().requires_grad_() for k, v in te.items()}
+    functional_call(m, given, (x,)).square().sum().backward()
+    m(x).square().sum().backward()
+    for k, v in te.items():
+        assert torch.equal(given[k].grad, v.grad), k
