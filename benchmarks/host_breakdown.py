@@ -8,6 +8,14 @@ give its host cost per call. The step's own host time (N steps back to back, one
 minus the sum of its replayed operators is what the step spends outside them: Python (the
 module, the executor, the ops), the autograd engine and the optimizer's own code.
 
+Each operator is timed twice: called from Python (``us_per_call``: the ``OpOverload`` call
+converts every Python argument to the dispatcher's values, a cost that grows with the argument
+count) and from the replay executor's C++ loop (``loop_us_per_call``: a program of N copies of
+the call, its arguments held as prepared constants, as a replayed step runs them;
+``fusible/ops/replay.py``). ``outside_loop_us`` is the step minus the loop sum: what Python,
+autograd's engine, the executor and the optimizer add around the operators. (torch eager calls
+its operators from autograd's C++ kernels, unboxed: its loop figures are an upper bound.)
+
     python benchmarks/host_breakdown.py            # CUDA if present; JSON with --out DIR
     python benchmarks/host_breakdown.py --device cpu   # CPU: operator times include compute
 
@@ -78,6 +86,34 @@ def _step(variant: str, device: str) -> Callable[[], None]:
     return step
 
 
+def _loop_us(func: Any, args: Any, kwargs: Any, iters: int, sync: Callable[[], None]) -> float:
+    """Host microseconds per call of ``func(*args, **kwargs)`` run ``iters`` times by the replay
+    executor's C++ loop (every argument a constant, outputs dropped); NaN where the library has
+    no loop or the call has an argument the loop cannot hold."""
+    from fusible.ops import replay
+
+    if replay._PROGRAM is None:
+        return float("nan")
+    out = func(*args, **kwargs)
+    # The outputs' structure, each value unread (None); a list return keeps its length.
+    if isinstance(out, (tuple, list)) and len(func._schema.returns) != 1:
+        outs: Any = tuple([None] * len(o) if isinstance(o, (list, tuple)) else None for o in out)
+    elif isinstance(out, (list, tuple)):
+        outs = [None] * len(out)
+    else:
+        outs = None
+    try:
+        prog = replay._program([replay._Call(func, args, kwargs, outs)] * iters, {}, set(), 0, [])
+    except replay._Unreplayable:
+        return float("nan")
+    prog.run([])
+    sync()
+    t0 = time.perf_counter()
+    prog.run([])
+    sync()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
 def measure(variant: str, device: str, iters: int) -> dict[str, Any]:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     step = _step(variant, device)
@@ -93,29 +129,36 @@ def measure(variant: str, device: str, iters: int) -> dict[str, Any]:
     with rec:
         step()
     per_op: dict[str, float] = collections.defaultdict(float)
+    per_op_loop: dict[str, float] = collections.defaultdict(float)
     count: collections.Counter[str] = collections.Counter()
     for func, args, kwargs in rec.calls:
         name = str(func)
         count[name] += 1
         try:
-            for _ in range(3):
-                func(*args, **kwargs)
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                func(*args, **kwargs)
-            per_op[name] += (time.perf_counter() - t0) / iters * 1e6
-            sync()
+            with torch.no_grad():  # below autograd, as inside the step's autograd Function
+                for _ in range(3):
+                    func(*args, **kwargs)
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    func(*args, **kwargs)
+                sync()
+                per_op[name] += (time.perf_counter() - t0) / iters * 1e6
+                per_op_loop[name] += _loop_us(func, args, kwargs, iters, sync)
         except Exception:  # e.g. a foreach op whose replay is refused: not counted
             per_op[name] += float("nan")
+            per_op_loop[name] += float("nan")
     ops_us = sum(v for v in per_op.values() if v == v)
+    loop_us = sum(v for v in per_op_loop.values() if v == v)
     rows = sorted(
-        ({"op": k, "calls": count[k], "us_per_call": v / count[k], "us": v}
+        ({"op": k, "calls": count[k], "us_per_call": v / count[k], "us": v,
+          "loop_us_per_call": per_op_loop[k] / count[k], "loop_us": per_op_loop[k]}
          for k, v in per_op.items()),
         key=lambda r: -r["us"] if r["us"] == r["us"] else 0.0,
     )  # fmt: skip
     return {"variant": variant, "step_us": step_us, "dispatched": len(rec.calls),
-            "ops_us": ops_us, "outside_ops_us": step_us - ops_us, "ops": rows}  # fmt: skip
+            "ops_us": ops_us, "outside_ops_us": step_us - ops_us, "ops_loop_us": loop_us,
+            "outside_loop_us": step_us - loop_us, "ops": rows}  # fmt: skip
 
 
 def main() -> None:
@@ -132,14 +175,17 @@ def main() -> None:
         f"host time per step, {T} tokens, hidden {H}, {device}: the step against its "
         "dispatched operators replayed alone"
     )
-    print(f"{'variant':10} {'step_us':>9} {'ops':>5} {'ops_us':>8} {'outside_us':>11}")
+    print(f"{'variant':10} {'step_us':>9} {'ops':>5} {'ops_us':>8} {'outside_us':>11} "
+          f"{'ops_loop_us':>12} {'outside_loop_us':>16}")  # fmt: skip
     for r in results:
         print(f"{r['variant']:10} {r['step_us']:9.0f} {r['dispatched']:5d} {r['ops_us']:8.0f} "
-              f"{r['outside_ops_us']:11.0f}")  # fmt: skip
+              f"{r['outside_ops_us']:11.0f} {r['ops_loop_us']:12.0f} "
+              f"{r['outside_loop_us']:16.0f}")  # fmt: skip
     for r in results:
-        print(f"--- {r['variant']}: the operators")
+        print(f"--- {r['variant']}: the operators (us per call from Python / in the C++ loop)")
         for o in r["ops"][:12]:
-            print(f"  {o['calls']:3d} x {o['us_per_call']:6.1f} us = {o['us']:7.1f}  {o['op']}")
+            print(f"  {o['calls']:3d} x {o['us_per_call']:6.1f} / {o['loop_us_per_call']:6.1f} us "
+                  f"= {o['us']:7.1f} / {o['loop_us']:7.1f}  {o['op']}")  # fmt: skip
     if args.out:
         payload = {"env": environment(), "device": device, "tokens": T, "results": results}
         print("wrote", write_json("host_breakdown", payload, args.out))
