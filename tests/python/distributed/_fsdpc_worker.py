@@ -142,12 +142,7 @@ def root_of_sharded_layers() -> None:
     for m in comp.modules():
         m.zero_grad(set_to_none=True)
     c = torch.compile(comp, backend="aot_eager")
-    ye, dxe = step(eager, x, dy, rec)
-    yc, dxc = step(c, x, dy, rec)
-    exact("root output", yc, ye)
-    exact("root dx", dxc, dxe)
-    for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
-        exact(f"root grad {n}", p.grad.to_local(), q.grad.to_local())
+    base.same_step("root", c, eager, x, dy, rec)
 
 
 def qinit(kind: str, rec: Any) -> None:

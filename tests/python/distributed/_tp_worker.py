@@ -94,6 +94,20 @@ def toks(t: torch.Tensor, r: int) -> torch.Tensor:
     return t.chunk(WORLD, 0)[r]
 
 
+def same_step(
+    tag: str, m: torch.nn.Module, ref: torch.nn.Module, x: Any, dy: Any, rec: Any
+) -> None:
+    """One step (:func:`run`) of ``m``, then of ``ref``, on the same ``x`` and ``dy``: outputs,
+    input gradients and every parameter gradient (whole tensors) bit for bit."""
+    y, dx = run(m, x, dy, rec)
+    y_ref, dx_ref = run(ref, x, dy, rec)
+    exact(f"{tag} output", y, y_ref)
+    exact(f"{tag} dx", dx, dx_ref)
+    for (n, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
+        got, want = (g.full_tensor() if hasattr(g, "full_tensor") else g for g in (p.grad, q.grad))
+        exact(f"{tag} grad {n}", got, want)
+
+
 def run(
     module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, rec: Any, group: Any = None,
     **kw: Any,
