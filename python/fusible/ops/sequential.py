@@ -209,7 +209,7 @@ class Sequential(OwnForwardModule):
                 if isinstance(value, torch.nn.Parameter):
                     setattr(op, attr, value)
                 else:
-                    op._parameters[attr] = value
+                    op._parameters[attr] = value  # type: ignore[assignment]
                 return
         super().__setattr__(name, value)
 

@@ -107,6 +107,21 @@ def test_explain_frozen_weight_lists_no_wgrad(dgrad_add):
         assert "linear_dgrad_add" in text, text
 
 
+@pytest.mark.parametrize("rec", ["none", "current"])
+def test_explain_grouped_linear_frozen_experts(rec):
+    """GroupedLinear: explain() names the wgrad GEMMs only for the experts whose weight trains,
+    and none when every weight is frozen (per expert and grouped paths)."""
+    m = ops.Sequential(ops.GroupedLinear(3, 64, 32))
+    explain = lambda: m.explain(recipe=RECIPES[rec])  # noqa: E731
+    assert "wgrad" in explain() and "frozen" not in explain() and "experts whose" not in explain()
+    m[0].weight1.requires_grad_(False)
+    assert "for the 2 experts whose weight trains" in explain(), explain()
+    for w in m[0].weights():
+        w.requires_grad_(False)
+    text = explain()
+    assert "no wgrad GEMMs: the weights are frozen" in text and "gemm(wgrad)" not in text, text
+
+
 def test_different_recipe_replaces_state():
     m = fusible.Linear(64, 64)
     _train(m, DELAYED, 2)

@@ -228,20 +228,29 @@ class GroupedLinear(QuantizedWeightOp):
         n = self.num_gemms
         note, cast_all = self._stored_weights_note(fwd)
         wcast = qw is not None and cast_all
+        # The wgrad GEMMs run for the experts whose weight trains (the plan's requires-grad
+        # pattern): none when every weight is frozen.
+        training = sum(w.requires_grad for w in self.weights())
+        if training == 0:
+            wgrad = "no wgrad GEMMs: the weights are frozen (requires_grad=False)"
+        else:
+            wgrad = "" if training == n else f" for the {training} experts whose weight trains"
         if self._fp8_kind(fwd) is not None:
             if fwd:
                 wq = "grouped_quantize_fp8(weight), " if wcast else ""
                 step = (f"grouped (x{n}, empty experts skipped): grouped_quantize_fp8(input), "
                         f"{wq}grouped_gemm(fprop)")  # fmt: skip
             else:
+                wg = wgrad if training == 0 else f"grouped_gemm(wgrad){wgrad}"
                 step = (f"grouped (x{n}): grouped_quantize_fp8(grad_output), grouped_gemm(dgrad), "
-                        "grouped_gemm(wgrad), grouped_bias_grad")  # fmt: skip
+                        f"{wg}, grouped_bias_grad")  # fmt: skip
         elif fwd:
             quant = ("quantize(input, weight), " if wcast else "quantize(input), ") if qw else ""
             step = f"per expert (x{n}, empty experts skipped): {quant}gemm(fprop){how}"
         else:
             quant = "quantize(grad_output), " if qw is not None else ""
-            step = f"per expert (x{n}): {quant}gemm(dgrad){how}, gemm(wgrad){how}"
+            wg = wgrad if training == 0 else f"gemm(wgrad){how}{wgrad}"
+            step = f"per expert (x{n}): {quant}gemm(dgrad){how}, {wg}"
         return [*note, step]
 
     def _stored_weights_note(self, fwd: bool) -> tuple[list[str], bool]:
