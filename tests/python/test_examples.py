@@ -1,5 +1,6 @@
-"""The second example (train_block.py) and the quantize demo run end to end (a few steps, every
-recipe; the main job, train_gpt.py, is tested in test_train_gpt.py)."""
+"""The second example (train_block.py), the quantize demo and the FSDP2 FP8 example
+(train_fsdp_fp8.py, two CPU processes) run end to end (a few steps, every recipe; the main job,
+train_gpt.py, is tested in test_train_gpt.py)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,24 @@ def test_quantize_demo_runs(monkeypatch, capsys):
     except SystemExit as e:
         assert e.code in (0, None)
     assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_train_fsdp_fp8_runs(recipe_name):
+    """examples/train_fsdp_fp8.py on two CPU processes (gloo): FSDP2 with the FP8 weight
+    all-gather trains (the loss falls) and reports the bytes its gathers move."""
+    import os
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_fsdp_fp8.py"), "--spawn", "2", "--steps", "8",
+         "--recipe", recipe_name],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines()
+              if line.startswith("step")]  # fmt: skip
+    assert len(losses) >= 2 and losses[-1] < losses[0], out
+    assert "the FP8 all-gather moves" in out and "final loss" in out, out
