@@ -323,3 +323,24 @@ def test_extra_input_count():
         ops.Sequential(ops.AddExtraInput())(torch.randn(2, 2))
     with pytest.raises(ValueError, match="extra input"):
         ops.Sequential(ops.Identity())(torch.randn(2, 2), torch.randn(2, 2))
+
+
+def test_user_op_may_take_integer_inputs():
+    """The plan-time dtype check covers fusible's own ops only: a user's op may take token ids
+    (an embedding lookup here) as the run's input."""
+
+    class Lookup(ops.BasicOperation):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(10, 8))
+
+        def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
+            return params[0][x], []
+
+        def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
+            return None, [None], []
+
+    m = ops.Sequential(Lookup())
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(m(ids), m[0].table[ids])
