@@ -110,8 +110,9 @@ def _loop_us(func: Any, args: Any, kwargs: Any, iters: int, sync: Callable[[], N
     sync()
     t0 = time.perf_counter()
     prog.run([])
+    us = (time.perf_counter() - t0) / iters * 1e6  # the host's issue time (before the sync)
     sync()
-    return (time.perf_counter() - t0) / iters * 1e6
+    return us
 
 
 def measure(variant: str, device: str, iters: int) -> dict[str, Any]:
@@ -134,20 +135,22 @@ def measure(variant: str, device: str, iters: int) -> dict[str, Any]:
     for func, args, kwargs in rec.calls:
         name = str(func)
         count[name] += 1
-        try:
-            with torch.no_grad():  # below autograd, as inside the step's autograd Function
+        with torch.no_grad():  # below autograd, as inside the step's autograd Function
+            try:
                 for _ in range(3):
                     func(*args, **kwargs)
                 sync()
                 t0 = time.perf_counter()
                 for _ in range(iters):
                     func(*args, **kwargs)
+                per_op[name] += (time.perf_counter() - t0) / iters * 1e6  # before the sync
                 sync()
-                per_op[name] += (time.perf_counter() - t0) / iters * 1e6
+            except Exception:  # e.g. a foreach op whose replay is refused: not counted
+                per_op[name] += float("nan")
+            try:
                 per_op_loop[name] += _loop_us(func, args, kwargs, iters, sync)
-        except Exception:  # e.g. a foreach op whose replay is refused: not counted
-            per_op[name] += float("nan")
-            per_op_loop[name] += float("nan")
+            except Exception:
+                per_op_loop[name] += float("nan")
     ops_us = sum(v for v in per_op.values() if v == v)
     loop_us = sum(v for v in per_op_loop.values() if v == v)
     rows = sorted(

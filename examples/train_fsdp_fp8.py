@@ -27,9 +27,12 @@ from fusible.distributed import fully_shard_fp8, precompute_fp8_scales
 RECIPES = {"delayed": fusible.recipe.DelayedScaling, "current": fusible.recipe.Float8CurrentScaling}
 
 
-def train(rank: int, world: int, args: argparse.Namespace) -> float:
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+def train(
+    rank: int, world: int, args: argparse.Namespace, local_rank: int, local_world: int
+) -> float:
+    # A GPU per process of this node (torchrun's LOCAL_RANK), else the CPU through gloo.
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
@@ -75,7 +78,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> float:
 
 
 def _spawned(rank: int, world: int, args: argparse.Namespace) -> None:
-    train(rank, world, args)
+    train(rank, world, args, rank, world)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,7 +97,10 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         torch.multiprocessing.spawn(_spawned, args=(args.spawn, args), nprocs=args.spawn)
         return
-    train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+    env = os.environ
+    world = int(env["WORLD_SIZE"])
+    train(int(env["RANK"]), world, args, int(env.get("LOCAL_RANK", env["RANK"])),
+          int(env.get("LOCAL_WORLD_SIZE", world)))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -47,3 +47,15 @@ def test_constant_results_are_scalars():
     for f in marked:
         ret = typing.get_type_hints(f)["return"]
         assert ret in (int, str), f"{f.__name__} returns {ret}"
+    # And what they return is one: the activation of a container and its plan id, called as
+    # a trace calls them.
+    from fusible import ops
+
+    m = ops.Sequential(ops.Linear(4, 4))
+    x = torch.randn(2, 4)
+    m(x)
+    uid = str(m._seq_uid)
+    assert type(sequential._traced_activate(uid, None)) is int
+    run = m._runs()[0][1]
+    key = m._traced_key(0, x, (), [p for op in run for p in op.parameters()], run)
+    assert type(sequential._traced_plan_id(uid, key, None)) is int

@@ -2,7 +2,8 @@
 
 ``torch.distributed.fsdp.fully_shard`` all-gathers each parameter as it is stored (fp32 / bf16).
 ``fully_shard_fp8`` makes every Linear weight of the module (``BasicLinear`` inside
-``fusible.Linear``, ``LayerNormLinear``, ``LayerNormMLP``) a :class:`Float8AllGatherWeight` --
+``fusible.Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``TransformerLayer``; each expert's
+weight of a ``GroupedLinear``) a :class:`Float8AllGatherWeight` --
 a tensor subclass holding the high-precision master *shard* -- and then calls ``fully_shard``.
 FSDP2 calls the subclass's all-gather extension points (torch's ``FSDPParam``:
 ``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)`` on the sharded local
@@ -15,10 +16,10 @@ out=None)`` after it, the same pair torchao's float8 training and TransformerEng
   ``scale_inv`` (4 bytes) as the all-gather inputs. Current scaling: the shard's amax is
   ``all_reduce(MAX)``-ed over the group *before* the cast (as torchao's float8 FSDP2 path does),
   so every rank casts with the whole weight's scale. Delayed scaling: the weight's own
-  one-slot state; the cast uses its scale and records this rank's amax; the step's recorded
-  amax is max-reduced over the group once, at the next forward all-gather before the scale
-  update (or for every weight in one collective by :func:`precompute_fp8_scales`), so every
-  rank's history, hence scale, is the same.
+  one-slot state; the cast uses its scale and records this rank's amax; the recorded amaxes
+  are max-reduced over the group once per forward all-gather (a step's, or each micro-batch's),
+  before its scale update (or for every weight in one collective by
+  :func:`precompute_fp8_scales`), so every rank's history, hence scale, is the same.
 - ``fsdp_post_all_gather`` wraps the gathered bytes and rank 0's ``scale_inv`` (views of FSDP's
   all-gather output, no copy) in a ``Float8Tensor``: the unsharded parameter the Linear sees is
   FP8, and ``BasicLinear`` uses a stored per-tensor FP8 weight as its GEMM operand as it is (no
@@ -104,6 +105,21 @@ def _shard_mesh(mesh: Any) -> Any:
     (HSDP: ``(replicate, shard)``, as FSDP2 names it). The FP8 scales are agreed over it; the
     replicas hold the same shards, so the same amaxes."""
     return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
+
+
+def _delayed_on(spec: _GatherSpec, device: torch.device) -> RecipeState:
+    """``spec``'s delayed-scaling state on ``device``: moved there, or built anew (zero history,
+    scale 1) when it lives on ``meta`` (a model built on meta and materialised with
+    ``to_empty``: a meta state holds no values)."""
+    state = spec.delayed
+    assert state is not None
+    if state.device.type == "meta":
+        state = spec.delayed = RecipeState.create(
+            state.recipe, mode="forward", num_quantizers=1, roles=state.roles, device=device
+        )
+    elif state.device != device:
+        state.to(device)
+    return state
 
 
 def _in_backward() -> bool:
@@ -230,9 +246,7 @@ class Float8AllGatherWeight(torch.Tensor):
                 scale, _ = K.compute_scale(amax, spec.fp8_dtype, spec.margin)
             data, _, scale_inv, _ = K.quantize_fp8(x, scale, spec.fp8_dtype, True, False)
         else:
-            state = spec.delayed
-            if state.device != x.device:
-                state.to(x.device)
+            state = _delayed_on(spec, x.device)
             if not _in_backward():
                 # A new forward pass: the scale from the amaxes recorded so far (each step's
                 # forward casts with the previous steps' history); the backward re-gather of a
@@ -322,9 +336,9 @@ def _reduce_amax_slots(states: list[Any], group: Any) -> None:
 def precompute_fp8_scales(module: torch.nn.Module) -> int:
     """The FP8 all-gather scales of every :func:`fully_shard_fp8` weight inside ``module``,
     agreed with **one** ``all_reduce(MAX)`` per process group and recipe kind instead of one per
-    weight and step (delayed scaling) or per weight and all-gather (current scaling: forward,
-    and backward when resharded); returns how many weights got one. Call it on every rank after
-    each optimizer step (and before the first forward), as torchao's
+    weight and forward all-gather (delayed scaling) or per weight and all-gather (current
+    scaling: forward, and backward when resharded); returns how many weights got one. Call it
+    on every rank after each optimizer step (and before the first forward), as torchao's
     ``precompute_float8_dynamic_scale_for_fsdp``.
 
     Current scaling: each scale is the one ``fsdp_pre_all_gather`` would agree on (the max over
@@ -334,7 +348,9 @@ def precompute_fp8_scales(module: torch.nn.Module) -> int:
     gather). Delayed scaling: the amaxes the step's gathers recorded are max-reduced (what the
     next forward gather would do, the same bits) and that gather skips its own reduction;
     without a call, or after a gather recorded since, it reduces itself (correct, one
-    collective per weight and step)."""
+    collective per weight and forward gather). Call it before ``state_dict()`` too: a delayed
+    weight's last amaxes are saved only once agreed (else as zeros, see
+    ``_master_state_dict``)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -355,8 +371,7 @@ def precompute_fp8_scales(module: torch.nn.Module) -> int:
         key = (_shard_mesh(p.device_mesh).get_group(), x.device)
         spec = local._spec
         if spec.delayed is not None:
-            if spec.delayed.device != x.device:
-                spec.delayed.to(x.device)
+            _delayed_on(spec, x.device)
             delayed.setdefault(key, []).append(spec)
             continue
         groups.setdefault(key, []).append((p, local, K.compute_amax(x.contiguous())))
@@ -468,9 +483,26 @@ def fully_shard_fp8(
                 "torch.distributed.init_process_group() first"
             )
         world = int(dist.get_world_size())
+    shard_ranks = (
+        set(dist.get_process_group_ranks(_shard_mesh(mesh).get_group()))
+        if mesh is not None
+        else None
+    )
     targets: list[tuple[torch.nn.Module, str, QuantizerRole, str]] = []
     for path, m in module.named_modules():
         at = top + (f".{path}" if path else "")
+        tp = getattr(m, "tp", None)
+        if tp is not None and int(getattr(tp, "size", 1) or 1) > 1:
+            # Each tp rank holds a different local weight: it may be sharded only over ranks
+            # that hold the same one (the data-parallel mesh), never over its tp peers.
+            peers = set(dist.get_process_group_ranks(tp.group))
+            if shard_ranks is None or len(peers & shard_ranks) > 1:
+                raise ValueError(
+                    f"{fn}: {at} is tensor-parallel (tp_size {tp.size}); shard it over the "
+                    "data-parallel mesh only (mesh=mesh['dp'] of a (dp, tp) mesh), not over "
+                    f"its tensor-parallel peers (ranks {sorted(peers)})"
+                    + ("; 'mesh' is required" if shard_ranks is None else "")
+                )
         for name, role in _gathered_weights(m):
             w = m._parameters.get(name)
             where = f"{at}.{name}" + (f" ({role.name})" if role.name else "")
@@ -489,7 +521,8 @@ def fully_shard_fp8(
             if w.shape[0] % world:
                 raise ValueError(
                     f"{fn}: {where} has {w.shape[0]} rows (out_features), not divisible by the "
-                    f"{world} ranks of the mesh; the FP8 all-gather needs an even shard per rank"
+                    f"{world} ranks it is sharded over; the FP8 all-gather needs an even shard per "
+                    "rank"
                 )
             targets.append((m, name, role, where))
     if not targets:
@@ -534,8 +567,16 @@ def _master_state_dict(
         local = v.to_local()
         if not isinstance(local, Float8AllGatherWeight):
             continue
-        if local._spec.delayed is not None:
-            for field, t in recipe_state_to_dict(local._spec.delayed).items():
+        spec = local._spec
+        if spec.delayed is not None:
+            fields = recipe_state_to_dict(spec.delayed)
+            if not spec.agreed:
+                # The current slot holds this rank's amaxes of the last step, not yet reduced
+                # over the group (the next forward gather would): saved as zeros, so every
+                # rank saves the same state (a checkpoint keeps one rank's copy). Calling
+                # precompute_fp8_scales before saving reduces them: then they are kept.
+                fields["amax_history"][0].zero_()
+            for field, t in fields.items():
                 gather_state[f"{GATHER_KEY}.{name}.{field}"] = t
         if not isinstance(v, torch.nn.Parameter):
             state_dict[key] = DTensor.from_local(
@@ -567,5 +608,5 @@ def _load_gather_state(
         head = f"{GATHER_KEY}.{name}."
         fields = {k[len(head) :]: v for k, v in extra.items() if str(k).startswith(head)}
         if fields:
-            load_recipe_state(local._spec.delayed, fields)
+            load_recipe_state(_delayed_on(local._spec, local.master.device), fields)
             local._spec.agreed = False

@@ -117,6 +117,10 @@ class BasicOperation(torch.nn.Module):
     num_extra_inputs: ClassVar[int] = 0
     num_extra_outputs: ClassVar[int] = 0
     call_kwargs: ClassVar[tuple[str, ...]] = ()
+    #: Whether the op computes with its input (so it must be float32, float16 or bfloat16:
+    #: ``Sequential`` checks it when a plan is built); False for ops that only move or reshape
+    #: it, which take any dtype.
+    computes: ClassVar[bool] = True
     # Scope of the op's quantizer roles (e.g. "linear"); modules may re-scope.
     role_scope: ClassVar[str] = ""
 

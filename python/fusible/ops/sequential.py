@@ -520,7 +520,7 @@ class Sequential(OwnForwardModule):
                 key = self._eager_key(index, rkey, x, extra, run_params, run)
                 found = self._plans.get(key)
                 if found is None:  # a new key: its dtypes are checked once, here
-                    self._check_dtypes(x, extra, run, run_params)
+                    self._check_dtypes(x, run, run_params)
                     found = self._plan(key, recipe)
                 plan = found
             calls = fuser.call_args(plan, call_kwargs) if plan.call_ops else None
@@ -538,23 +538,22 @@ class Sequential(OwnForwardModule):
             self.__dict__["_last_run"] = (recipe, x.dtype, x.device)
         return (x, *extra_outputs) if extra_outputs else x
 
-    def _check_dtypes(
-        self, x: torch.Tensor, extra: Any, run: list[Any], params: list[torch.Tensor]
-    ) -> None:
-        """The input, extra inputs and parameters a run's kernels get are float32, float16 or
-        bfloat16 (else the first kernel would refuse them, naming itself, not the module). A run
-        with an op defined outside fusible is not checked: a user's op may take token ids or
-        masks."""
+    def _check_dtypes(self, x: torch.Tensor, run: list[Any], params: list[torch.Tensor]) -> None:
+        """The input and parameters a run's kernels compute with are float32, float16 or
+        bfloat16 (else the first kernel would refuse them, naming itself, not the module). Not
+        checked: a run with an op defined outside fusible (a user's op may take token ids or
+        masks), the input of a run of ops that only move it (``Identity``, ``Reshape``, ...:
+        ``BasicOperation.computes``), and extra inputs (``AddExtraInput`` casts its own; their
+        dtypes are not in the plan key)."""
         if any(not type(op).__module__.startswith("fusible.") for op in run):
             return
         allowed = "fusible computes in float32, float16 or bfloat16"
         name = type(self).__name__
-        for what, t in (("the input", x), *((f"extra input {i}", e) for i, e in enumerate(extra))):
-            if t.dtype not in HIGH_PRECISION_DTYPES:
-                raise TypeError(
-                    f"{name}.forward: {what} has dtype {t.dtype}; {allowed} (cast it, e.g. "
-                    f"x.float() or x.to(torch.bfloat16))"
-                )
+        if x.dtype not in HIGH_PRECISION_DTYPES and any(op.computes for op in run):
+            raise TypeError(
+                f"{name}.forward: the input has dtype {x.dtype}; {allowed} (cast it, e.g. "
+                f"x.float() or x.to(torch.bfloat16))"
+            )
         for p in params:
             if p.dtype not in HIGH_PRECISION_DTYPES:
                 names = {id(v): f"{k}" for k, v in self.named_parameters()}

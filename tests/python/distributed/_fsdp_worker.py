@@ -321,25 +321,39 @@ def all_gather_bytes() -> None:
 @case("delayed_state_checkpoint")
 def delayed_state_checkpoint() -> None:
     """The delayed-scaling gather state is in the state dict (each converted op's extra state,
-    ``gather.<weight>.*``): a model loaded from a trained one's state dict holds the same
-    histories and scales and its next step equals the trained model's bit for bit (it would
-    cast with scale 1 otherwise); a plain fully_shard model loads the same state dict strictly
-    (the gather keys are skipped)."""
+    ``gather.<weight>.*``), the same on every rank (a checkpoint keeps one rank's copy): the
+    last step's amaxes, not yet reduced over the group, are saved as zeros; after
+    ``precompute_fp8_scales`` (agreed) as they are, and a model loaded from that state dict
+    holds the same histories and scales and its next step equals the trained model's bit for
+    bit (it would cast with scale 1 otherwise). A model built on meta and materialised loads it
+    too; a plain fully_shard model loads the same state dict strictly (the gather keys are
+    skipped)."""
+    from fusible.distributed import precompute_fp8_scales
+
     rec = R.DelayedScaling()
 
-    def build(fp8: bool) -> torch.nn.Module:
+    def build(fp8: bool, device: str = "cpu") -> torch.nn.Module:
         torch.manual_seed(0)
-        inner = MAKERS["lnmlp"]()
+        with torch.device(device):
+            inner = MAKERS["lnmlp"]()
         model = torch.nn.Sequential(inner)
         if fp8:
             fully_shard_fp8(inner, recipe=rec, mesh=mesh())
         else:
             fully_shard(inner, mesh=mesh())
         fully_shard(model, mesh=mesh())
+        if device == "meta":
+            model.to_empty(device=base.DEVICE)
         return model
 
     def specs(m: torch.nn.Module) -> list[Any]:
         return [g.value.to_local()._spec for g in gathered(m)]
+
+    def same_on_every_rank(what: str, t: torch.Tensor) -> None:
+        got = [torch.empty_like(t) for _ in range(base.WORLD)]
+        dist.all_gather(got, t.contiguous())
+        for r, g in enumerate(got):
+            exact(f"{what} (rank {r} against rank 0)", g, got[0])
 
     trained = build(True)
     opt = torch.optim.SGD(trained.parameters(), lr=LR)
@@ -347,16 +361,26 @@ def delayed_state_checkpoint() -> None:
         step(trained, rand(S, H, seed=100 + k + base.RANK), rand(S, H, seed=110 + k), rec)
         opt.step()
         opt.zero_grad()
+    pending = trained.state_dict()  # the last step's amaxes not agreed yet
+    for key in ("0.fc1._extra_state", "0.fc2._extra_state"):
+        hist = pending[key]["gather.weight.amax_history"]
+        if hist[0].any() or not hist[1:].any():
+            raise AssertionError(f"{key}: pending slot {hist[0]}, history {hist[1:]}")
+        same_on_every_rank(f"{key} saved history", hist)
+    precompute_fp8_scales(trained)
     sd = trained.state_dict()
     with_gather = [k for k, v in sd.items() if k.endswith("_extra_state")
                    and {"gather.weight.amax_history", "gather.weight.scale"} <= set(v)]  # fmt: skip
     if with_gather != ["0.fc1._extra_state", "0.fc2._extra_state"]:
         raise AssertionError(f"gather state in {with_gather}; keys {sorted(sd)}")
-    loaded = build(True)
-    loaded.load_state_dict(sd)
-    for a, b in zip(specs(trained), specs(loaded), strict=True):
-        exact("loaded amax history", b.delayed.amax_history, a.delayed.amax_history)
-        exact("loaded scale", b.delayed.scale, a.delayed.scale)
+    for key in with_gather:
+        same_on_every_rank(f"{key} agreed history", sd[key]["gather.weight.amax_history"])
+    for device in ("cpu", "meta"):
+        loaded = build(True, device)
+        loaded.load_state_dict(sd)
+        for a, b in zip(specs(trained), specs(loaded), strict=True):
+            exact(f"loaded amax history ({device})", b.delayed.amax_history, a.delayed.amax_history)
+            exact(f"loaded scale ({device})", b.delayed.scale, a.delayed.scale)
     x, dy = rand(S, H, seed=120 + base.RANK), rand(S, H, seed=121)
     base.same_step("step after loading", loaded, trained, x, dy, rec)
     build(False).load_state_dict(sd)  # strict: the gather keys are not the op's
@@ -436,6 +460,11 @@ def plain_fully_shard_unchanged() -> None:
 @case("bad_input")
 def bad_input() -> None:
     raises = base._raises
+    # A tensor-parallel module over its tp peers (here the whole world) or without a mesh.
+    tp = fusible.Linear(H, F, tp_group=dist.group.WORLD, parallel_mode="column")
+    raises(lambda: fully_shard_fp8(tp, mesh=mesh()), "fully_shard_fp8", "tensor-parallel",
+           "tensor-parallel peers")  # fmt: skip
+    raises(lambda: fully_shard_fp8(tp), "tensor-parallel", "'mesh' is required")
     raises(lambda: fully_shard_fp8("model"), "fully_shard_fp8", "'module'")  # type: ignore[arg-type]
     raises(lambda: fully_shard_fp8(fusible.Linear(H, F), recipe=R.MXFP8BlockScaling(), mesh=mesh()),
            "fully_shard_fp8 (Linear)", "'recipe'", "MXFP8BlockScaling")  # fmt: skip

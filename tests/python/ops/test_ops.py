@@ -306,10 +306,13 @@ def test_wrong_dtype_raises():
     with pytest.raises(TypeError, match=r"parameter '1.weight' has dtype torch.float64.*"
                        r"model.float\(\)"):  # fmt: skip
         m(torch.randn(3, 8))
-    with pytest.raises(TypeError, match=r"extra input 0 has dtype torch.int64"):
-        ops.Sequential(ops.Linear(8, 8), ops.AddExtraInput())(
-            torch.randn(3, 8), torch.ones(3, 8, dtype=torch.int64)
-        )
+    # Not refused: ops that only move their input, and AddExtraInput's own cast of its extra.
+    ids = torch.arange(6).reshape(2, 3)
+    assert torch.equal(ops.Sequential(ops.Identity(), ops.Reshape((3, 2)))(ids), ids.reshape(3, 2))
+    r = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    y = ops.Sequential(ops.Linear(8, 8), ops.AddExtraInput())(torch.randn(3, 8), r)
+    y.sum().backward()
+    assert y.dtype == torch.float32 and r.grad.dtype == torch.float64
 
 
 def test_mxfp8_non_divisible_raises():

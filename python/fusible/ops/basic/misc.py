@@ -23,6 +23,8 @@ __all__ = [
 
 
 class Identity(BasicOperation):
+    computes = False
+
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
         return x, []
 
@@ -65,6 +67,8 @@ class Quantize(BasicOperation):
 
 class Reshape(BasicOperation):
     """``x.reshape(shape)``; -1 allowed."""
+
+    computes = False
 
     def __init__(self, shape: Sequence[int], *, name: str | None = None) -> None:
         super().__init__(name=name)
@@ -162,6 +166,7 @@ class MakeExtraOutput(BasicOperation):
     stream) and passes it on; backward adds the branch's gradient."""
 
     num_extra_outputs = 1
+    computes = False
 
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
         x = C.dequantize(x)
