@@ -107,6 +107,17 @@ def _shard_mesh(mesh: Any) -> Any:
     return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
 
 
+def _gathered_local(v: Any) -> Float8AllGatherWeight | None:
+    """The ``Float8AllGatherWeight`` shard behind a sharded (``DTensor``) parameter or state-dict
+    value, or None for anything else."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(v, DTensor):
+        return None
+    local = v.to_local()
+    return local if isinstance(local, Float8AllGatherWeight) else None
+
+
 def _delayed_on(spec: _GatherSpec, device: torch.device) -> RecipeState:
     """``spec``'s delayed-scaling state on ``device``: moved there, or built anew (zero history,
     scale 1) when it lives on ``meta`` (a model built on meta and materialised with
@@ -361,12 +372,11 @@ def precompute_fp8_scales(module: torch.nn.Module) -> int:
         )
     groups: dict[Any, list[tuple[DTensor, Float8AllGatherWeight, torch.Tensor]]] = {}
     delayed: dict[Any, list[_GatherSpec]] = {}
-    for p in module.parameters():
-        if not isinstance(p, DTensor):
+    for param in module.parameters():
+        local = _gathered_local(param)
+        if local is None:
             continue
-        local = p.to_local()
-        if not isinstance(local, Float8AllGatherWeight):
-            continue
+        p: Any = param  # a DTensor (_gathered_local checked it)
         x = local.master
         key = (_shard_mesh(p.device_mesh).get_group(), x.device)
         spec = local._spec
@@ -386,12 +396,12 @@ def precompute_fp8_scales(module: torch.nn.Module) -> int:
         amaxes = torch.cat([a for _, _, a in items])
         if dist.get_world_size(group) > 1:
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
-        for i, (param, local, _) in enumerate(items):
+        for i, (dt, local, _) in enumerate(items):
             spec = local._spec
             scale, _ = K.compute_scale(amaxes[i : i + 1], spec.fp8_dtype, spec.margin)
-            valid = _shard_key(param, local.master)
+            valid = _shard_key(dt, local.master)
             assert valid is not None
-            spec.precomputed = (scale, weakref.ref(param), valid)
+            spec.precomputed = (scale, weakref.ref(dt), valid)
             count += 1
     return count
 
@@ -561,11 +571,9 @@ def _master_state_dict(
     gather_state: dict[str, torch.Tensor] = {}
     for name, _ in _gathered_weights(module):
         key = prefix + name
-        v = state_dict.get(key)
-        if not isinstance(v, DTensor):
-            continue
-        local = v.to_local()
-        if not isinstance(local, Float8AllGatherWeight):
+        v: Any = state_dict.get(key)
+        local = _gathered_local(v)
+        if local is None:
             continue
         spec = local._spec
         if spec.delayed is not None:
@@ -601,9 +609,8 @@ def _load_gather_state(
     if not isinstance(extra, dict):
         return
     for name, _ in _gathered_weights(module):
-        param: Any = getattr(module, name, None)
-        local = param.to_local() if hasattr(param, "to_local") else param
-        if not isinstance(local, Float8AllGatherWeight) or local._spec.delayed is None:
+        local = _gathered_local(getattr(module, name, None))
+        if local is None or local._spec.delayed is None:
             continue
         head = f"{GATHER_KEY}.{name}."
         fields = {k[len(head) :]: v for k, v in extra.items() if str(k).startswith(head)}
