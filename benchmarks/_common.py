@@ -76,6 +76,13 @@ def fusible_block(
         )
 
 
+def round_ratios(times: list[float], base: list[float]) -> tuple[float, str]:
+    """Rows timed in interleaved rounds: the median of the rounds' ratios ``times / base`` and
+    their spread as ``"min-max"`` (3 decimals)."""
+    ratios = [t / b for t, b in zip(times, base, strict=True)]
+    return statistics.median(ratios), f"{min(ratios):.3f}-{max(ratios):.3f}"
+
+
 def time_ms(fn: Callable[[], Any], warmup: int = 5, iters: int = 30) -> float:
     """Median time of one ``fn`` call in milliseconds.
 

@@ -61,7 +61,15 @@ from typing import Any
 import torch
 
 import fusible
-from _common import all_recipes, environment, error_cell, print_table, time_ms, write_json
+from _common import (
+    all_recipes,
+    environment,
+    error_cell,
+    print_table,
+    round_ratios,
+    time_ms,
+    write_json,
+)
 from fusible import _kernels as K
 from fusible import ops
 from fusible.quantization import QuantizedTensor
@@ -332,10 +340,9 @@ def interleaved_rounds(
             times[name].append(time_ms(fn, warmup=2, iters=iters))
     rows = []
     for name, ts in times.items():
-        ratios = [t / b for t, b in zip(ts, times[ref], strict=True)]
-        rows.append({"variant": name, "ms": statistics.median(ts),
-                     "time_vs_bf16_loop": statistics.median(ratios),
-                     "ratio_spread": f"{min(ratios):.3f}-{max(ratios):.3f}"})  # fmt: skip
+        ratio, spread = round_ratios(ts, times[ref])
+        rows.append({"variant": name, "ms": statistics.median(ts), "time_vs_bf16_loop": ratio,
+                     "ratio_spread": spread})  # fmt: skip
     return rows
 
 

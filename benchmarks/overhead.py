@@ -64,6 +64,7 @@ from _common import (
     error_cell,
     fusible_block,
     print_table,
+    round_ratios,
     write_json,
 )
 
@@ -290,9 +291,7 @@ def host_table(device: str, modes: list[str], iters: int, rounds: int = 5) -> li
         r["host_us_per_step"] = statistics.median(times[i])
         base = times[ref[r["tokens"]]] if r["tokens"] in ref else []
         if base:
-            ratios = [t / b for t, b in zip(times[i], base, strict=True)]
-            r["vs_torch_eager"] = statistics.median(ratios)
-            r["ratio_spread"] = f"{min(ratios):.3f}-{max(ratios):.3f}"
+            r["vs_torch_eager"], r["ratio_spread"] = round_ratios(times[i], base)
     return rows
 
 

@@ -125,9 +125,8 @@ def _delayed_on(spec: _GatherSpec, device: torch.device) -> RecipeState:
     state = spec.delayed
     assert state is not None
     if state.device.type == "meta":
-        state = spec.delayed = RecipeState.create(
-            state.recipe, mode="forward", num_quantizers=1, roles=state.roles, device=device
-        )
+        assert state.roles is not None  # made by _one_slot_state, with its role
+        state = spec.delayed = _one_slot_state(state.recipe, state.roles[0], device)
     elif state.device != device:
         state.to(device)
     return state
@@ -420,9 +419,13 @@ def _recipe_spec(recipe: Any, where: str, role: QuantizerRole, device: torch.dev
     dtype = recipe.fp8_format.dtype("forward")
     if isinstance(recipe, Float8CurrentScaling):
         return _GatherSpec(where, dtype, recipe.margin)
-    state = RecipeState.create(recipe, mode="forward", num_quantizers=1, roles=[role],
-                               device=device)  # fmt: skip
-    return _GatherSpec(where, dtype, recipe.margin, delayed=state)
+    return _GatherSpec(where, dtype, recipe.margin, delayed=_one_slot_state(recipe, role, device))
+
+
+def _one_slot_state(recipe: Any, role: QuantizerRole, device: torch.device) -> RecipeState:
+    """A weight's own delayed-scaling state for its all-gather: one quantizer, ``role``."""
+    return RecipeState.create(recipe, mode="forward", num_quantizers=1, roles=[role],
+                              device=device)  # fmt: skip
 
 
 def fully_shard_fp8(
