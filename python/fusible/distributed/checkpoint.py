@@ -15,7 +15,13 @@ the *full* state dict (the one the single-process module of the same sizes has) 
 
 FSDP2 (``fully_shard``) parameters are ``DTensor``s, which ``torch.distributed.checkpoint``
 reshards itself; :func:`init_recipe_state` gives a fresh module the recipe-state entries for DCP
-to fill.
+to fill. A tensor-parallel module that is also ``fully_shard``-ed over a data-parallel mesh
+(2-D: a ``DTensor`` of the TP-local shape) goes through these functions too: the full state dict
+first gathers each ``DTensor`` (``full_tensor()``, over its mesh) and then the TP shards; a load
+cuts this rank's TP shard and then its ``DTensor`` shard (``distribute_tensor`` with the
+parameter's own mesh and placements, from the full tensor every rank holds: no communication).
+DCP cannot save such a model itself: every tp rank's ``DTensor`` has the same name and global
+shape but other values.
 
 Recipe state (``_extra_state``: delayed scaling's ``amax_history`` and ``scale``) is one per
 Linear on every rank. Gathered, the amax histories are max-reduced element by element and the
@@ -97,9 +103,30 @@ def _check_plain(key: str, v: Any, what: str) -> None:
 
     if isinstance(v, DTensor):
         raise TypeError(
-            f"{what}: {key!r} is a DTensor (an FSDP2 / DTensor-sharded parameter): save and load "
-            "it with torch.distributed.checkpoint, which reshards DTensors itself"
+            f"{what}: {key!r} is a DTensor; a full state dict holds plain tensors (make it with "
+            "tp_full_state_dict, which gathers FSDP2's DTensors, or load a DTensor checkpoint "
+            "with torch.distributed.checkpoint)"
         )
+
+
+def _full(v: Any) -> Any:
+    """A ``DTensor`` (an FSDP2 parameter, here of its TP-local shape) as the plain tensor it
+    shards (collective over its mesh); anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return v.full_tensor() if isinstance(v, DTensor) else v
+
+
+def _like(v: Any, want: Any) -> Any:
+    """``v`` (a plain tensor of ``want``'s global shape) sharded as ``want`` is when that is a
+    ``DTensor``: each rank keeps its own shard of the tensor every rank holds (no
+    communication); else ``v`` as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(want, DTensor) or not isinstance(v, torch.Tensor):
+        return v
+    v = v.to(device=want.device)
+    return distribute_tensor(v, want.device_mesh, want.placements, src_data_rank=None)
 
 
 def _gather(t: torch.Tensor, s: _Split) -> list[torch.Tensor]:
@@ -148,15 +175,16 @@ def tp_full_state_dict(module: torch.nn.Module) -> dict[str, Any]:
     same order). Sharded weights and biases are all-gathered and concatenated in rank order
     (column-parallel: along the rows, a gated fc1 half by half; row-parallel: along the
     columns); replicated entries (norms, a row-parallel bias, anything outside a
-    tensor-parallel module) are this rank's. Recipe states: see the module docstring.
-    Raises ``TypeError`` for DTensor entries (FSDP2: use ``torch.distributed.checkpoint``) and
-    ``NotImplementedError`` for other tensor-parallel modules (``TransformerLayer``'s attention,
-    ``GroupedLinear``) and quantized weights."""
+    tensor-parallel module) are this rank's. ``DTensor`` entries (``fully_shard``, also of a
+    tensor-parallel module: 2-D) are gathered over their mesh first (``full_tensor()``: every
+    rank of that mesh takes part). Recipe states: see the module docstring. Raises
+    ``NotImplementedError`` for other tensor-parallel modules (``TransformerLayer``'s
+    attention, ``GroupedLinear``) and quantized weights."""
     what = "tp_full_state_dict"
     specs = _specs(module, what)
     out: dict[str, Any] = {}
     for key, v in module.state_dict().items():
-        _check_plain(key, v, what)
+        v = _full(v)
         s = specs.get(key)
         if s is None:
             out[key] = v.detach().clone() if isinstance(v, torch.Tensor) else v
@@ -173,20 +201,24 @@ def tp_full_state_dict(module: torch.nn.Module) -> dict[str, Any]:
 
 def tp_shard_state_dict(module: torch.nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """This rank's local state dict of ``module`` cut from the full ``state_dict`` (as
-    :func:`tp_full_state_dict` returns, or the single-process module's ``state_dict()``). No
+    :func:`tp_full_state_dict` returns, or the single-process module's ``state_dict()``): its TP
+    shard of each tensor-parallel entry, and where ``module`` holds a ``DTensor`` (FSDP2, 2-D
+    included) this rank's shard of that as a ``DTensor`` of the same mesh and placements. No
     communication. Raises ``ValueError`` naming the key when a sharded entry's full size is not
-    the module's ``tp_size`` times its local size."""
+    the module's ``tp_size`` times its local size, ``TypeError`` for a ``DTensor`` in
+    ``state_dict``."""
     what = "tp_shard_state_dict"
     specs = _specs(module, what)
     local = module.state_dict()
     out: dict[str, Any] = {}
     for key, v in state_dict.items():
+        if isinstance(v, torch.Tensor):
+            _check_plain(key, v, what)
         s = specs.get(key)
-        if s is None or s.extra or s.dim is None or not isinstance(v, torch.Tensor):
-            out[key] = v
-            continue
-        _check_plain(key, v, what)
         want = local.get(key)
+        if s is None or s.extra or s.dim is None or not isinstance(v, torch.Tensor):
+            out[key] = _like(v, want)
+            continue
         if want is not None and (
             v.dim() != want.dim() or v.shape[s.dim] != want.shape[s.dim] * s.size
         ):
@@ -201,7 +233,7 @@ def tp_shard_state_dict(module: torch.nn.Module, state_dict: Mapping[str, Any]) 
                 f"{what}: {key!r} ({tuple(v.shape)}) does not split into {s.halves} x "
                 f"{s.size} blocks along dim {s.dim}"
             )
-        out[key] = torch.cat([h.chunk(s.size, s.dim)[s.rank] for h in halves], s.dim)
+        out[key] = _like(torch.cat([h.chunk(s.size, s.dim)[s.rank] for h in halves], s.dim), want)
     return out
 
 

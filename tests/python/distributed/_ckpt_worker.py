@@ -189,19 +189,24 @@ def tp_bad_shapes() -> None:
             raise AssertionError(f"unclear message: {e}") from e
     else:
         raise AssertionError("no error for a full weight of the wrong size")
-    # FSDP2 parameters (DTensors) are refused: DCP reshards them.
+    # FSDP2 parameters (DTensors): the full state dict gathers them (each equal to its
+    # full_tensor()); a DTensor in a full state dict is refused, naming the key.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     m = fusible.Linear(H, F)
     fully_shard(m, mesh=init_device_mesh("cpu", (WORLD,)))
+    got = tp_full_state_dict(m)
+    for k, v in m.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            exact(f"FSDP2 full state dict {k}", got[k], v.full_tensor())
     try:
-        tp_full_state_dict(m)
+        tp_shard_state_dict(m, m.state_dict())
     except TypeError as e:
-        if "torch.distributed.checkpoint" not in str(e):
+        if "'weight' is a DTensor" not in str(e) or "tp_full_state_dict" not in str(e):
             raise AssertionError(f"unclear message: {e}") from e
     else:
-        raise AssertionError("no error for a DTensor state dict")
+        raise AssertionError("no error for a DTensor in a full state dict")
 
 
 # ---- FSDP2: torch.distributed.checkpoint --------------------------------------------------------

@@ -23,7 +23,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import fusible
-from fusible.distributed import Float8AllGatherWeight, fully_shard_fp8
+from fusible import recipe as R
+from fusible.distributed import (
+    Float8AllGatherWeight,
+    fully_shard_fp8,
+    tp_full_state_dict,
+    tp_load_full_state_dict,
+)
 
 S, H, F = base.S, base.H, base.F
 DP = TP = 2
@@ -182,6 +188,113 @@ for _kind in ("column", "row"):
         case(f"compile_{_kind}_{_rec}")(lambda k=_kind, r=_rec: compiled(k, r, False))
     case(f"compile_{_kind}_current_sp")(lambda k=_kind: compiled(k, "current", True))
 case("compile_row_current_sp_eager_first")(lambda: compiled("row", "current", True, True))
+
+
+# ---- 2-D checkpoints: the full state dict (fusible.distributed.checkpoint) --------------------
+_DELAYED = R.DelayedScaling()
+
+
+def _model(tp_group: Any, shard: Callable[[torch.nn.Module], None] | None) -> torch.nn.ModuleDict:
+    """Every kind of ``MAKERS`` (tensor-parallel over ``tp_group``; ``None``: the single-process
+    modules), each passed to ``shard`` (FSDP2) when given."""
+    m = torch.nn.ModuleDict()
+    for kind, make in MAKERS.items():
+        m[kind] = make(tp_group, False) if tp_group is not None else _FULL[kind]()
+        if shard is not None:
+            shard(m[kind])
+    return m
+
+
+_FULL: dict[str, Callable[[], torch.nn.Module]] = {
+    "column": lambda: fusible.Linear(H, F), "row": lambda: fusible.Linear(F, H),
+    "lnlinear": lambda: fusible.LayerNormLinear(H, F), "lnmlp": lambda: fusible.LayerNormMLP(H, F),
+}  # fmt: skip
+
+
+def _same_sd(what: str, got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Two full state dicts: the same keys, every tensor (recipe states included) bit for bit."""
+    if sorted(got) != sorted(want):
+        raise AssertionError(f"{what}: keys {sorted(got)} != {sorted(want)}")
+    for k, v in want.items():
+        if isinstance(v, dict):
+            _same_sd(f"{what} {k}", got[k], v)
+        elif isinstance(v, torch.Tensor):
+            exact(f"{what} {k}", got[k], v)
+
+
+def _forward(m: torch.nn.ModuleDict, kind: str, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), fusible.autocast(recipe=_DELAYED):
+        return m[kind](x)
+
+
+def checkpoint_2d(fp8_gather: bool) -> None:
+    """A 2-D model's checkpoint through the full state dict, across layouts. The single-process
+    model's state dict (after a delayed-scaling step: a recipe state that is not the initial
+    one) loads into the 2-D model (``tp_load_full_state_dict``: TP shard, then this rank's
+    ``DTensor`` shard over ``dp``): its weights are the hand-cut TP shards, its forward equals
+    the single-process model's (the TP rank's features of a column side; 1e-5; not with
+    ``fp8_gather``, whose weights are cast with the gather's scale) and its full state dict
+    (``tp_full_state_dict``: ``full_tensor()`` over ``dp``, then the TP gather) is the loaded
+    one bit for bit. After a step of the 2-D model, its full state dict loads into a 4-rank
+    FSDP2 model, a 4-rank TP model and the single-process model, and each gives it back bit for
+    bit; the FSDP2 and the single-process model compute the same forward (1e-5).
+    ``fp8_gather``: the 2-D model is ``fully_shard_fp8``-ed (its state dict holds the masters,
+    as plain FSDP2's)."""
+    mesh = mesh2d()
+    tp_group = mesh["tp"].get_group()
+    tp_rank = mesh.get_local_rank("tp")
+
+    def shard_dp(mod: torch.nn.Module) -> None:
+        if fp8_gather:
+            fully_shard_fp8(mod, recipe=R.Float8CurrentScaling(), mesh=mesh["dp"])
+        else:
+            fully_shard(mod, mesh=mesh["dp"])
+
+    torch.manual_seed(7)  # the same single-process model on every rank
+    full = _model(None, None)
+    for kind in MAKERS:  # a delayed-scaling step: recipe state to carry
+        d_in = F if kind == "row" else H
+        d_out = H if kind in ("row", "lnmlp") else F
+        base.run(full[kind], rand(S, d_in, seed=300), rand(S, d_out, seed=301), _DELAYED)
+    sd = full.state_dict()
+    m2d = _model(tp_group, shard_dp)
+    tp_load_full_state_dict(m2d, sd)
+    if not any(hasattr(v, "device_mesh") for v in m2d.state_dict().values()):
+        raise AssertionError("the 2-D model holds no DTensor: shows nothing")
+    local = m2d.state_dict()
+    for key, dim in (("column.weight", 0), ("row.weight", 1), ("lnmlp.fc1_weight", 0)):
+        exact(f"2-D {key}: this tp rank's shard", local[key].full_tensor(),
+              sd[key].chunk(TP, dim)[tp_rank])  # fmt: skip
+    _same_sd("2-D round trip", tp_full_state_dict(m2d), sd)
+    for kind in () if fp8_gather else MAKERS:
+        x = rand(S, F if kind == "row" else H, seed=310)
+        y_full = _forward(full, kind, x)
+        x_local = x.chunk(TP, 1)[tp_rank] if kind == "row" else x
+        want = y_full.chunk(TP, 1)[tp_rank] if kind in ("column", "lnlinear") else y_full
+        base.close(f"2-D {kind} forward after the load", _forward(m2d, kind, x_local), want)
+    opt = torch.optim.SGD(m2d.parameters(), lr=LR)
+    for kind in MAKERS:
+        x, dy = batch(kind, False, 320, mesh.get_local_rank("dp"), tp_rank)
+        base.run(m2d[kind], x, dy, _DELAYED, group=dist.group.WORLD)
+    opt.step()
+    saved = tp_full_state_dict(m2d)
+    world = init_device_mesh(base.DEVICE, (DP * TP,))
+    targets = {
+        "4-rank FSDP2": _model(None, lambda mod: fully_shard(mod, mesh=world)),
+        "4-rank TP": _model(dist.group.WORLD, None),
+        "single process": _model(None, None),
+    }
+    outs = {}
+    for what, target in targets.items():
+        tp_load_full_state_dict(target, saved)
+        _same_sd(f"{what} round trip", tp_full_state_dict(target), saved)
+        if what != "4-rank TP":
+            outs[what] = _forward(target, "lnmlp", rand(S, H, seed=330))
+    base.close("FSDP2 vs single-process forward", outs["4-rank FSDP2"], outs["single process"])
+
+
+case("checkpoint_2d")(lambda: checkpoint_2d(False))
+case("checkpoint_2d_fp8gather")(lambda: checkpoint_2d(True))
 
 
 if __name__ == "__main__":

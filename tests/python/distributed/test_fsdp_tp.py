@@ -27,7 +27,8 @@ CASES = [
     ),
     *(f"compile_{k}_{r}" for k in ("column", "row") for r in (*_RECIPES, "current_sp")),
     "compile_row_current_sp_eager_first",
-]
+    "checkpoint_2d", "checkpoint_2d_fp8gather",
+]  # fmt: skip
 # Compiled from its first call, a row-parallel SP Linear under FSDP2 lost the tp all-reduce of
 # its bias gradient while that all-reduce was a parameter hook (re-attached to FSDP2's unsharded
 # parameter only by an eager forward); it is part of the graph now (ops/grad_reduction.py). The
