@@ -18,7 +18,7 @@ from typing import Any
 import _tp_worker as base
 import torch
 import torch.distributed as dist
-from _tp_worker import RECIPES, exact, rand
+from _tp_worker import RECIPES, close, exact, rand
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -48,9 +48,16 @@ MAKERS: dict[str, Callable[[Any, bool], torch.nn.Module]] = {
     "lnlinear": lambda g, sp: fusible.LayerNormLinear(H, F, tp_group=g, parallel_mode="column",
                                                       sequence_parallel=sp),
     "lnmlp": lambda g, sp: fusible.LayerNormMLP(H, F, tp_group=g, sequence_parallel=sp),
+    # sbhd, 4 heads and 2 K/V groups: each tp rank holds 2 heads and 1 group
+    "tlayer": lambda g, sp: fusible.TransformerLayer(H, F, 4, num_gqa_groups=2, tp_group=g,
+                                                     sequence_parallel=sp,
+                                                     attn_input_format="sbhd"),
 }  # fmt: skip
 # (input features, output features) as each rank sees them, before sequence parallelism.
-DIMS = {"column": (H, F // TP), "row": (F // TP, H), "lnlinear": (H, F // TP), "lnmlp": (H, H)}
+DIMS = {"column": (H, F // TP), "row": (F // TP, H), "lnlinear": (H, F // TP), "lnmlp": (H, H),
+        "tlayer": (H, H)}  # fmt: skip
+# Each kind's Linear weights (fully_shard_fp8 converts them all).
+LINEARS = {"column": 1, "row": 1, "lnlinear": 1, "lnmlp": 2, "tlayer": 4}
 
 
 def mesh2d() -> Any:
@@ -69,7 +76,9 @@ def batch(kind: str, sp: bool, seed: int, dp_rank: int, tp_rank: int) -> tuple[A
         tokens = S // TP
         rows = slice(tp_rank * tokens, (tp_rank + 1) * tokens)
         x = x if kind == "row" else x[rows]
-        dy = dy[rows] if kind in ("row", "lnmlp") else dy
+        dy = dy[rows] if kind in ("row", "lnmlp", "tlayer") else dy
+    if kind == "tlayer":  # tokens as (sequence, batch 2): SP splits the sequence
+        x, dy = x.view(-1, 2, H), dy.view(-1, 2, H)
     return x, dy
 
 
@@ -116,7 +125,7 @@ def two_d(kind: str, rec_name: str, sp: bool, fp8_gather: bool = False) -> None:
     if fp8_gather:  # every Linear weight was gathered in FP8
         converted = [n for n, p in m.named_parameters()
                      if isinstance(p.to_local(), Float8AllGatherWeight)]  # fmt: skip
-        if len(converted) != (2 if kind == "lnmlp" else 1):
+        if len(converted) != LINEARS[kind]:
             raise AssertionError(f"{kind}: converted weights {converted}")
 
 
@@ -130,7 +139,9 @@ for _kind in MAKERS:
     case(f"fp8gather_{_kind}_delayed")(lambda k=_kind: two_d(k, "delayed", False, True))
 
 
-def compiled(kind: str, rec_name: str, sp: bool, eager_first: bool = False) -> None:
+def compiled(
+    kind: str, rec_name: str, sp: bool, eager_first: bool = False, backend: str = "aot_eager"
+) -> None:
     """The 2-D module under ``torch.compile(fullgraph=True, backend="aot_eager")`` against the
     same 2-D module run eagerly (the same local weights, the same inputs), two SGD steps:
     outputs, input gradients, every gradient shard and every parameter shard after each step bit
@@ -144,7 +155,11 @@ def compiled(kind: str, rec_name: str, sp: bool, eager_first: bool = False) -> N
     forward, compiled from the first call it was this rank's tokens' share. ``eager_first``: one
     eager forward under ``no_grad`` before compiling (``reshard()`` after it, as a root
     ``fully_shard`` module stays unsharded until its backward), the old workaround, kept as a
-    check that it changes nothing."""
+    check that it changes nothing.
+
+    ``backend="inductor"``: the ATen glue is generated code; bias gradients (fp32 sums that
+    inductor reassociates) within ``_near``'s bound and the parameters re-synchronised after
+    each step, everything else bit for bit (as in _fsdpc_worker.py)."""
     rec = RECIPES[rec_name]
     mesh = mesh2d()
     tp_group = mesh["tp"].get_group()
@@ -159,7 +174,7 @@ def compiled(kind: str, rec_name: str, sp: bool, eager_first: bool = False) -> N
         with torch.no_grad():
             comp(batch(kind, sp, 190, dp_rank, tp_rank)[0])
         comp.reshard()
-    c = torch.compile(comp, fullgraph=True, backend="aot_eager")
+    c = torch.compile(comp, fullgraph=True, backend=backend)
     opts = [torch.optim.SGD(mod.parameters(), lr=LR) for mod in (eager, comp)]
     graphs = [torch._dynamo.utils.counters["stats"]["unique_graphs"]]
     for k in range(2):
@@ -170,12 +185,16 @@ def compiled(kind: str, rec_name: str, sp: bool, eager_first: bool = False) -> N
         exact(f"{tag} output", y_c, y_e)
         exact(f"{tag} dx", dx_c, dx_e)
         for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
-            exact(f"{tag} grad {n}", p.grad.to_local(), q.grad.to_local())
+            check = _near if backend == "inductor" and n.endswith("bias") else exact
+            check(f"{tag} grad {n}", p.grad.to_local(), q.grad.to_local())
         for o in opts:
             o.step()
             o.zero_grad()
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
+            if backend == "inductor":  # the bias gradients differed in the last ulps
+                with torch.no_grad():
+                    p.to_local().copy_(q.to_local())
             exact(f"{tag} {n} after the step", p.to_local(), q.to_local())
     if not graphs[0] < graphs[1] == graphs[2]:
         raise AssertionError(
@@ -183,11 +202,20 @@ def compiled(kind: str, rec_name: str, sp: bool, eager_first: bool = False) -> N
         )
 
 
-for _kind in ("column", "row"):
+for _kind in MAKERS:
     for _rec in RECIPES:
         case(f"compile_{_kind}_{_rec}")(lambda k=_kind, r=_rec: compiled(k, r, False))
     case(f"compile_{_kind}_current_sp")(lambda k=_kind: compiled(k, "current", True))
+    case(f"inductor_{_kind}_current")(lambda k=_kind: compiled(k, "current", False, False,
+                                                                "inductor"))  # fmt: skip
 case("compile_row_current_sp_eager_first")(lambda: compiled("row", "current", True, True))
+
+
+def _near(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Inductor's reassociated fp32 sums (bias gradients; through attention's backward for
+    the QKV bias): within 1e-4 of the larger of 1 and the largest value (a wrong gradient is
+    off by O(1))."""
+    close(what, a, b, 1e-4)
 
 
 # ---- 2-D checkpoints: the full state dict (fusible.distributed.checkpoint) --------------------
@@ -199,6 +227,8 @@ def _model(tp_group: Any, shard: Callable[[torch.nn.Module], None] | None) -> to
     modules), each passed to ``shard`` (FSDP2) when given."""
     m = torch.nn.ModuleDict()
     for kind, make in MAKERS.items():
+        if kind not in _FULL:  # the attention's QKV layout has no full-state-dict mapping yet
+            continue
         m[kind] = make(tp_group, False) if tp_group is not None else _FULL[kind]()
         if shard is not None:
             shard(m[kind])
@@ -252,7 +282,7 @@ def checkpoint_2d(fp8_gather: bool) -> None:
 
     torch.manual_seed(7)  # the same single-process model on every rank
     full = _model(None, None)
-    for kind in MAKERS:  # a delayed-scaling step: recipe state to carry
+    for kind in _FULL:  # a delayed-scaling step: recipe state to carry
         d_in = F if kind == "row" else H
         d_out = H if kind in ("row", "lnmlp") else F
         base.run(full[kind], rand(S, d_in, seed=300), rand(S, d_out, seed=301), _DELAYED)
@@ -266,14 +296,14 @@ def checkpoint_2d(fp8_gather: bool) -> None:
         exact(f"2-D {key}: this tp rank's shard", local[key].full_tensor(),
               sd[key].chunk(TP, dim)[tp_rank])  # fmt: skip
     _same_sd("2-D round trip", tp_full_state_dict(m2d), sd)
-    for kind in () if fp8_gather else MAKERS:
+    for kind in () if fp8_gather else _FULL:
         x = rand(S, F if kind == "row" else H, seed=310)
         y_full = _forward(full, kind, x)
         x_local = x.chunk(TP, 1)[tp_rank] if kind == "row" else x
         want = y_full.chunk(TP, 1)[tp_rank] if kind in ("column", "lnlinear") else y_full
         base.close(f"2-D {kind} forward after the load", _forward(m2d, kind, x_local), want)
     opt = torch.optim.SGD(m2d.parameters(), lr=LR)
-    for kind in MAKERS:
+    for kind in _FULL:
         x, dy = batch(kind, False, 320, mesh.get_local_rank("dp"), tp_rank)
         base.run(m2d[kind], x, dy, _DELAYED, group=dist.group.WORLD)
     opt.step()

@@ -1,11 +1,11 @@
 """FSDP2 + tensor parallelism (2-D): four processes (gloo, CPU) on a (dp=2, tp=2) mesh run
-``_fsdp_tp_worker.py`` once for the module: ``Linear`` (column, row), ``LayerNormLinear`` and
-``LayerNormMLP`` tensor-parallel over ``tp`` and ``fully_shard``-ed over ``dp``, under every
-recipe (and sequence parallelism under current scaling), against the same TP modules without
-FSDP2; and ``Linear`` (column, row) of that 2-D configuration under
-``torch.compile(fullgraph=True, backend="aot_eager")`` against the same configuration run
-eagerly, bit for bit, every recipe (and SP under current scaling). Every process has a
-timeout."""
+``_fsdp_tp_worker.py`` once for the module: ``Linear`` (column, row), ``LayerNormLinear``,
+``LayerNormMLP`` and ``TransformerLayer`` tensor-parallel over ``tp`` and ``fully_shard``-ed
+(or ``fully_shard_fp8``-ed) over ``dp``, under every recipe (and sequence parallelism under
+current scaling), against the same TP modules without FSDP2; each of them in that 2-D
+configuration under ``torch.compile(fullgraph=True)`` (``aot_eager``: every recipe and SP under
+current scaling; inductor: current scaling) against the same configuration run eagerly; and
+2-D checkpoints through the full state dict. Every process has a timeout."""
 
 from __future__ import annotations
 
@@ -14,18 +14,16 @@ from pathlib import Path
 import pytest
 from _launch import check_case, run_workers
 
-TIMEOUT_S = 240
+TIMEOUT_S = 720
 _WORKER = Path(__file__).with_name("_fsdp_tp_worker.py")
 _RECIPES = ("none", "delayed", "current", "mxfp8")
+_KINDS = ("column", "row", "lnlinear", "lnmlp", "tlayer")
 CASES = [
-    *(f"{k}_{r}" for k in ("column", "row", "lnlinear", "lnmlp") for r in _RECIPES),
-    *(f"{k}_current_sp" for k in ("column", "row", "lnlinear", "lnmlp")),
-    *(
-        f"fp8gather_{k}_{r}"
-        for k in ("column", "row", "lnlinear", "lnmlp")
-        for r in ("current", "current_sp", "delayed")
-    ),
-    *(f"compile_{k}_{r}" for k in ("column", "row") for r in (*_RECIPES, "current_sp")),
+    *(f"{k}_{r}" for k in _KINDS for r in _RECIPES),
+    *(f"{k}_current_sp" for k in _KINDS),
+    *(f"fp8gather_{k}_{r}" for k in _KINDS for r in ("current", "current_sp", "delayed")),
+    *(f"compile_{k}_{r}" for k in _KINDS for r in (*_RECIPES, "current_sp")),
+    *(f"inductor_{k}_current" for k in _KINDS),
     "compile_row_current_sp_eager_first",
     "checkpoint_2d", "checkpoint_2d_fp8gather",
 ]  # fmt: skip
