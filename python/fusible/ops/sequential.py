@@ -14,7 +14,7 @@ import torch
 
 from fusible._kernels import HIGH_PRECISION_DTYPES
 from fusible.ops import fuser, registry
-from fusible.ops.basic.linear import _COMPILE_UNSUPPORTED
+from fusible.ops.basic.quantized_weight import check_compile_quantized
 from fusible.ops.grad_reduction import with_grad_reductions
 from fusible.ops.op import ACTIVE_EPOCH, BasicOperation
 from fusible.quantization import autocast as _autocast
@@ -62,8 +62,7 @@ def _traced_activate(seq_uid: str, recipe_key: str | None) -> int:
     seq = _SEQ_BY_UID[seq_uid]
     for m in seq._modules.values():
         if any(isinstance(p, QuantizedTensor) for p in getattr(m, "_parameters", {}).values()):
-            # Checked here, in plain Python: dynamo cannot even wrap such a parameter.
-            raise RuntimeError(_COMPILE_UNSUPPORTED.format(op=type(m).__name__))
+            check_compile_quantized(type(m).__name__)  # in plain Python, before dynamo wraps it
     seq._runs()  # cached here, outside the trace
     seq._activate(recipe_from_key(recipe_key))
     seq._traced_gens = seq._state_gens()

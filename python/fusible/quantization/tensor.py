@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._pytree import tree_map
 
 from fusible._kernels import HIGH_PRECISION_DTYPES
@@ -71,6 +72,13 @@ class QuantizedTensor(torch.Tensor):
         )
         self._qdata = qdata
         self._quantizer = quantizer
+        # The container's tensors as attributes of their own, for __tensor_flatten__ (torch's
+        # traceable-subclass protocol reads its inner tensors by attribute name). They are the
+        # container's tensor objects, which every update writes in place (copy_, load_qdata_).
+        children, _ = pytree.SUPPORTED_NODES[type(qdata)].flatten_fn(qdata)
+        for i, t in enumerate(children):
+            if t is not None:
+                setattr(self, f"_inner{i}", t)
         return self
 
     @staticmethod
@@ -113,6 +121,31 @@ class QuantizedTensor(torch.Tensor):
         have the same layout: container type, copies, shapes, dtypes); returns ``self``."""
         _copy_into(self._qdata, qdata)
         return self
+
+    # ---- torch's traceable wrapper-subclass protocol (torch.compile) ---------------------------
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        """The inner tensors' attribute names, and what rebuilds the tensor around them: the
+        container type and its own context (FP8 dtype, shape, ...), which of its tensors are
+        present, and the nominal dtype. Not the quantizer: dynamo guards on this context by
+        equality, and a traced graph only reads the tensors (a rebuilt one has none: copy_
+        raises)."""
+        children, context = pytree.SUPPORTED_NODES[type(self._qdata)].flatten_fn(self._qdata)
+        present = tuple(i for i, t in enumerate(children) if t is not None)
+        names = [f"_inner{i}" for i in present]
+        ctx = (type(self._qdata), context, present, len(children), self.dtype)
+        return names, ctx
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], ctx: Any, outer_size: Any, outer_stride: Any
+    ) -> QuantizedTensor:
+        data_cls, context, present, n, dtype = ctx
+        children: list[Any] = [None] * n
+        for i in present:
+            children[i] = inner[f"_inner{i}"]
+        qdata = pytree.SUPPORTED_NODES[data_cls].unflatten_fn(children, context)
+        return QuantizedTensor.wrap(qdata, dtype=dtype)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (

@@ -9,19 +9,25 @@ from pathlib import Path
 import pytest
 from _launch import two_rank_suite
 
-TIMEOUT_S = 120
+from fusible.ops.basic.quantized_weight import compile_quantized_supported
+
+TIMEOUT_S = 240
 _WORKER = Path(__file__).with_name("_fsdp_worker.py")
 CASES = [
     *(f"train_{k}_{r}" for k in ("linear", "lnlinear", "lnmlp", "tlayer", "grouped")
       for r in ("current", "delayed")),
     "train_lnmlp_delayed_no_reshard", "grouped_shared_weight",
     "delayed_state_checkpoint", "all_gather_bytes", "mixed_group",
-    "plain_fully_shard_unchanged", "bad_input", "compile", "precompute_scales",
+    "plain_fully_shard_unchanged", "bad_input", "precompute_scales",
     "precompute_scales_delayed",
+    *(f"compile_{k}_{r}" for k in ("linear", "lnmlp", "tlayer") for r in ("current", "delayed")),
+    "compile_lnmlp_current_inductor",
 ]  # fmt: skip
-
-
-results, test_case = two_rank_suite(_WORKER, CASES, TIMEOUT_S, "FSDP", "fsdp")
+# torch.compile reads the gathered FP8 weights through QuantizedTensor's traceable-subclass
+# protocol, tested on torch >= 2.13; older releases raise a clear error (test_quantized_weights).
+_OLD = "torch.compile with FP8 weights is tested on torch >= 2.13"
+_SKIP = {} if compile_quantized_supported() else {c: _OLD for c in CASES if "compile" in c}
+results, test_case = two_rank_suite(_WORKER, CASES, TIMEOUT_S, "FSDP", "fsdp", skip=_SKIP)
 
 
 def test_fully_shard_fp8_needs_a_module() -> None:

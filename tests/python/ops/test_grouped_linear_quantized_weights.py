@@ -19,6 +19,7 @@ from fusible import _kernels as K
 from fusible import ops, recipe
 from fusible.ops.basic import GroupedLinear
 from fusible.ops.basic import grouped_linear as GL
+from fusible.ops.basic.quantized_weight import compile_quantized_supported
 from fusible.optim import MasterWeightOptimizer
 from fusible.quantization import (
     Float8BlockTensor,
@@ -462,19 +463,35 @@ def test_explain_names_the_stored_weights():
     assert "dequantize(stored Float8Tensor weights: another format is active)" in text
 
 
-def test_compile_raises_a_clear_error():
-    model = _mlp(QRECIPES["current"])
-    x, _ = _data(SPLITS, "cpu", BF16)
-    compiled = torch.compile(model, fullgraph=True)
-    with pytest.raises(Exception) as info:
-        with fusible.autocast(recipe=QRECIPES["current"]):
-            compiled(x, m_splits=list(SPLITS))
-    chain, e = [], info.value
-    while e is not None:
-        chain.append(str(e))
-        e = e.__cause__ or e.__context__
-    assert any("GroupedLinear: torch.compile does not support quantized weights" in m
-               for m in chain)  # fmt: skip
+@pytest.mark.skipif(
+    not compile_quantized_supported(),
+    reason="torch.compile with quantized weights is tested on torch >= 2.13",
+)
+@pytest.mark.parametrize(
+    ("recipe_name", "train"), [("current", "current"), ("current", "delayed"), ("mxfp8", "mxfp8")]
+)
+def test_compiled_training_equals_eager(recipe_name, train):
+    """``torch.compile(fullgraph=True, backend="aot_eager")`` of the expert MLP with stored
+    weights, three steps with ``MasterWeightOptimizer`` (in-place re-quantization between
+    steps) against eager: outputs, gradients and every stored weight bit for bit; one graph."""
+    rec = recipe.DelayedScaling() if train == "delayed" else QRECIPES[train]
+    eager, twin = _mlp(QRECIPES[recipe_name]), _mlp(QRECIPES[recipe_name])
+    opts = [MasterWeightOptimizer(torch.optim.SGD, m.parameters(), lr=0.1) for m in (eager, twin)]
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    graphs = [torch._dynamo.utils.counters["stats"]["unique_graphs"]]
+    for k in range(3):
+        x, dy = _data(SPLITS, "cpu", BF16, seed=20 + k)
+        want = _step(eager, x, dy, SPLITS, rec)
+        got = _step(compiled, x, dy, SPLITS, rec)
+        got = {n.removeprefix("_orig_mod."): v for n, v in got.items()}
+        assert_same_results(got, want, "cpu", f"compiled step {k}")
+        for o in opts:
+            o.step()
+        for a, b in zip(_all_weights(twin), _all_weights(eager), strict=True):
+            assert _same_bits(a.qdata, b.qdata), f"step {k}"
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[0] + 1 == graphs[1] == graphs[3], graphs
 
 
 # ---- edge cases (a review of the first version) --------------------------------------------------

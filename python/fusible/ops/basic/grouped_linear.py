@@ -15,7 +15,6 @@ from fusible import _kernels as K
 from fusible.ops import _compute as C
 from fusible.ops.basic.linear import _inference, blockwise_multiple
 from fusible.ops.basic.quantized_weight import (
-    _COMPILE_UNSUPPORTED,
     QuantizedWeightOp,
     _stored_matches,
     kaiming_init,
@@ -562,8 +561,6 @@ class GroupedLinear(QuantizedWeightOp):
         if any(w.dtype != ws[0].dtype for w in ws):
             return None  # the loop takes mixed dtypes
         stored = [isinstance(w, QuantizedTensor) for w in ws]
-        if any(stored) and torch.compiler.is_compiling():
-            raise RuntimeError(_COMPILE_UNSUPPORTED.format(op="GroupedLinear"))
         kind = self._fp8_kind(True)
         qxs = self.gemm_quantizers(True, "input")
         if kind is None:

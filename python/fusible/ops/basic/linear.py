@@ -14,7 +14,6 @@ from fusible.ops import _compute as C
 # Split by concern: the quantized-weight lifecycle (quantized_weight.py) and Bias (bias.py); their
 # names stay importable from here.
 from fusible.ops.basic.bias import Bias
-from fusible.ops.basic.quantized_weight import _COMPILE_UNSUPPORTED as _COMPILE_UNSUPPORTED
 from fusible.ops.basic.quantized_weight import (
     QuantizedWeightOp,
     _stored_matches,

@@ -246,12 +246,30 @@ class QuantizedWeightOp(BasicOperation):
                 _restore_exact(new, name, value, extra)
 
 
+# torch.compile reads a stored quantized weight through QuantizedTensor's traceable-subclass
+# protocol (__tensor_flatten__): dynamo reads the container's tensors and AOTAutograd passes
+# them to the graph as inputs; the weight gradient, a plain tensor, reaches the parameter. Tested
+# on torch 2.13 (CI); older releases keep the clear error until they are tested.
+COMPILE_QUANTIZED_MIN_TORCH = (2, 13)
 _COMPILE_UNSUPPORTED = (
-    "{op}: torch.compile does not support quantized weights (fusible.quantized_model_init) yet: "
-    "QuantizedTensor is not a traceable tensor subclass, and a traced graph would not route the "
-    "weight gradient to the parameter. Run the model eagerly, or build it without "
-    "quantized_model_init to compile it"
+    "{op}: torch.compile with quantized weights (fusible.quantized_model_init, or the FP8 "
+    "weights of fusible.distributed.fully_shard_fp8) needs torch >= {need} (tested there), this "
+    "is torch {have}. Run the model eagerly, or upgrade torch"
 )
+
+
+def compile_quantized_supported() -> bool:
+    """Whether this torch's ``torch.compile`` takes quantized weights (``>=
+    COMPILE_QUANTIZED_MIN_TORCH``)."""
+    have = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    return have >= COMPILE_QUANTIZED_MIN_TORCH
+
+
+def check_compile_quantized(op: str) -> None:
+    """Raise ``RuntimeError`` naming ``op`` unless :func:`compile_quantized_supported`."""
+    if not compile_quantized_supported():
+        need = ".".join(map(str, COMPILE_QUANTIZED_MIN_TORCH))
+        raise RuntimeError(_COMPILE_UNSUPPORTED.format(op=op, need=need, have=torch.__version__))
 
 
 def _restore_exact(w: QuantizedTensor, name: str, value: torch.Tensor, extra: Any) -> None:
@@ -325,10 +343,7 @@ def stored_operand(
     """``(operand, as_is)``: a stored quantized weight as a GEMM reads it -- its data as they are
     where the active weight quantizer ``qw`` asks for that format (``as_is``; a per-tensor
     weight's rowwise copy, which backward transposes), else its exact dequantization (then
-    quantized by ``qw`` like a high-precision weight, or used as it is without a recipe).
-    Under ``torch.compile``: ``RuntimeError`` naming ``op``."""
-    if torch.compiler.is_compiling():
-        raise RuntimeError(_COMPILE_UNSUPPORTED.format(op=op))
+    quantized by ``qw`` like a high-precision weight, or used as it is without a recipe)."""
     if _stored_matches(w.qdata, qw, need_columnwise=need_dgrad):
         return C.ensure_fp8_copy(w.qdata, "r"), True
     return w.dequantize(), False
