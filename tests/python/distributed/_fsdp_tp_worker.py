@@ -18,7 +18,7 @@ from typing import Any
 import _tp_worker as base
 import torch
 import torch.distributed as dist
-from _tp_worker import RECIPES, close, exact, rand
+from _tp_worker import RECIPES, exact, rand
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -157,9 +157,7 @@ def compiled(
     ``fully_shard`` module stays unsharded until its backward), the old workaround, kept as a
     check that it changes nothing.
 
-    ``backend="inductor"``: the ATen glue is generated code; bias gradients (fp32 sums that
-    inductor reassociates) within ``_near``'s bound and the parameters re-synchronised after
-    each step, everything else bit for bit (as in _fsdpc_worker.py)."""
+    ``backend="inductor"``: see ``_tp_worker.sharded_grads_then_step``."""
     rec = RECIPES[rec_name]
     mesh = mesh2d()
     tp_group = mesh["tp"].get_group()
@@ -184,18 +182,7 @@ def compiled(
         y_c, dx_c = base.run(c, x, dy, rec)
         exact(f"{tag} output", y_c, y_e)
         exact(f"{tag} dx", dx_c, dx_e)
-        for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
-            check = _near if backend == "inductor" and n.endswith("bias") else exact
-            check(f"{tag} grad {n}", p.grad.to_local(), q.grad.to_local())
-        for o in opts:
-            o.step()
-            o.zero_grad()
-        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
-            if backend == "inductor":  # the bias gradients differed in the last ulps
-                with torch.no_grad():
-                    p.to_local().copy_(q.to_local())
-            exact(f"{tag} {n} after the step", p.to_local(), q.to_local())
+        graphs.append(base.sharded_grads_then_step(tag, comp, eager, opts, backend))
     if not graphs[0] < graphs[1] == graphs[2]:
         raise AssertionError(
             f"compiled {kind} {rec_name}: graphs before / after each step {graphs}"
@@ -209,13 +196,6 @@ for _kind in MAKERS:
     case(f"inductor_{_kind}_current")(lambda k=_kind: compiled(k, "current", False, False,
                                                                 "inductor"))  # fmt: skip
 case("compile_row_current_sp_eager_first")(lambda: compiled("row", "current", True, True))
-
-
-def _near(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
-    """Inductor's reassociated fp32 sums (bias gradients; through attention's backward for
-    the QKV bias): within 1e-4 of the larger of 1 and the largest value (a wrong gradient is
-    off by O(1))."""
-    close(what, a, b, 1e-4)
 
 
 # ---- 2-D checkpoints: the full state dict (fusible.distributed.checkpoint) --------------------

@@ -573,8 +573,8 @@ for _rec in ("current", "delayed"):  # HSDP: the scales agreed over the shard di
 def compiled(kind: str, rec_name: str, backend: str = "aot_eager") -> None:
     """``torch.compile(fullgraph=True)`` of a ``fully_shard_fp8`` module against the same module
     run eagerly, two SGD steps: outputs, input gradients, every gradient shard and every
-    parameter shard after each step bit for bit (``aot_eager`` runs eager's kernels; inductor:
-    bias gradients within 1e-5 of the largest, then re-synchronised). FSDP2's hooks -- the FP8
+    parameter shard after each step bit for bit (inductor: see
+    ``_tp_worker.sharded_grads_then_step``). FSDP2's hooks -- the FP8
     all-gather included -- run eagerly around the graph; the graph reads the gathered
     ``Float8Tensor`` weights through QuantizedTensor's traceable-subclass protocol. The first
     step compiles one graph, the second none."""
@@ -597,18 +597,7 @@ def compiled(kind: str, rec_name: str, backend: str = "aot_eager") -> None:
         y_c, dx_c = step(c, x, dy, rec)
         exact(f"{tag} output", y_c, y_e)
         exact(f"{tag} dx", dx_c, dx_e)
-        for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
-            check = close if backend == "inductor" and n.endswith("bias") else exact
-            check(f"{tag} grad {n}", p.grad.to_local(), q.grad.to_local())
-        for o in opts:
-            o.step()
-            o.zero_grad()
-        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
-            if backend == "inductor":
-                with torch.no_grad():
-                    p.to_local().copy_(q.to_local())
-            exact(f"{tag} {n} after the step", p.to_local(), q.to_local())
+        graphs.append(base.sharded_grads_then_step(tag, comp, eager, opts, backend))
     if not graphs[0] < graphs[1] == graphs[2]:
         raise AssertionError(f"{kind} {rec_name}: graphs before / after each step {graphs}")
     if not all(s.gathers > 0 for s in gather_specs(comp)):

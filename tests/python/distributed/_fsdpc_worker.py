@@ -8,7 +8,8 @@ eagerly and compiles the inner ``forward`` frame; the hooks are also ``_dynamo_d
 the forward is one graph and the all-gathers / reduce-scatters stay eager. Compared against the
 same module under eager FSDP2 over two SGD steps. ``aot_eager`` runs the very kernels eager runs:
 bit for bit. Under inductor the ATen glue is generated code: bias gradients (an fp32 ``sum(0)``
-reduction that inductor reassociates) within rtol 1e-6 / atol 1e-5, as in ops/test_compile.py,
+reduction that inductor reassociates) within 1e-4 of max(1, the largest value)
+(``_tp_worker.sharded_grads_then_step``),
 everything else bit for bit. The cases compile many modules in one process without
 ``torch._dynamo.reset()`` in between: that is what broke before (see docs/distributed.md)."""
 
@@ -67,11 +68,6 @@ def step_both(tag: str, a: Any, b: Any, seed: int, out_dim: int, rec: Any) -> No
     exact(f"{tag} dx", dxa, dxb)
 
 
-def near(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
-    if not torch.allclose(a, b, rtol=1e-6, atol=1e-5):
-        raise AssertionError(f"{what}: max err {(a - b).abs().max().item()}")
-
-
 def compiled(kind: str, rec_name: str, backend: str) -> None:
     """Two SGD steps of ``fully_shard(m)`` compiled (``fullgraph=True``) against the same
     module under eager FSDP2: outputs, input gradients, every gradient shard and every
@@ -89,19 +85,7 @@ def compiled(kind: str, rec_name: str, backend: str) -> None:
     for k in range(2):
         tag = f"{kind} {rec_name} {backend} step {k}"
         step_both(tag, eager, c, 80 + 10 * k, out_dim, rec)
-        for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
-            check = near if backend == "inductor" and n.endswith("bias") else exact
-            check(f"{tag} grad {n}", p.grad.to_local(), q.grad.to_local())
-        for o in opts:
-            o.step()
-            o.zero_grad()
-        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
-            if backend == "aot_eager":
-                exact(f"{tag} {n} after the step", p.to_local(), q.to_local())
-            else:  # the bias gradients differed in the last ulps: start the next step equal
-                with torch.no_grad():
-                    p.to_local().copy_(q.to_local())
+        graphs.append(base.sharded_grads_then_step(tag, comp, eager, opts, backend))
     if graphs[1] != graphs[0]:
         raise AssertionError(f"{kind} {rec_name} {backend}: the second step recompiled")
 
