@@ -52,12 +52,22 @@ MAKERS: dict[str, Callable[[Any, bool], torch.nn.Module]] = {
     "tlayer": lambda g, sp: fusible.TransformerLayer(H, F, 4, num_gqa_groups=2, tp_group=g,
                                                      sequence_parallel=sp,
                                                      attn_input_format="sbhd"),
+    # 3 experts, tokens [32, 0, 32] (an empty expert); no SP (refused: rows grouped by expert)
+    "gcolumn": lambda g, sp: fusible.GroupedLinear(3, H, F, tp_group=g, parallel_mode="column"),
+    "grow": lambda g, sp: fusible.GroupedLinear(3, F, H, bias=False, tp_group=g,
+                                                parallel_mode="row"),
 }  # fmt: skip
 # (input features, output features) as each rank sees them, before sequence parallelism.
 DIMS = {"column": (H, F // TP), "row": (F // TP, H), "lnlinear": (H, F // TP), "lnmlp": (H, H),
-        "tlayer": (H, H)}  # fmt: skip
+        "tlayer": (H, H), "gcolumn": (H, F // TP), "grow": (F // TP, H)}  # fmt: skip
 # Each kind's Linear weights (fully_shard_fp8 converts them all).
-LINEARS = {"column": 1, "row": 1, "lnlinear": 1, "lnmlp": 2, "tlayer": 4}
+LINEARS = {"column": 1, "row": 1, "lnlinear": 1, "lnmlp": 2, "tlayer": 4, "gcolumn": 3, "grow": 3}
+GROUPED = ("gcolumn", "grow")
+
+
+def call_kw(kind: str) -> dict[str, Any]:
+    """The module's call arguments besides the input: a GroupedLinear's ``m_splits``."""
+    return {"m_splits": [32, 0, 32]} if kind in GROUPED else {}
 
 
 def mesh2d() -> Any:
@@ -69,7 +79,7 @@ def batch(kind: str, sp: bool, seed: int, dp_rank: int, tp_rank: int) -> tuple[A
     group the same one (SP: its slice). Features split over tp: a row-parallel input, a
     column-parallel output (and its dy)."""
     d_in, d_out = DIMS[kind]
-    x_split, dy_split = kind == "row", kind in ("column", "lnlinear")
+    x_split, dy_split = kind in ("row", "grow"), kind in ("column", "lnlinear", "gcolumn")
     x = rand(S, d_in, seed=seed + 10 * dp_rank + (tp_rank if x_split else 0))
     dy = rand(S, d_out, seed=seed + 10 * dp_rank + 5 + (tp_rank if dy_split else 0))
     if sp:  # tokens split over tp: the input of a column side, the output of a row side
@@ -108,8 +118,8 @@ def two_d(kind: str, rec_name: str, sp: bool, fp8_gather: bool = False) -> None:
     for k in range(2):
         tag = f"{kind} {rec_name}{' sp' if sp else ''} step {k}"
         x, dy = batch(kind, sp, 100 * k, dp_rank, tp_rank)
-        y_ref, dx_ref = base.run(ref, x, dy, rec)
-        y, dx = base.run(m, x, dy, rec)
+        y_ref, dx_ref = base.run(ref, x, dy, rec, **call_kw(kind))
+        y, dx = base.run(m, x, dy, rec, **call_kw(kind))
         exact(f"{tag} output", y, y_ref)
         exact(f"{tag} dx", dx, dx_ref)
         for n, p in zip(names, m.parameters(), strict=True):
@@ -132,15 +142,21 @@ def two_d(kind: str, rec_name: str, sp: bool, fp8_gather: bool = False) -> None:
 for _kind in MAKERS:
     for _rec in RECIPES:
         case(f"{_kind}_{_rec}")(lambda k=_kind, r=_rec: two_d(k, r, False))
-    case(f"{_kind}_current_sp")(lambda k=_kind: two_d(k, "current", True))
     # The FP8 weight all-gather over dp of the TP module (current scaling; SP too).
     case(f"fp8gather_{_kind}_current")(lambda k=_kind: two_d(k, "current", False, True))
-    case(f"fp8gather_{_kind}_current_sp")(lambda k=_kind: two_d(k, "current", True, True))
     case(f"fp8gather_{_kind}_delayed")(lambda k=_kind: two_d(k, "delayed", False, True))
+    if _kind not in GROUPED:
+        case(f"{_kind}_current_sp")(lambda k=_kind: two_d(k, "current", True))
+        case(f"fp8gather_{_kind}_current_sp")(lambda k=_kind: two_d(k, "current", True, True))
 
 
 def compiled(
-    kind: str, rec_name: str, sp: bool, eager_first: bool = False, backend: str = "aot_eager"
+    kind: str,
+    rec_name: str,
+    sp: bool,
+    eager_first: bool = False,
+    backend: str = "aot_eager",
+    fp8_gather: bool = False,
 ) -> None:
     """The 2-D module under ``torch.compile(fullgraph=True, backend="aot_eager")`` against the
     same 2-D module run eagerly (the same local weights, the same inputs), two SGD steps:
@@ -157,7 +173,9 @@ def compiled(
     ``fully_shard`` module stays unsharded until its backward), the old workaround, kept as a
     check that it changes nothing.
 
-    ``backend="inductor"``: see ``_tp_worker.sharded_grads_then_step``."""
+    ``backend="inductor"``: see ``_tp_worker.sharded_grads_then_step``. ``fp8_gather``:
+    ``fully_shard_fp8`` over ``dp`` in place of ``fully_shard`` (the graph reads the gathered
+    ``Float8Tensor`` weights; torch >= 2.13)."""
     rec = RECIPES[rec_name]
     mesh = mesh2d()
     tp_group = mesh["tp"].get_group()
@@ -167,10 +185,13 @@ def compiled(
     comp = MAKERS[kind](tp_group, sp)
     comp.load_state_dict(eager.state_dict())
     for mod in (eager, comp):
-        fully_shard(mod, mesh=mesh["dp"])
+        if fp8_gather:
+            fully_shard_fp8(mod, recipe=rec, mesh=mesh["dp"])
+        else:
+            fully_shard(mod, mesh=mesh["dp"])
     if eager_first:  # the root stays unsharded after a forward (until backward): reshard
         with torch.no_grad():
-            comp(batch(kind, sp, 190, dp_rank, tp_rank)[0])
+            comp(batch(kind, sp, 190, dp_rank, tp_rank)[0], **call_kw(kind))
         comp.reshard()
     c = torch.compile(comp, fullgraph=True, backend=backend)
     opts = [torch.optim.SGD(mod.parameters(), lr=LR) for mod in (eager, comp)]
@@ -178,8 +199,8 @@ def compiled(
     for k in range(2):
         tag = f"compiled {kind} {rec_name}{' sp' if sp else ''} step {k}"
         x, dy = batch(kind, sp, 200 + 100 * k, dp_rank, tp_rank)
-        y_e, dx_e = base.run(eager, x, dy, rec)
-        y_c, dx_c = base.run(c, x, dy, rec)
+        y_e, dx_e = base.run(eager, x, dy, rec, **call_kw(kind))
+        y_c, dx_c = base.run(c, x, dy, rec, **call_kw(kind))
         exact(f"{tag} output", y_c, y_e)
         exact(f"{tag} dx", dx_c, dx_e)
         graphs.append(base.sharded_grads_then_step(tag, comp, eager, opts, backend))
@@ -192,7 +213,12 @@ def compiled(
 for _kind in MAKERS:
     for _rec in RECIPES:
         case(f"compile_{_kind}_{_rec}")(lambda k=_kind, r=_rec: compiled(k, r, False))
-    case(f"compile_{_kind}_current_sp")(lambda k=_kind: compiled(k, "current", True))
+    if _kind not in GROUPED:
+        case(f"compile_{_kind}_current_sp")(lambda k=_kind: compiled(k, "current", True))
+    for _rec in ("current", "delayed"):
+        case(f"compile_fp8gather_{_kind}_{_rec}")(
+            lambda k=_kind, r=_rec: compiled(k, r, False, fp8_gather=True)
+        )
     case(f"inductor_{_kind}_current")(lambda k=_kind: compiled(k, "current", False, False,
                                                                 "inductor"))  # fmt: skip
 case("compile_row_current_sp_eager_first")(lambda: compiled("row", "current", True, True))
@@ -207,7 +233,7 @@ def _model(tp_group: Any, shard: Callable[[torch.nn.Module], None] | None) -> to
     modules), each passed to ``shard`` (FSDP2) when given."""
     m = torch.nn.ModuleDict()
     for kind, make in MAKERS.items():
-        if kind not in _FULL:  # the attention's QKV layout has no full-state-dict mapping yet
+        if kind not in _FULL:  # no full-state-dict mapping yet: attention QKV, GroupedLinear
             continue
         m[kind] = make(tp_group, False) if tp_group is not None else _FULL[kind]()
         if shard is not None:
