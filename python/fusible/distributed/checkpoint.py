@@ -1,8 +1,9 @@
 """Checkpoints of tensor-parallel modules across a change of world size.
 
-A tensor-parallel ``fusible.Linear`` / ``LayerNormLinear`` / ``LayerNormMLP`` holds plain local
-tensors of TransformerEngine's local shapes (``weight`` ``[out/tp, in]`` for column-parallel,
-``[out, in/tp]`` for row-parallel; docs/distributed.md), not ``DTensor``s, so
+A tensor-parallel ``fusible.Linear`` / ``LayerNormLinear`` / ``LayerNormMLP`` /
+``GroupedLinear`` / ``TransformerLayer`` holds plain local tensors of TransformerEngine's local
+shapes (``weight`` ``[out/tp, in]`` for column-parallel, ``[out, in/tp]`` for row-parallel; a
+fused QKV weight the rank's rows of Q, of K and of V; docs/distributed.md), not ``DTensor``s, so
 ``torch.distributed.checkpoint`` cannot reshard them. These functions turn the local shards into
 the *full* state dict (the one the single-process module of the same sizes has) and back:
 
@@ -50,16 +51,24 @@ __all__ = [
 
 @dataclass(frozen=True)
 class _Split:
-    """How a state-dict entry is split over a module's group: along ``dim`` in ``halves``
-    blocks (each rank holds its block of every half: a gated fc1), or replicated
-    (``dim is None``); ``extra``: a recipe-state dict."""
+    """How a state-dict entry is split over a module's group: along ``dim``, in parts of the
+    relative sizes ``parts`` (each rank holds its block of every part, in part order: both
+    halves of a gated fc1, ``(1, 1)``; Q, K and V of a fused QKV projection, ``(heads, groups,
+    groups)``), or replicated (``dim is None``); ``extra``: a recipe-state dict."""
 
     group: Any
     size: int
     rank: int
     dim: int | None = None
-    halves: int = 1
+    parts: tuple[int, ...] = (1,)
     extra: bool = False
+
+    def part_sizes(self, n: int) -> list[int]:
+        """The sizes of the parts of a length ``n`` along ``dim``."""
+        total = sum(self.parts)
+        if n % total:
+            raise ValueError(f"does not split into parts of relative sizes {self.parts}")
+        return [n // total * w for w in self.parts]
 
 
 def _specs(module: torch.nn.Module, what: str) -> dict[str, _Split]:
@@ -67,34 +76,49 @@ def _specs(module: torch.nn.Module, what: str) -> dict[str, _Split]:
     without a group (the tensor-parallel modules' weights, biases and recipe states)."""
     import torch.distributed as dist
 
-    from fusible.modules import LayerNormLinear, LayerNormMLP, Linear
+    from fusible.modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
     from fusible.modules._common import GLU
+    from fusible.modules.transformer_layer import MultiheadAttention
 
     out: dict[str, _Split] = {}
+    # A fused QKV projection holds its rank's block of Q, of K and of V (each rank whole heads
+    # and K/V groups): its rows split in those three parts.
+    qkv_parts: dict[str, tuple[int, ...]] = {}
+    for path, m in module.named_modules():
+        if isinstance(m, MultiheadAttention):
+            child = "layernorm_qkv" if m.input_layernorm else "qkv"
+            g = m.num_gqa_groups
+            qkv_parts[f"{path}.{child}" if path else child] = (m.num_attention_heads, g, g)
     for path, m in module.named_modules():
         tp = getattr(m, "tp", None)
-        if tp is None or not getattr(tp, "active", False):
-            continue
+        if tp is None or not getattr(tp, "active", False) or isinstance(m, MultiheadAttention):
+            continue  # MultiheadAttention: its QKV and projection modules are visited
         pre = f"{path}." if path else ""
-        if not isinstance(m, (Linear, LayerNormLinear, LayerNormMLP)):
+        if not isinstance(m, (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear)):
             raise NotImplementedError(
                 f"{what}: {pre or '<root>'} ({type(m).__name__}) is tensor-parallel; only "
-                "Linear, LayerNormLinear and LayerNormMLP shards are gathered / scattered"
+                "Linear, LayerNormLinear, LayerNormMLP, GroupedLinear and MultiheadAttention "
+                "(TransformerLayer) shards are gathered / scattered"
             )
         size, rank = int(tp.size), int(dist.get_rank(tp.group))
-        entries: list[tuple[str, int | None, int, bool]]
+        entries: list[tuple[str, int | None, tuple[int, ...], bool]]
         if isinstance(m, LayerNormMLP):
-            h = 2 if m.activation in GLU else 1
+            h = (1, 1) if m.activation in GLU else (1,)
             entries = [("fc1_weight", 0, h, False), ("fc1_bias", 0, h, False),
-                       ("fc2_weight", 1, 1, False), ("fc1._extra_state", None, 1, True),
-                       ("fc2._extra_state", None, 1, True)]  # fmt: skip
-        else:  # Linear, LayerNormLinear (column only)
+                       ("fc2_weight", 1, (1,), False), ("fc1._extra_state", None, (1,), True),
+                       ("fc2._extra_state", None, (1,), True)]  # fmt: skip
+        else:  # Linear, LayerNormLinear, GroupedLinear (weight<i>, bias<i>)
             col = tp.mode == "column"
-            entries = [("weight", 0 if col else 1, 1, False), ("_extra_state", None, 1, True)]
-            if col:
-                entries.append(("bias", 0, 1, False))
-        for key, dim, halves, extra in entries:
-            out[pre + key] = _Split(tp.group, size, rank, dim, halves, extra)
+            parts = qkv_parts.get(path, (1,))
+            n = m.num_gemms if isinstance(m, GroupedLinear) else None
+            names = [""] if n is None else [str(i) for i in range(n)]
+            entries = [("_extra_state", None, (1,), True)]
+            for i in names:
+                entries.append((f"weight{i}", 0 if col else 1, parts, False))
+                if col:
+                    entries.append((f"bias{i}", 0, parts, False))
+        for key, dim, parts, extra in entries:
+            out[pre + key] = _Split(tp.group, size, rank, dim, parts, extra)
     return out
 
 
@@ -173,13 +197,13 @@ def tp_full_state_dict(module: torch.nn.Module) -> dict[str, Any]:
 
     Collective: every rank of every tensor-parallel module's ``tp_group`` must call it (in the
     same order). Sharded weights and biases are all-gathered and concatenated in rank order
-    (column-parallel: along the rows, a gated fc1 half by half; row-parallel: along the
-    columns); replicated entries (norms, a row-parallel bias, anything outside a
+    (column-parallel: along the rows, a gated fc1 half by half, a fused QKV projection Q, K
+    and V part by part; row-parallel: along the columns; a GroupedLinear expert by expert);
+    replicated entries (norms, a row-parallel bias, anything outside a
     tensor-parallel module) are this rank's. ``DTensor`` entries (``fully_shard``, also of a
     tensor-parallel module: 2-D) are gathered over their mesh first (``full_tensor()``: every
     rank of that mesh takes part). Recipe states: see the module docstring. Raises
-    ``NotImplementedError`` for other tensor-parallel modules (``TransformerLayer``'s
-    attention, ``GroupedLinear``) and quantized weights."""
+    ``NotImplementedError`` for other tensor-parallel modules and quantized weights."""
     what = "tp_full_state_dict"
     specs = _specs(module, what)
     out: dict[str, Any] = {}
@@ -193,9 +217,9 @@ def tp_full_state_dict(module: torch.nn.Module) -> dict[str, Any]:
         elif s.dim is None:
             out[key] = v.detach().clone()
         else:
-            parts = _gather(v, s)
-            blocks = [p.chunk(s.halves, s.dim) for p in parts]
-            out[key] = torch.cat([b[h] for h in range(s.halves) for b in blocks], s.dim)
+            assert s.dim is not None
+            blocks = [p.split(s.part_sizes(p.shape[s.dim]), s.dim) for p in _gather(v, s)]
+            out[key] = torch.cat([b[i] for i in range(len(s.parts)) for b in blocks], s.dim)
     return out
 
 
@@ -227,13 +251,15 @@ def tp_shard_state_dict(module: torch.nn.Module, state_dict: Mapping[str, Any]) 
                 f"holds {tuple(want.shape)} per rank, so the full tensor needs "
                 f"{want.shape[s.dim] * s.size if v.dim() == want.dim() else '?'} along dim {s.dim}"
             )
-        halves = v.chunk(s.halves, s.dim)
-        if any(h.shape[s.dim] % s.size for h in halves) or v.shape[s.dim] % s.halves:
+        n = v.shape[s.dim]
+        sizes = s.part_sizes(n) if n % sum(s.parts) == 0 else []
+        if not sizes or any(p % s.size for p in sizes):
             raise ValueError(
-                f"{what}: {key!r} ({tuple(v.shape)}) does not split into {s.halves} x "
-                f"{s.size} blocks along dim {s.dim}"
+                f"{what}: {key!r} ({tuple(v.shape)}) does not split into parts of relative "
+                f"sizes {s.parts}, each into {s.size} blocks, along dim {s.dim}"
             )
-        out[key] = _like(torch.cat([h.chunk(s.size, s.dim)[s.rank] for h in halves], s.dim), want)
+        mine = [p.chunk(s.size, s.dim)[s.rank] for p in v.split(sizes, s.dim)]
+        out[key] = _like(torch.cat(mine, s.dim), want)
     return out
 
 

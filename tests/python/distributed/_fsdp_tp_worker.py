@@ -48,8 +48,8 @@ MAKERS: dict[str, Callable[[Any, bool], torch.nn.Module]] = {
     "lnlinear": lambda g, sp: fusible.LayerNormLinear(H, F, tp_group=g, parallel_mode="column",
                                                       sequence_parallel=sp),
     "lnmlp": lambda g, sp: fusible.LayerNormMLP(H, F, tp_group=g, sequence_parallel=sp),
-    # sbhd, 4 heads and 2 K/V groups: each tp rank holds 2 heads and 1 group
-    "tlayer": lambda g, sp: fusible.TransformerLayer(H, F, 4, num_gqa_groups=2, tp_group=g,
+    # sbhd, 8 heads and 4 K/V groups (GQA): each of 2 tp ranks holds 4 heads and 2 groups
+    "tlayer": lambda g, sp: fusible.TransformerLayer(H, F, 8, num_gqa_groups=4, tp_group=g,
                                                      sequence_parallel=sp,
                                                      attn_input_format="sbhd"),
     # 3 experts, tokens [32, 0, 32] (an empty expert); no SP (refused: rows grouped by expert)
@@ -233,8 +233,6 @@ def _model(tp_group: Any, shard: Callable[[torch.nn.Module], None] | None) -> to
     modules), each passed to ``shard`` (FSDP2) when given."""
     m = torch.nn.ModuleDict()
     for kind, make in MAKERS.items():
-        if kind not in _FULL:  # no full-state-dict mapping yet: attention QKV, GroupedLinear
-            continue
         m[kind] = make(tp_group, False) if tp_group is not None else _FULL[kind]()
         if shard is not None:
             shard(m[kind])
@@ -244,7 +242,26 @@ def _model(tp_group: Any, shard: Callable[[torch.nn.Module], None] | None) -> to
 _FULL: dict[str, Callable[[], torch.nn.Module]] = {
     "column": lambda: fusible.Linear(H, F), "row": lambda: fusible.Linear(F, H),
     "lnlinear": lambda: fusible.LayerNormLinear(H, F), "lnmlp": lambda: fusible.LayerNormMLP(H, F),
+    "tlayer": lambda: fusible.TransformerLayer(H, F, 8, num_gqa_groups=4,
+                                               attn_input_format="sbhd"),
+    "gcolumn": lambda: fusible.GroupedLinear(3, H, F),
+    "grow": lambda: fusible.GroupedLinear(3, F, H, bias=False),
 }  # fmt: skip
+_COLUMN_OUT = ("column", "lnlinear", "gcolumn")  # a TP rank returns its block of the features
+
+
+def _x(kind: str, seed: int) -> torch.Tensor:
+    """A whole (unsplit) input of ``kind``: the tokens as (sequence, batch 2) for the layer."""
+    x = rand(S, F if kind in ("row", "grow") else H, seed=seed)
+    return x.view(-1, 2, H) if kind == "tlayer" else x
+
+
+def _qkv_rows(r: int, tp: int) -> torch.Tensor:
+    """TP rank ``r``'s rows of the layer's full QKV weight (8 heads, 4 groups, head dim 8):
+    its block of Q's rows, of K's and of V's."""
+    q, kv = 8 * (H // 8), 4 * (H // 8)
+    blk = lambda n, off: torch.arange(n)[r * n // tp : (r + 1) * n // tp] + off  # noqa: E731
+    return torch.cat([blk(q, 0), blk(kv, q), blk(kv, q + kv)])
 
 
 def _same_sd(what: str, got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -260,14 +277,15 @@ def _same_sd(what: str, got: dict[str, Any], want: dict[str, Any]) -> None:
 
 def _forward(m: torch.nn.ModuleDict, kind: str, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad(), fusible.autocast(recipe=_DELAYED):
-        return m[kind](x)
+        return m[kind](x, **call_kw(kind))
 
 
 def checkpoint_2d(fp8_gather: bool) -> None:
     """A 2-D model's checkpoint through the full state dict, across layouts. The single-process
     model's state dict (after a delayed-scaling step: a recipe state that is not the initial
     one) loads into the 2-D model (``tp_load_full_state_dict``: TP shard, then this rank's
-    ``DTensor`` shard over ``dp``): its weights are the hand-cut TP shards, its forward equals
+    ``DTensor`` shard over ``dp``): its weights are the hand-cut TP shards (a fused QKV
+    projection's: the rank's block of Q, of K and of V), its forward equals
     the single-process model's (the TP rank's features of a column side; 1e-5; not with
     ``fp8_gather``, whose weights are cast with the gather's scale) and its full state dict
     (``tp_full_state_dict``: ``full_tensor()`` over ``dp``, then the TP gather) is the loaded
@@ -289,29 +307,35 @@ def checkpoint_2d(fp8_gather: bool) -> None:
     torch.manual_seed(7)  # the same single-process model on every rank
     full = _model(None, None)
     for kind in _FULL:  # a delayed-scaling step: recipe state to carry
-        d_in = F if kind == "row" else H
-        d_out = H if kind in ("row", "lnmlp") else F
-        base.run(full[kind], rand(S, d_in, seed=300), rand(S, d_out, seed=301), _DELAYED)
+        x = _x(kind, 300)
+        dy = rand(*x.shape[:-1], F if kind in _COLUMN_OUT else H, seed=301)
+        base.run(full[kind], x, dy, _DELAYED, **call_kw(kind))
     sd = full.state_dict()
     m2d = _model(tp_group, shard_dp)
     tp_load_full_state_dict(m2d, sd)
     if not any(hasattr(v, "device_mesh") for v in m2d.state_dict().values()):
         raise AssertionError("the 2-D model holds no DTensor: shows nothing")
     local = m2d.state_dict()
-    for key, dim in (("column.weight", 0), ("row.weight", 1), ("lnmlp.fc1_weight", 0)):
+    for key, dim in (("column.weight", 0), ("row.weight", 1), ("lnmlp.fc1_weight", 0),
+                     ("gcolumn.weight1", 0), ("gcolumn.bias2", 0), ("grow.weight2", 1),
+                     ("tlayer.self_attention.proj.weight", 1)):  # fmt: skip
         exact(f"2-D {key}: this tp rank's shard", local[key].full_tensor(),
               sd[key].chunk(TP, dim)[tp_rank])  # fmt: skip
+    for key in ("tlayer.self_attention.layernorm_qkv.weight",
+                "tlayer.self_attention.layernorm_qkv.bias"):  # fmt: skip
+        exact(f"2-D {key}: this tp rank's Q, K and V", local[key].full_tensor(),
+              sd[key][_qkv_rows(tp_rank, TP)])  # fmt: skip
     _same_sd("2-D round trip", tp_full_state_dict(m2d), sd)
     for kind in () if fp8_gather else _FULL:
-        x = rand(S, F if kind == "row" else H, seed=310)
+        x = _x(kind, 310)
         y_full = _forward(full, kind, x)
-        x_local = x.chunk(TP, 1)[tp_rank] if kind == "row" else x
-        want = y_full.chunk(TP, 1)[tp_rank] if kind in ("column", "lnlinear") else y_full
+        x_local = x.chunk(TP, -1)[tp_rank] if kind in ("row", "grow") else x
+        want = y_full.chunk(TP, -1)[tp_rank] if kind in _COLUMN_OUT else y_full
         base.close(f"2-D {kind} forward after the load", _forward(m2d, kind, x_local), want)
     opt = torch.optim.SGD(m2d.parameters(), lr=LR)
     for kind in _FULL:
         x, dy = batch(kind, False, 320, mesh.get_local_rank("dp"), tp_rank)
-        base.run(m2d[kind], x, dy, _DELAYED, group=dist.group.WORLD)
+        base.run(m2d[kind], x, dy, _DELAYED, group=dist.group.WORLD, **call_kw(kind))
     opt.step()
     saved = tp_full_state_dict(m2d)
     world = init_device_mesh(base.DEVICE, (DP * TP,))
@@ -325,8 +349,9 @@ def checkpoint_2d(fp8_gather: bool) -> None:
         tp_load_full_state_dict(target, saved)
         _same_sd(f"{what} round trip", tp_full_state_dict(target), saved)
         if what != "4-rank TP":
-            outs[what] = _forward(target, "lnmlp", rand(S, H, seed=330))
-    base.close("FSDP2 vs single-process forward", outs["4-rank FSDP2"], outs["single process"])
+            outs[what] = [_forward(target, k, _x(k, 330)) for k in ("lnmlp", "tlayer", "grow")]
+    for a, b in zip(outs["4-rank FSDP2"], outs["single process"], strict=True):
+        base.close("FSDP2 vs single-process forward", a, b)
 
 
 case("checkpoint_2d")(lambda: checkpoint_2d(False))
