@@ -192,7 +192,9 @@ def _gather_extra(key: str, state: Any, s: _Split, what: str) -> dict[str, torch
     return out
 
 
-def tp_full_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+def tp_full_state_dict(
+    module: torch.nn.Module, *, cpu_offload: bool = False, rank0_only: bool = False
+) -> dict[str, Any]:
     """The state dict of the single-process module with the same (full) sizes, on every rank.
 
     Collective: every rank of every tensor-parallel module's ``tp_group`` must call it (in the
@@ -203,24 +205,41 @@ def tp_full_state_dict(module: torch.nn.Module) -> dict[str, Any]:
     tensor-parallel module) are this rank's. ``DTensor`` entries (``fully_shard``, also of a
     tensor-parallel module: 2-D) are gathered over their mesh first (``full_tensor()``: every
     rank of that mesh takes part). Recipe states: see the module docstring. Raises
-    ``NotImplementedError`` for other tensor-parallel modules and quantized weights."""
+    ``NotImplementedError`` for other tensor-parallel modules and quantized weights.
+
+    As torch's ``StateDictOptions``: ``cpu_offload`` moves each full tensor to the CPU as soon
+    as it is made (the accelerator holds one gathered entry at a time, not the whole model);
+    ``rank0_only`` returns an empty dict on every rank but the global rank 0, which keeps
+    nothing else either (every rank still takes part in the gathers)."""
     what = "tp_full_state_dict"
+    import torch.distributed as dist
+
+    keep = not rank0_only or dist.get_rank() == 0
     specs = _specs(module, what)
     out: dict[str, Any] = {}
     for key, v in module.state_dict().items():
         v = _full(v)
         s = specs.get(key)
-        if s is None:
-            out[key] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+        if s is None or (s.dim is None and not s.extra):
+            full = v.detach().clone() if isinstance(v, torch.Tensor) else v
         elif s.extra:
-            out[key] = _gather_extra(key, v, s, what)
-        elif s.dim is None:
-            out[key] = v.detach().clone()
+            full = _gather_extra(key, v, s, what)
         else:
             assert s.dim is not None
             blocks = [p.split(s.part_sizes(p.shape[s.dim]), s.dim) for p in _gather(v, s)]
-            out[key] = torch.cat([b[i] for i in range(len(s.parts)) for b in blocks], s.dim)
+            full = torch.cat([b[i] for i in range(len(s.parts)) for b in blocks], s.dim)
+        if keep:
+            out[key] = _to_cpu(full) if cpu_offload else full
     return out
+
+
+def _to_cpu(v: Any) -> Any:
+    """``v`` with every tensor (a recipe-state dict's too) on the CPU."""
+    if isinstance(v, torch.Tensor):
+        return v.cpu()
+    if isinstance(v, dict):
+        return {k: _to_cpu(t) for k, t in v.items()}
+    return v
 
 
 def tp_shard_state_dict(module: torch.nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:

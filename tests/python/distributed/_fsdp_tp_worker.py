@@ -291,7 +291,8 @@ def checkpoint_2d(fp8_gather: bool) -> None:
     (``tp_full_state_dict``: ``full_tensor()`` over ``dp``, then the TP gather) is the loaded
     one bit for bit. After a step of the 2-D model, its full state dict loads into a 4-rank
     FSDP2 model, a 4-rank TP model and the single-process model, and each gives it back bit for
-    bit; the FSDP2 and the single-process model compute the same forward (1e-5).
+    bit; the FSDP2 and the single-process model compute the same forward (1e-5);
+    ``rank0_only`` / ``cpu_offload`` give rank 0 the same dict on the CPU, the others nothing.
     ``fp8_gather``: the 2-D model is ``fully_shard_fp8``-ed (its state dict holds the masters,
     as plain FSDP2's)."""
     mesh = mesh2d()
@@ -338,6 +339,14 @@ def checkpoint_2d(fp8_gather: bool) -> None:
         base.run(m2d[kind], x, dy, _DELAYED, group=dist.group.WORLD, **call_kw(kind))
     opt.step()
     saved = tp_full_state_dict(m2d)
+    # The options: rank 0 alone holds it (on the CPU), the same bits.
+    small = tp_full_state_dict(m2d, cpu_offload=True, rank0_only=True)
+    if dist.get_rank() == 0:
+        _same_sd("rank0_only / cpu_offload", small, saved)
+        if any(t.device.type != "cpu" for t in small.values() if isinstance(t, torch.Tensor)):
+            raise AssertionError("cpu_offload left a tensor off the CPU")
+    elif small:
+        raise AssertionError(f"rank0_only: rank {dist.get_rank()} got {len(small)} entries")
     world = init_device_mesh(base.DEVICE, (DP * TP,))
     targets = {
         "4-rank FSDP2": _model(None, lambda mod: fully_shard(mod, mesh=world)),
