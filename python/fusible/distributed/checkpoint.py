@@ -45,7 +45,9 @@ __all__ = [
     "init_recipe_state",
     "tp_full_state_dict",
     "tp_load_full_state_dict",
+    "tp_load_sharded_state_dict",
     "tp_shard_state_dict",
+    "tp_sharded_state_dict",
 ]
 
 
@@ -71,9 +73,12 @@ class _Split:
         return [n // total * w for w in self.parts]
 
 
-def _specs(module: torch.nn.Module, what: str) -> dict[str, _Split]:
+def _specs(module: torch.nn.Module, what: str, parts_too: bool = False) -> dict[str, _Split]:
     """The split of every entry of ``module.state_dict()`` that is not replicated across ranks
-    without a group (the tensor-parallel modules' weights, biases and recipe states)."""
+    without a group (the tensor-parallel modules' weights, biases and recipe states).
+    ``parts_too``: also the entries made of parts in modules that are not tensor-parallel (a
+    gated fc1, a fused QKV projection: ``size`` 1, no group), which a sharded checkpoint keeps
+    part by part at every tensor-parallel size."""
     import torch.distributed as dist
 
     from fusible.modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
@@ -91,9 +96,16 @@ def _specs(module: torch.nn.Module, what: str) -> dict[str, _Split]:
             qkv_parts[f"{path}.{child}" if path else child] = (m.num_attention_heads, g, g)
     for path, m in module.named_modules():
         tp = getattr(m, "tp", None)
-        if tp is None or not getattr(tp, "active", False) or isinstance(m, MultiheadAttention):
-            continue  # MultiheadAttention: its QKV and projection modules are visited
+        active = tp is not None and getattr(tp, "active", False)
         pre = f"{path}." if path else ""
+        if not active and parts_too and path in qkv_parts:
+            for key in ("weight", "bias"):
+                out[pre + key] = _Split(None, 1, 0, 0, qkv_parts[path])
+        if not active and parts_too and isinstance(m, LayerNormMLP) and m.activation in GLU:
+            for key in ("fc1_weight", "fc1_bias"):
+                out[pre + key] = _Split(None, 1, 0, 0, (1, 1))
+        if tp is None or not active or isinstance(m, MultiheadAttention):
+            continue  # MultiheadAttention: its QKV and projection modules are visited
         if not isinstance(m, (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear)):
             raise NotImplementedError(
                 f"{what}: {pre or '<root>'} ({type(m).__name__}) is tensor-parallel; only "
@@ -289,6 +301,106 @@ def tp_load_full_state_dict(
     rank loads its shards (:func:`tp_shard_state_dict`) and the full recipe state. Returns
     ``load_state_dict``'s result."""
     return module.load_state_dict(tp_shard_state_dict(module, state_dict), strict=strict)
+
+
+# ---- sharded checkpoints (torch.distributed.checkpoint) ------------------------------------------
+
+
+def _part_names(key: str, s: _Split) -> list[str]:
+    """The checkpoint keys of entry ``key``: itself, or ``key.part<i>`` per part."""
+    return [key] if len(s.parts) == 1 else [f"{key}.part{i}" for i in range(len(s.parts))]
+
+
+def _as_dtensor(piece: torch.Tensor, s: _Split, meshes: dict[Any, Any]) -> Any:
+    """This rank's block ``piece`` of a part as the ``DTensor`` of the whole part, sharded along
+    ``s.dim`` over a 1-D mesh of ``s.group`` (no copy, no communication)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    assert s.dim is not None
+    mesh = meshes.get(s.group)
+    if mesh is None:
+        mesh = meshes[s.group] = DeviceMesh.from_group(s.group, piece.device.type)
+    shape = list(piece.shape)
+    shape[s.dim] *= s.size
+    stride, n = [], 1
+    for d in reversed(shape):
+        stride.append(n)
+        n *= d
+    return DTensor.from_local(piece, mesh, [Shard(s.dim)], run_check=False,
+                              shape=torch.Size(shape), stride=tuple(reversed(stride)))  # fmt: skip
+
+
+def tp_sharded_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+    """A state dict of ``module`` for ``torch.distributed.checkpoint`` (DCP) that reshards
+    across tensor-parallel sizes without gathering a weight: each rank's shard of a
+    tensor-parallel weight or bias is a ``DTensor`` of the full tensor (``Shard`` along its
+    split dimension over a 1-D mesh of the module's ``tp_group``; a view of the parameter, no
+    copy), so DCP writes each rank's shard and reads back whichever shard a rank of another
+    size needs. An entry made of parts (a gated fc1: its two halves; a fused QKV projection: Q,
+    K and V) is kept part by part under ``<key>.part<i>``, at every tensor-parallel size (also
+    in a module that is not tensor-parallel): a rank holds its block of each part, which is not
+    one block of the whole. Recipe states are merged over the group as in
+    :func:`tp_full_state_dict` (collective: every rank of every ``tp_group`` calls it).
+
+    Save: ``dcp.save(tp_sharded_state_dict(model), checkpoint_id=path)``. Load, at any
+    tensor-parallel size (1 and a single process included): ``sd =
+    tp_sharded_state_dict(model)`` (after ``init_recipe_state`` for a recipe state to fill),
+    ``dcp.load(sd, checkpoint_id=path)``, ``tp_load_sharded_state_dict(model, sd)``. Raises
+    ``NotImplementedError`` for a tensor-parallel module that is also ``fully_shard``-ed (2-D:
+    use :func:`tp_full_state_dict`)."""
+    from torch.distributed.tensor import DTensor
+
+    what = "tp_sharded_state_dict"
+    specs = _specs(module, what, parts_too=True)
+    meshes: dict[Any, Any] = {}
+    out: dict[str, Any] = {}
+    for key, v in module.state_dict().items():
+        s = specs.get(key)
+        if s is None or (s.dim is None and not s.extra):
+            out[key] = v
+            continue
+        if s.extra:
+            out[key] = _gather_extra(key, v, s, what)
+            continue
+        if isinstance(v, DTensor):
+            raise NotImplementedError(
+                f"{what}: {key!r} is tensor-parallel and fully_shard-ed (2-D); save such a "
+                "model with tp_full_state_dict"
+            )
+        assert s.dim is not None
+        pieces = v.split(s.part_sizes(v.shape[s.dim]), s.dim)
+        for name, piece in zip(_part_names(key, s), pieces, strict=True):
+            out[name] = piece if s.size == 1 else _as_dtensor(piece, s, meshes)
+    return out
+
+
+def tp_load_sharded_state_dict(
+    module: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool = True
+) -> Any:
+    """Load ``state_dict`` -- :func:`tp_sharded_state_dict` of ``module``, filled by
+    ``torch.distributed.checkpoint.load`` -- into ``module``: each entry's local shard (parts
+    put back together), and the recipe states. No communication. Returns
+    ``load_state_dict``'s result."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: Any) -> Any:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    specs = _specs(module, "tp_load_sharded_state_dict", parts_too=True)
+    out: dict[str, Any] = {}
+    taken: set[str] = set()
+    for key, s in specs.items():
+        names = _part_names(key, s)
+        if s.dim is None or len(names) == 1 or not all(n in state_dict for n in names):
+            continue
+        assert s.dim is not None
+        out[key] = torch.cat([local(state_dict[n]) for n in names], s.dim)
+        taken.update(names)
+    for key, v in state_dict.items():
+        if key not in taken:
+            out[key] = local(v)
+    return module.load_state_dict(out, strict=strict)
 
 
 def init_recipe_state(module: torch.nn.Module, recipe: Any) -> None:

@@ -22,7 +22,9 @@ from fusible.distributed import (
     init_recipe_state,
     tp_full_state_dict,
     tp_load_full_state_dict,
+    tp_load_sharded_state_dict,
     tp_shard_state_dict,
+    tp_sharded_state_dict,
 )
 
 S, H, F = 96, 96, 192  # divisible by 1, 2 and 3 (and by 2*3*16 where FP8 GEMMs align)
@@ -157,6 +159,53 @@ def tp_load(src: int) -> None:
     step(tp, full, DELAYED, 200)
     step(tp, full, None, 300)
     check_full("state after the steps", tp_full_state_dict(tp), full.state_dict(), 1e-5)
+
+
+def tpdcp_save() -> None:
+    """A sharded DCP checkpoint of the TP modules (``tp_sharded_state_dict``: each rank writes
+    its shards, no gather) after two delayed-scaling steps, and its full state dict beside it
+    (rank 0, the expected values). The dict's TP entries are DTensors that view the parameters
+    (no copy); a gated fc1 is kept half by half."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    full, tp = full_model(), tp_model()
+    tp_load_full_state_dict(tp, full.state_dict())
+    for s in (0, 100):
+        step(tp, full, DELAYED, s)
+    sd = tp_sharded_state_dict(tp)
+    if "glu.fc1_weight" in sd or "glu.fc1_weight.part1" not in sd:
+        raise AssertionError(f"the gated fc1 is not kept by halves: {sorted(sd)}")
+    w = sd["row.weight"]
+    if WORLD > 1 and not (
+        isinstance(w, DTensor) and w.to_local().data_ptr() == tp["row"].weight.data_ptr()
+    ):
+        raise AssertionError("row.weight: not a DTensor viewing the parameter")
+    dcp.save(sd, checkpoint_id=str(CKPT / f"tpdcp_w{WORLD}"))
+    want = tp_full_state_dict(tp)
+    if RANK == 0:
+        torch.save(want, CKPT / f"tpdcp_w{WORLD}_ref.pt")
+
+
+def tpdcp_load(src: int) -> None:
+    """World ``src``'s sharded checkpoint into the TP modules at this world size and into the
+    single-process modules: each gives the saved model's full state dict back bit for bit
+    (weights and recipe state), and the next steps compute what the single-process model
+    computes."""
+    import torch.distributed.checkpoint as dcp
+
+    want = torch.load(CKPT / f"tpdcp_w{src}_ref.pt", weights_only=True)
+    tp, full = tp_model(), full_model()
+    for m in (tp, full):
+        init_recipe_state(m, DELAYED)  # entries for DCP to fill
+        sd = tp_sharded_state_dict(m)
+        dcp.load(sd, checkpoint_id=str(CKPT / f"tpdcp_w{src}"))
+        tp_load_sharded_state_dict(m, sd)
+    check_full(f"TP modules from world {src}'s sharded checkpoint", tp_full_state_dict(tp), want)
+    check_full(f"single-process modules from world {src}", full.state_dict(), want)
+    step(tp, full, DELAYED, 200)
+    check_full("state after a step", tp_full_state_dict(tp), full.state_dict(), 1e-5)
 
 
 def tp_merge_unreduced() -> None:
@@ -316,11 +365,13 @@ def fsdp_load(src: int, fp8: bool = False, into_fp8: bool | None = None) -> None
 
 for _n in (1, 2, 3):
     case(f"tp_load_w{_n}")(lambda n=_n: tp_load(n))
+    case(f"tpdcp_load_w{_n}")(lambda n=_n: tpdcp_load(n))
     case(f"fsdp_load_w{_n}")(lambda n=_n: fsdp_load(n))
     case(f"fsdp8_load_w{_n}")(lambda n=_n: fsdp_load(n, fp8=True))
     # fully_shard_fp8's checkpoint is plain FSDP2's: it loads into a fully_shard model.
     case(f"fsdp_from8_w{_n}")(lambda n=_n: fsdp_load(n, fp8=True, into_fp8=False))
 case("tp_save")(tp_save)
+case("tpdcp_save")(tpdcp_save)
 case("fsdp_save")(fsdp_save)
 case("fsdp8_save")(lambda: fsdp_save(fp8=True))
 case("tp_merge_unreduced")(tp_merge_unreduced)

@@ -16,11 +16,11 @@ from _launch import check_case, run_workers
 
 TIMEOUT_S = 90
 _WORKER = Path(__file__).with_name("_ckpt_worker.py")
-_SAVE = ["tp_save", "fsdp_save", "fsdp8_save"]
+_SAVE = ["tp_save", "tpdcp_save", "fsdp_save", "fsdp8_save"]
 
 
 def _loads(w: int) -> list[str]:
-    return [f"tp_load_w{w}", f"fsdp_load_w{w}", f"fsdp8_load_w{w}"]
+    return [f"tp_load_w{w}", f"tpdcp_load_w{w}", f"fsdp_load_w{w}", f"fsdp8_load_w{w}"]
 
 
 # (world size, cases): the runs in order, each loading what the earlier ones saved. fsdp8: the
