@@ -12,7 +12,9 @@ as _tp_worker.py: ``python _fsdp_tp_worker.py RANK WORLD PORT OUT_DIR [CASES]``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import _tp_worker as base
@@ -27,8 +29,11 @@ from fusible import recipe as R
 from fusible.distributed import (
     Float8AllGatherWeight,
     fully_shard_fp8,
+    init_recipe_state,
     tp_full_state_dict,
     tp_load_full_state_dict,
+    tp_load_sharded_state_dict,
+    tp_sharded_state_dict,
 )
 
 S, H, F = base.S, base.H, base.F
@@ -361,6 +366,42 @@ def checkpoint_2d(fp8_gather: bool) -> None:
             outs[what] = [_forward(target, k, _x(k, 330)) for k in ("lnmlp", "tlayer", "grow")]
     for a, b in zip(outs["4-rank FSDP2"], outs["single process"], strict=True):
         base.close("FSDP2 vs single-process forward", a, b)
+
+
+@case("tpdcp_layers")
+def tpdcp_layers() -> None:
+    """Sharded DCP checkpoints (``tp_sharded_state_dict``) of ``TransformerLayer`` (8 heads, 4
+    K/V groups: QKV kept as its Q, K and V parts) and ``GroupedLinear`` (column, row): saved at
+    TP 4 (the whole world) from the single-process modules' state (after a delayed-scaling
+    step), loaded at TP 2 (each dp group its own TP 2 model) and into the single-process
+    modules: each gives the saved full state dict back bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    path = str(Path(sys.argv[4]) / "tpdcp_layers")
+    kinds = ("tlayer", "gcolumn", "grow")
+
+    def model(g: Any) -> torch.nn.ModuleDict:
+        return torch.nn.ModuleDict(
+            {k: MAKERS[k](g, False) if g is not None else _FULL[k]() for k in kinds}
+        )
+
+    torch.manual_seed(11)
+    full = model(None)
+    for kind in kinds:
+        x = _x(kind, 400)
+        dy = rand(*x.shape[:-1], F if kind in _COLUMN_OUT else H, seed=401)
+        base.run(full[kind], x, dy, _DELAYED, **call_kw(kind))
+    tp4 = model(dist.group.WORLD)
+    tp_load_full_state_dict(tp4, full.state_dict())
+    want = tp_full_state_dict(tp4)
+    _same_sd("TP 4 from the single-process state", want, full.state_dict())
+    dcp.save(tp_sharded_state_dict(tp4), checkpoint_id=path)
+    for what, m in (("TP 2", model(mesh2d()["tp"].get_group())), ("single process", model(None))):
+        init_recipe_state(m, _DELAYED)
+        sd = tp_sharded_state_dict(m)
+        dcp.load(sd, checkpoint_id=path)
+        tp_load_sharded_state_dict(m, sd)
+        _same_sd(f"{what} from TP 4's sharded checkpoint", tp_full_state_dict(m), want)
 
 
 case("checkpoint_2d")(lambda: checkpoint_2d(False))

@@ -32,7 +32,7 @@ CASES = [
     *(f"compile_fp8gather_{k}_{r}" for k in _KINDS for r in ("current", "delayed")),
     *(f"inductor_{k}_current" for k in _KINDS),
     "compile_row_current_sp_eager_first",
-    "checkpoint_2d", "checkpoint_2d_fp8gather",
+    "checkpoint_2d", "checkpoint_2d_fp8gather", "tpdcp_layers",
 ]  # fmt: skip
 # The compiled FP8 all-gather reads Float8Tensor weights: tested on torch >= 2.13.
 _SKIP = {} if compile_quantized_supported() else {
