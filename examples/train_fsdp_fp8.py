@@ -6,6 +6,7 @@ with one collective. GPUs through NCCL when there are enough, else the CPU throu
 
     torchrun --nproc-per-node 2 examples/train_fsdp_fp8.py [--recipe delayed|current] [--steps 20]
     python examples/train_fsdp_fp8.py --spawn 2    # the same without torchrun (CPU, gloo)
+    ... --compile    # each sharded layer under torch.compile(fullgraph=True) (torch >= 2.13)
 
 Each rank trains on its own batches of a fixed random regression task; rank 0 prints the loss
 (averaged over the ranks) every few steps and the bytes one layer's FP8 all-gather moves.
@@ -43,9 +44,13 @@ def train(
         torch.manual_seed(0)  # the same initial weights on every rank
         layers = [fusible.TransformerLayer(h, 4 * h, args.heads, device=device, dtype=dtype)
                   for _ in range(args.layers)]  # fmt: skip
-        model = torch.nn.Sequential(*layers)
         for layer in layers:
             fully_shard_fp8(layer, recipe=rec, mesh=mesh)  # FP8 gathers, scales agreed
+        # Compiled per sharded layer: FSDP2's hooks (the FP8 all-gather) run eagerly around
+        # each layer's one graph, which reads the gathered FP8 weights.
+        model = torch.nn.Sequential(
+            *(torch.compile(layer, fullgraph=True) if args.compile else layer for layer in layers)
+        )
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         target = torch.nn.Linear(h, h, device=device, dtype=dtype).requires_grad_(False)
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--spawn", type=int, default=0, help="start this many ranks (no torchrun)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each sharded layer")
     args = ap.parse_args(argv)
     if args.spawn:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

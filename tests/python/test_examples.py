@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from fusible.ops.basic.quantized_weight import compile_quantized_supported
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -41,16 +43,21 @@ def test_quantize_demo_runs(monkeypatch, capsys):
     assert capsys.readouterr().out.strip()
 
 
-@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
-def test_train_fsdp_fp8_runs(recipe_name):
+@pytest.mark.parametrize(
+    ("recipe_name", "compiled"), [("delayed", False), ("current", False), ("current", True)]
+)
+def test_train_fsdp_fp8_runs(recipe_name, compiled):
     """examples/train_fsdp_fp8.py on two CPU processes (gloo): FSDP2 with the FP8 weight
-    all-gather trains (the loss falls) and reports the bytes its gathers move."""
+    all-gather trains (the loss falls) and reports the bytes its gathers move; also with each
+    sharded layer compiled (torch >= 2.13)."""
+    if compiled and not compile_quantized_supported():
+        pytest.skip("torch.compile with FP8 weights is tested on torch >= 2.13")
     import os
     import subprocess
 
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_fsdp_fp8.py"), "--spawn", "2", "--steps", "8",
-         "--recipe", recipe_name],
+         "--recipe", recipe_name, *(["--compile"] if compiled else [])],
         env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
