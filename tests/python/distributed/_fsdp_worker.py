@@ -604,6 +604,51 @@ def compiled(kind: str, rec_name: str, backend: str = "aot_eager") -> None:
         raise AssertionError(f"{kind}: a weight was not gathered in FP8")
 
 
+def checkpointed_layers(rec_name: str) -> None:
+    """The usual FSDP2 recipe for a transformer: a stack of layers, each ``fully_shard_fp8``-ed,
+    wrapped in torch's ``checkpoint_wrapper`` (activation checkpointing, non-reentrant) and
+    compiled on its own (``nn.Module.compile``, ``aot_eager``), the root ``fully_shard``-ed;
+    three AdamW steps against the same stack without checkpointing: outputs bit for bit (the
+    recomputation in backward, whose FSDP2 re-gather casts with its forward's scale, changes
+    nothing)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    rec = R.Float8CurrentScaling() if rec_name == "current" else R.DelayedScaling()
+
+    def build(ac: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        layers = [fusible.TransformerLayer(H, F, 4) for _ in range(2)]
+        model = torch.nn.Sequential(*layers)
+        for i, layer in enumerate(layers):
+            fully_shard_fp8(layer, recipe=rec, mesh=mesh())
+            if ac:
+                model[i] = checkpoint_wrapper(layer)
+            model[i].compile(backend="aot_eager")
+        fully_shard(model, mesh=mesh())
+        return model
+
+    outs = []
+    for ac in (False, True):
+        model = build(ac)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ys = []
+        for k in range(3):
+            x = rand(2, S // 2, H, seed=130 + 10 * k + base.RANK)
+            with fusible.autocast(recipe=rec):
+                y = model(x)
+            y.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ys.append(y.detach())
+        outs.append(ys)
+    for k, (a, b) in enumerate(zip(*outs, strict=True)):
+        exact(f"checkpointed {rec_name} step {k} output", b, a)
+
+
+for _rec in ("current", "delayed"):
+    case(f"checkpointed_layers_{_rec}")(lambda r=_rec: checkpointed_layers(r))
+
+
 def gather_specs(m: torch.nn.Module) -> list[Any]:
     """The gather specs of ``m``'s converted weights."""
     return [p.to_local()._spec for p in m.parameters()
