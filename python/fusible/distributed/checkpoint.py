@@ -35,6 +35,7 @@ group's first rank.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -65,11 +66,14 @@ class _Split:
     parts: tuple[int, ...] = (1,)
     extra: bool = False
 
-    def part_sizes(self, n: int) -> list[int]:
-        """The sizes of the parts of a length ``n`` along ``dim``."""
+    def part_sizes(self, n: int, key: str) -> list[int]:
+        """The sizes of the parts of entry ``key``'s length ``n`` along ``dim``."""
         total = sum(self.parts)
         if n % total:
-            raise ValueError(f"does not split into parts of relative sizes {self.parts}")
+            raise ValueError(
+                f"{key!r}: length {n} along dim {self.dim} does not split into parts of "
+                f"relative sizes {self.parts}"
+            )
         return [n // total * w for w in self.parts]
 
 
@@ -92,8 +96,11 @@ def _specs(module: torch.nn.Module, what: str, parts_too: bool = False) -> dict[
     for path, m in module.named_modules():
         if isinstance(m, MultiheadAttention):
             child = "layernorm_qkv" if m.input_layernorm else "qkv"
-            g = m.num_gqa_groups
-            qkv_parts[f"{path}.{child}" if path else child] = (m.num_attention_heads, g, g)
+            # In lowest terms: tp divides both counts, hence their gcd, so a rank's local
+            # length (heads + 2 groups) / tp * kv_channels always splits in these parts.
+            heads, g = m.num_attention_heads, m.num_gqa_groups
+            d = math.gcd(heads, g)
+            qkv_parts[f"{path}.{child}" if path else child] = (heads // d, g // d, g // d)
     for path, m in module.named_modules():
         tp = getattr(m, "tp", None)
         active = tp is not None and getattr(tp, "active", False)
@@ -219,14 +226,15 @@ def tp_full_state_dict(
     rank of that mesh takes part). Recipe states: see the module docstring. Raises
     ``NotImplementedError`` for other tensor-parallel modules and quantized weights.
 
-    As torch's ``StateDictOptions``: ``cpu_offload`` moves each full tensor to the CPU as soon
-    as it is made (the accelerator holds one gathered entry at a time, not the whole model);
-    ``rank0_only`` returns an empty dict on every rank but the global rank 0, which keeps
-    nothing else either (every rank still takes part in the gathers)."""
+    ``cpu_offload`` moves each full tensor to the CPU as soon as it is made (the accelerator
+    holds one gathered entry at a time, not the whole model); ``rank0_only`` returns an empty
+    dict on every rank but the global rank 0 (every rank still takes part in the gathers; no
+    effect without a process group). Together they are what torch's ``StateDictOptions(
+    full_state_dict=True, cpu_offload=True)`` gives for DTensor state dicts."""
     what = "tp_full_state_dict"
     import torch.distributed as dist
 
-    keep = not rank0_only or dist.get_rank() == 0
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     specs = _specs(module, what)
     out: dict[str, Any] = {}
     for key, v in module.state_dict().items():
@@ -238,7 +246,7 @@ def tp_full_state_dict(
             full = _gather_extra(key, v, s, what)
         else:
             assert s.dim is not None
-            blocks = [p.split(s.part_sizes(p.shape[s.dim]), s.dim) for p in _gather(v, s)]
+            blocks = [p.split(s.part_sizes(p.shape[s.dim], key), s.dim) for p in _gather(v, s)]
             full = torch.cat([b[i] for i in range(len(s.parts)) for b in blocks], s.dim)
         if keep:
             out[key] = _to_cpu(full) if cpu_offload else full
@@ -283,7 +291,7 @@ def tp_shard_state_dict(module: torch.nn.Module, state_dict: Mapping[str, Any]) 
                 f"{want.shape[s.dim] * s.size if v.dim() == want.dim() else '?'} along dim {s.dim}"
             )
         n = v.shape[s.dim]
-        sizes = s.part_sizes(n) if n % sum(s.parts) == 0 else []
+        sizes = s.part_sizes(n, key) if n % sum(s.parts) == 0 else []
         if not sizes or any(p % s.size for p in sizes):
             raise ValueError(
                 f"{what}: {key!r} ({tuple(v.shape)}) does not split into parts of relative "
@@ -339,8 +347,11 @@ def tp_sharded_state_dict(module: torch.nn.Module) -> dict[str, Any]:
     copy), so DCP writes each rank's shard and reads back whichever shard a rank of another
     size needs. An entry made of parts (a gated fc1: its two halves; a fused QKV projection: Q,
     K and V) is kept part by part under ``<key>.part<i>``, at every tensor-parallel size (also
-    in a module that is not tensor-parallel): a rank holds its block of each part, which is not
-    one block of the whole. Recipe states are merged over the group as in
+    in a module that is neither tensor-parallel nor ``fully_shard``-ed): a rank holds its block
+    of each part, which is not one block of the whole. FSDP2 ``DTensor`` entries pass as they
+    are (DCP reshards them itself), so a ``fully_shard``-ed module with parts keeps them whole:
+    its checkpoint loads into ``fully_shard``-ed models, not into TP or single-process ones.
+    Recipe states are merged over the group as in
     :func:`tp_full_state_dict` (collective: every rank of every ``tp_group`` calls it).
 
     Save: ``dcp.save(tp_sharded_state_dict(model), checkpoint_id=path)``. Load, at any
@@ -364,12 +375,15 @@ def tp_sharded_state_dict(module: torch.nn.Module) -> dict[str, Any]:
             out[key] = _gather_extra(key, v, s, what)
             continue
         if isinstance(v, DTensor):
-            raise NotImplementedError(
-                f"{what}: {key!r} is tensor-parallel and fully_shard-ed (2-D); save such a "
-                "model with tp_full_state_dict"
-            )
+            if s.size > 1:
+                raise NotImplementedError(
+                    f"{what}: {key!r} is tensor-parallel and fully_shard-ed (2-D); save such a "
+                    "model with tp_full_state_dict"
+                )
+            out[key] = v  # FSDP2 alone: DCP reshards it whole (see the docstring)
+            continue
         assert s.dim is not None
-        pieces = v.split(s.part_sizes(v.shape[s.dim]), s.dim)
+        pieces = v.split(s.part_sizes(v.shape[s.dim], key), s.dim)
         for name, piece in zip(_part_names(key, s), pieces, strict=True):
             out[name] = piece if s.size == 1 else _as_dtensor(piece, s, meshes)
     return out
@@ -384,10 +398,18 @@ def tp_load_sharded_state_dict(
     ``load_state_dict``'s result."""
     from torch.distributed.tensor import DTensor
 
-    def local(t: Any) -> Any:
-        return t.to_local() if isinstance(t, DTensor) else t
-
     specs = _specs(module, "tp_load_sharded_state_dict", parts_too=True)
+    made: dict[str, tuple[str, _Split]] = {}  # checkpoint key -> (entry, split) for TP entries
+    for key, s in specs.items():
+        if s.dim is not None and not s.extra:
+            made.update({n: (key, s) for n in _part_names(key, s)})
+
+    def local(name: str, t: Any) -> Any:
+        # Only the DTensors tp_sharded_state_dict made (TP shards) become their local shard;
+        # FSDP2's stay DTensors, which its parameters load from.
+        tp = name in made and made[name][1].size > 1
+        return t.to_local() if tp and isinstance(t, DTensor) else t
+
     out: dict[str, Any] = {}
     taken: set[str] = set()
     for key, s in specs.items():
@@ -395,11 +417,11 @@ def tp_load_sharded_state_dict(
         if s.dim is None or len(names) == 1 or not all(n in state_dict for n in names):
             continue
         assert s.dim is not None
-        out[key] = torch.cat([local(state_dict[n]) for n in names], s.dim)
+        out[key] = torch.cat([local(n, state_dict[n]) for n in names], s.dim)
         taken.update(names)
     for key, v in state_dict.items():
         if key not in taken:
-            out[key] = local(v)
+            out[key] = local(key, v)
     return module.load_state_dict(out, strict=strict)
 
 

@@ -127,25 +127,25 @@ class QuantizedTensor(torch.Tensor):
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         """The inner tensors' attribute names, and what rebuilds the tensor around them: the
         container type and its own context (FP8 dtype, shape, ...), which of its tensors are
-        present, and the nominal dtype. Not the quantizer: dynamo guards on this context by
-        equality, and a traced graph only reads the tensors (a rebuilt one has none: copy_
-        raises)."""
+        present, the nominal dtype, and the quantizer by identity (``_Ref``: dynamo guards on a
+        deep copy of this context by equality, which a quantizer object would fail; a rebuilt
+        tensor keeps its quantizer, so ``copy_`` re-quantizes in compiled code too)."""
         children, context = pytree.SUPPORTED_NODES[type(self._qdata)].flatten_fn(self._qdata)
         present = tuple(i for i, t in enumerate(children) if t is not None)
         names = [f"_inner{i}" for i in present]
-        ctx = (type(self._qdata), context, present, len(children), self.dtype)
-        return names, ctx
+        ref = _Ref(self._quantizer)
+        return names, (type(self._qdata), context, present, len(children), self.dtype, ref)
 
     @staticmethod
     def __tensor_unflatten__(
         inner: dict[str, torch.Tensor], ctx: Any, outer_size: Any, outer_stride: Any
     ) -> QuantizedTensor:
-        data_cls, context, present, n, dtype = ctx
+        data_cls, context, present, n, dtype, ref = ctx
         children: list[Any] = [None] * n
         for i in present:
             children[i] = inner[f"_inner{i}"]
         qdata = pytree.SUPPORTED_NODES[data_cls].unflatten_fn(children, context)
-        return QuantizedTensor.wrap(qdata, dtype=dtype)
+        return QuantizedTensor.wrap(qdata, dtype=dtype, quantizer=ref.obj)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (
@@ -221,6 +221,28 @@ class QuantizedTensor(torch.Tensor):
             return t.dequantize() if isinstance(t, QuantizedTensor) else t
 
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+class _Ref:
+    """An object held by identity in a flatten context (equal only to a reference to the same
+    object), so that dynamo's guard on the context compares it by identity."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Ref) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __deepcopy__(self, memo: Any) -> _Ref:
+        return self  # dynamo keeps a deep copy of the context to guard on: the same object
+
+    def __repr__(self) -> str:
+        return f"_Ref({type(self.obj).__name__})"
 
 
 def _is_identity_view(src: QuantizedTensor, args: Any, kwargs: dict[str, Any]) -> bool:

@@ -208,6 +208,60 @@ def tpdcp_load(src: int) -> None:
     check_full("state after a step", tp_full_state_dict(tp), full.state_dict(), 1e-5)
 
 
+def _layer(**kw: Any) -> torch.nn.Module:
+    # 12 heads, 6 K/V groups, head dim 8: at TP 3 a rank's QKV rows (4 + 2 + 2 heads of 8) are
+    # no multiple of 12 + 6 + 6, only of the parts in lowest terms (2, 1, 1).
+    return fusible.TransformerLayer(H, F, 12, num_gqa_groups=6, attn_input_format="sbhd", **kw)
+
+
+def tp_layer() -> None:
+    """A GQA TransformerLayer at this world size: the single-process state dict goes in
+    (tp_load_full_state_dict) and comes back out bit for bit through tp_full_state_dict, and
+    through a sharded DCP save (tp_sharded_state_dict) loaded into the single-process layer."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(3)
+    sd = _layer().state_dict()
+    tp = _layer(tp_group=dist.group.WORLD)
+    tp_load_full_state_dict(tp, sd)
+    check_full("TP layer round trip", tp_full_state_dict(tp), sd)
+    path = str(CKPT / f"tl_w{WORLD}")
+    dcp.save(tp_sharded_state_dict(tp), checkpoint_id=path)
+    one = _layer()
+    got = tp_sharded_state_dict(one)
+    dcp.load(got, checkpoint_id=path)
+    tp_load_sharded_state_dict(one, got)
+    check_full("single-process layer from the sharded checkpoint", one.state_dict(), sd)
+
+
+def tpdcp_mixed() -> None:
+    """A model of a TP Linear and a fully_shard-ed gated LayerNormMLP (FSDP2 alone: its
+    DTensors pass through whole, DCP reshards them): saved sharded and loaded into the same
+    layout, every full tensor bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def build() -> torch.nn.ModuleDict:
+        m = torch.nn.ModuleDict({
+            "tp": fusible.Linear(H, F, tp_group=dist.group.WORLD, parallel_mode="column"),
+            "mlp": fusible.LayerNormMLP(H, F, activation="swiglu")})  # fmt: skip
+        fully_shard(m["mlp"], mesh=init_device_mesh("cpu", (WORLD,)))
+        return m
+
+    torch.manual_seed(5)
+    src = build()
+    want = tp_full_state_dict(src)
+    path = str(CKPT / f"mixed_w{WORLD}")
+    dcp.save(tp_sharded_state_dict(src), checkpoint_id=path)
+    torch.manual_seed(6)
+    dst = build()
+    sd = tp_sharded_state_dict(dst)
+    dcp.load(sd, checkpoint_id=path)
+    tp_load_sharded_state_dict(dst, sd)
+    check_full("mixed TP / FSDP2 model from its sharded checkpoint", tp_full_state_dict(dst), want)
+
+
 def tp_merge_unreduced() -> None:
     """Without ``amax_reduction_group`` the ranks' delayed-scaling states differ (each saw its
     shard's amaxes); the gathered state (amax histories max-, scales min-reduced) is still the
@@ -372,6 +426,8 @@ for _n in (1, 2, 3):
     case(f"fsdp_from8_w{_n}")(lambda n=_n: fsdp_load(n, fp8=True, into_fp8=False))
 case("tp_save")(tp_save)
 case("tpdcp_save")(tpdcp_save)
+case("tp_layer")(tp_layer)
+case("tpdcp_mixed")(tpdcp_mixed)
 case("fsdp_save")(fsdp_save)
 case("fsdp8_save")(lambda: fsdp_save(fp8=True))
 case("tp_merge_unreduced")(tp_merge_unreduced)

@@ -118,17 +118,21 @@ def sharded_grads_then_step(
     reassociates; through attention's backward for a QKV bias) within 1e-4 of the larger of 1
     and the largest value (a wrong gradient is off by O(1)), and the parameters re-synchronised
     after the step; everything else bit for bit."""
+    loose = {n for n, _ in comp.named_parameters() if backend == "inductor" and n.endswith("bias")}
     for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
-        loose = backend == "inductor" and n.endswith("bias")
-        (close if loose else exact)(f"{tag} grad {n}", p.grad.to_local(), q.grad.to_local())
+        got, want = p.grad.to_local(), q.grad.to_local()
+        close(f"{tag} grad {n}", got, want, 1e-4) if n in loose else exact(
+            f"{tag} grad {n}", got, want
+        )
     for o in opts:
         o.step()
         o.zero_grad()
     for (n, p), q in zip(comp.named_parameters(), eager.parameters(), strict=True):
-        if backend == "inductor":
+        if n in loose:  # its gradient differed in the last ulps: start the next step equal
             with torch.no_grad():
                 p.to_local().copy_(q.to_local())
-        exact(f"{tag} {n} after the step", p.to_local(), q.to_local())
+        else:
+            exact(f"{tag} {n} after the step", p.to_local(), q.to_local())
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 

@@ -26,9 +26,9 @@ def _loads(w: int) -> list[str]:
 # (world size, cases): the runs in order, each loading what the earlier ones saved. fsdp8: the
 # modules under fully_shard_fp8 (FP8 weight all-gather).
 RUNS: list[tuple[int, list[str]]] = [
-    (2, [*_SAVE, "tp_merge_unreduced", "tp_bad_shapes"]),
-    (3, [*_loads(2), *_SAVE, "tp_merge_unreduced", "tp_bad_shapes"]),
-    (1, [*_loads(2), *_loads(3), "fsdp_from8_w2", *_SAVE]),
+    (2, [*_SAVE, "tp_merge_unreduced", "tp_bad_shapes", "tp_layer", "tpdcp_mixed"]),
+    (3, [*_loads(2), *_SAVE, "tp_merge_unreduced", "tp_bad_shapes", "tp_layer"]),
+    (1, [*_loads(2), *_loads(3), "fsdp_from8_w2", *_SAVE, "tp_layer"]),
     (2, [*_loads(3), *_loads(1), "fsdp_from8_w3"]),
 ]
 CASES = [(i, name) for i, (_, names) in enumerate(RUNS) for name in names]

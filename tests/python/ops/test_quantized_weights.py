@@ -879,6 +879,44 @@ def test_compile_on_older_torch_raises_a_clear_error():
     assert "needs torch >= 2.13" in _error_chain(excinfo.value)
 
 
+def test_compile_gate_raises_a_clear_error(monkeypatch):
+    """The torch-version gate, forced shut on this torch: the compiled forward raises naming the
+    op and the torch it needs (the path every torch < 2.13 takes)."""
+    from fusible.ops.basic import quantized_weight
+
+    monkeypatch.setattr(quantized_weight, "COMPILE_QUANTIZED_MIN_TORCH", (99, 0))
+    rec = QRECIPES["current"]
+    compiled = torch.compile(_build("sequential", rec), fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as excinfo, fusible.autocast(recipe=rec):
+        compiled(torch.randn(TOKENS, HIDDEN, dtype=BF16))
+    chain = _error_chain(excinfo.value)
+    assert "BasicLinear: torch.compile with quantized weights" in chain
+    assert "needs torch >= 99.0" in chain
+    torch._dynamo.reset()
+
+
+@needs_compile_support
+def test_compiled_code_keeps_the_quantizer():
+    """A quantized weight rebuilt inside compiled code keeps its quantizer (held by identity in
+    the flatten context): ``copy_`` re-quantizes under torch.compile as eagerly, and a weight
+    returned from compiled code can be re-quantized after."""
+    model = _build("linear", QRECIPES["current"], dtype=torch.float32)
+    w = _linears(model)[0].weight
+    src = torch.randn(w.shape)
+    want = copy.deepcopy(w).detach()
+    want.copy_(src)
+    torch._dynamo.reset()
+    out = torch.compile(lambda t: t.detach().clone(), backend="aot_eager")(w)
+    assert isinstance(out, QuantizedTensor) and out.quantizer is w.quantizer
+    out.copy_(src)
+    _assert_same_qdata(out.qdata, want.qdata, "returned, then copy_")
+    twin = copy.deepcopy(w).detach()
+    torch.compile(lambda t, v: t.copy_(v), backend="aot_eager")(twin, src)
+    _assert_same_qdata(twin.qdata, want.qdata, "copy_ compiled")
+    torch._dynamo.reset()
+
+
 def _compiled_step(compiled, model, x, dy, rec):
     """``_step`` through ``compiled`` (an OptimizedModule of ``model``), the gradients named as
     ``model`` names them."""
