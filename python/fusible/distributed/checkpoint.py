@@ -91,7 +91,8 @@ def _specs(module: torch.nn.Module, what: str, parts_too: bool = False) -> dict[
 
     out: dict[str, _Split] = {}
     # A fused QKV projection holds its rank's block of Q, of K and of V (each rank whole heads
-    # and K/V groups): its rows split in those three parts.
+    # and K/V groups): its rows split in those three parts. named_modules() visits the
+    # attention before its QKV module.
     qkv_parts: dict[str, tuple[int, ...]] = {}
     for path, m in module.named_modules():
         if isinstance(m, MultiheadAttention):
@@ -101,7 +102,6 @@ def _specs(module: torch.nn.Module, what: str, parts_too: bool = False) -> dict[
             heads, g = m.num_attention_heads, m.num_gqa_groups
             d = math.gcd(heads, g)
             qkv_parts[f"{path}.{child}" if path else child] = (heads // d, g // d, g // d)
-    for path, m in module.named_modules():
         tp = getattr(m, "tp", None)
         active = tp is not None and getattr(tp, "active", False)
         pre = f"{path}." if path else ""
@@ -290,9 +290,8 @@ def tp_shard_state_dict(module: torch.nn.Module, state_dict: Mapping[str, Any]) 
                 f"holds {tuple(want.shape)} per rank, so the full tensor needs "
                 f"{want.shape[s.dim] * s.size if v.dim() == want.dim() else '?'} along dim {s.dim}"
             )
-        n = v.shape[s.dim]
-        sizes = s.part_sizes(n, key) if n % sum(s.parts) == 0 else []
-        if not sizes or any(p % s.size for p in sizes):
+        sizes = s.part_sizes(v.shape[s.dim], key)  # raises, naming the key, if no parts fit
+        if any(p % s.size for p in sizes):
             raise ValueError(
                 f"{what}: {key!r} ({tuple(v.shape)}) does not split into parts of relative "
                 f"sizes {s.parts}, each into {s.size} blocks, along dim {s.dim}"
@@ -331,12 +330,9 @@ def _as_dtensor(piece: torch.Tensor, s: _Split, meshes: dict[Any, Any]) -> Any:
         mesh = meshes[s.group] = DeviceMesh.from_group(s.group, piece.device.type)
     shape = list(piece.shape)
     shape[s.dim] *= s.size
-    stride, n = [], 1
-    for d in reversed(shape):
-        stride.append(n)
-        n *= d
+    full = torch.empty(shape, device="meta")  # the whole part's shape and contiguous strides
     return DTensor.from_local(piece, mesh, [Shard(s.dim)], run_check=False,
-                              shape=torch.Size(shape), stride=tuple(reversed(stride)))  # fmt: skip
+                              shape=full.shape, stride=full.stride())  # fmt: skip
 
 
 def tp_sharded_state_dict(module: torch.nn.Module) -> dict[str, Any]:

@@ -246,17 +246,13 @@ class _Ref:
 
 
 def _is_identity_view(src: QuantizedTensor, args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether ``as_strided(src, size, stride, offset)`` is ``src`` itself: its shape, the
-    contiguous strides of that shape, offset 0."""
+    """Whether ``as_strided(src, size, stride, offset)`` is ``src`` itself: its shape, its
+    strides (a QuantizedTensor's are those of a contiguous tensor of its shape), offset 0."""
     params = list(args[1:]) + [kwargs.get(k) for k in ("size", "stride", "storage_offset")
                                if k in kwargs]  # fmt: skip
     size, stride = tuple(params[0]), tuple(params[1])
     offset = params[2] if len(params) > 2 and params[2] is not None else 0
-    contiguous, n = [], 1
-    for d in reversed(size):
-        contiguous.append(n)
-        n *= max(int(d), 1)
-    return size == tuple(src.shape) and stride == tuple(reversed(contiguous)) and offset == 0
+    return size == tuple(src.shape) and stride == tuple(src.stride()) and offset == 0
 
 
 def _copy_into(dst: QuantizedData, src: QuantizedData) -> None:

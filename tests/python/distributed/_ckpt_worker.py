@@ -14,7 +14,7 @@ from typing import Any
 import _tp_worker as base
 import torch
 import torch.distributed as dist
-from _tp_worker import close, exact, rand
+from _tp_worker import check_full, close, exact, rand
 
 import fusible
 from fusible import recipe as R
@@ -103,18 +103,6 @@ def step(
         (y, dx), (yf, dxf) = outs
         close(f"{name} y vs full", y, _local_out(name, yf), tol)
         close(f"{name} dx vs full", dx, _local_in(name, dxf), tol)
-
-
-def check_full(what: str, got: dict[str, Any], want: dict[str, Any], tol: float = 0.0) -> None:
-    if sorted(got) != sorted(want):
-        raise AssertionError(f"{what}: keys {sorted(got)} != {sorted(want)}")
-    for k, v in want.items():
-        if isinstance(v, dict):
-            check_full(f"{what} {k}", got[k], v, tol)
-        elif tol:
-            close(f"{what} {k}", got[k], v, tol)
-        else:
-            exact(f"{what} {k}", got[k], v)
 
 
 def tp_save() -> None:

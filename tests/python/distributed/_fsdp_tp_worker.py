@@ -20,7 +20,7 @@ from typing import Any
 import _tp_worker as base
 import torch
 import torch.distributed as dist
-from _tp_worker import RECIPES, exact, rand
+from _tp_worker import RECIPES, check_full, exact, rand
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -261,25 +261,6 @@ def _x(kind: str, seed: int) -> torch.Tensor:
     return x.view(-1, 2, H) if kind == "tlayer" else x
 
 
-def _qkv_rows(r: int, tp: int) -> torch.Tensor:
-    """TP rank ``r``'s rows of the layer's full QKV weight (8 heads, 4 groups, head dim 8):
-    its block of Q's rows, of K's and of V's."""
-    q, kv = 8 * (H // 8), 4 * (H // 8)
-    blk = lambda n, off: torch.arange(n)[r * n // tp : (r + 1) * n // tp] + off  # noqa: E731
-    return torch.cat([blk(q, 0), blk(kv, q), blk(kv, q + kv)])
-
-
-def _same_sd(what: str, got: dict[str, Any], want: dict[str, Any]) -> None:
-    """Two full state dicts: the same keys, every tensor (recipe states included) bit for bit."""
-    if sorted(got) != sorted(want):
-        raise AssertionError(f"{what}: keys {sorted(got)} != {sorted(want)}")
-    for k, v in want.items():
-        if isinstance(v, dict):
-            _same_sd(f"{what} {k}", got[k], v)
-        elif isinstance(v, torch.Tensor):
-            exact(f"{what} {k}", got[k], v)
-
-
 def _forward(m: torch.nn.ModuleDict, kind: str, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad(), fusible.autocast(recipe=_DELAYED):
         return m[kind](x, **call_kw(kind))
@@ -330,8 +311,8 @@ def checkpoint_2d(fp8_gather: bool) -> None:
     for key in ("tlayer.self_attention.layernorm_qkv.weight",
                 "tlayer.self_attention.layernorm_qkv.bias"):  # fmt: skip
         exact(f"2-D {key}: this tp rank's Q, K and V", local[key].full_tensor(),
-              sd[key][_qkv_rows(tp_rank, TP)])  # fmt: skip
-    _same_sd("2-D round trip", tp_full_state_dict(m2d), sd)
+              sd[key][base.qkv_rows(tp_rank, TP, 8, 4, H // 8)])  # fmt: skip
+    check_full("2-D round trip", tp_full_state_dict(m2d), sd)
     for kind in () if fp8_gather else _FULL:
         x = _x(kind, 310)
         y_full = _forward(full, kind, x)
@@ -347,7 +328,7 @@ def checkpoint_2d(fp8_gather: bool) -> None:
     # The options: rank 0 alone holds it (on the CPU), the same bits.
     small = tp_full_state_dict(m2d, cpu_offload=True, rank0_only=True)
     if dist.get_rank() == 0:
-        _same_sd("rank0_only / cpu_offload", small, saved)
+        check_full("rank0_only / cpu_offload", small, saved)
         if any(t.device.type != "cpu" for t in small.values() if isinstance(t, torch.Tensor)):
             raise AssertionError("cpu_offload left a tensor off the CPU")
     elif small:
@@ -361,7 +342,7 @@ def checkpoint_2d(fp8_gather: bool) -> None:
     outs = {}
     for what, target in targets.items():
         tp_load_full_state_dict(target, saved)
-        _same_sd(f"{what} round trip", tp_full_state_dict(target), saved)
+        check_full(f"{what} round trip", tp_full_state_dict(target), saved)
         if what != "4-rank TP":
             outs[what] = [_forward(target, k, _x(k, 330)) for k in ("lnmlp", "tlayer", "grow")]
     for a, b in zip(outs["4-rank FSDP2"], outs["single process"], strict=True):
@@ -394,14 +375,14 @@ def tpdcp_layers() -> None:
     tp4 = model(dist.group.WORLD)
     tp_load_full_state_dict(tp4, full.state_dict())
     want = tp_full_state_dict(tp4)
-    _same_sd("TP 4 from the single-process state", want, full.state_dict())
+    check_full("TP 4 from the single-process state", want, full.state_dict())
     dcp.save(tp_sharded_state_dict(tp4), checkpoint_id=path)
     for what, m in (("TP 2", model(mesh2d()["tp"].get_group())), ("single process", model(None))):
         init_recipe_state(m, _DELAYED)
         sd = tp_sharded_state_dict(m)
         dcp.load(sd, checkpoint_id=path)
         tp_load_sharded_state_dict(m, sd)
-        _same_sd(f"{what} from TP 4's sharded checkpoint", tp_full_state_dict(m), want)
+        check_full(f"{what} from TP 4's sharded checkpoint", tp_full_state_dict(m), want)
 
 
 case("checkpoint_2d")(lambda: checkpoint_2d(False))

@@ -207,17 +207,10 @@ def _tl_full_params(seed: int) -> dict[str, torch.Tensor]:
     }  # fmt: skip
 
 
-def _qkv_rows(r: int, world: int) -> torch.Tensor:
-    """Rank r's rows of the full QKV weight: its block of Q's heads, of K's and of V's groups."""
-    q, kv = HEADS * D, GROUPS * D
-    blk = lambda n, off: torch.arange(n)[r * n // world : (r + 1) * n // world] + off  # noqa: E731
-    return torch.cat([blk(q, 0), blk(kv, q), blk(kv, q + kv)])
-
-
 def _load_tl(m: Any, p: dict[str, torch.Tensor], r: int | None) -> None:
     """Full weights (r None) or rank r's shards, by TransformerEngine's state_dict names."""
     w = base.WORLD
-    rows = slice(None) if r is None else _qkv_rows(r, w)
+    rows = slice(None) if r is None else base.qkv_rows(r, w, HEADS, GROUPS, D)
     c = slice(None) if r is None else base.cols(HEADS * D, r)
     f = slice(None) if r is None else base.cols(F, r)
     sd = {
@@ -266,7 +259,7 @@ def transformer_layer(rec_name: str, sp: bool) -> None:
         for k, v in _te_params(full).items():
             gk = v.grad
             if k in ("self_attention.layernorm_qkv.weight", "self_attention.layernorm_qkv.bias"):
-                gk = gk[_qkv_rows(r, base.WORLD)]
+                gk = gk[base.qkv_rows(r, base.WORLD, HEADS, GROUPS, D)]
             elif k in ("layernorm_mlp.fc1_weight", "layernorm_mlp.fc1_bias"):
                 gk = gk[base.cols(F, r)]
             elif k in ("self_attention.proj.weight", "layernorm_mlp.fc2_weight"):

@@ -108,6 +108,28 @@ def same_step(
         exact(f"{tag} grad {n}", got, want)
 
 
+def check_full(what: str, got: dict[str, Any], want: dict[str, Any], tol: float = 0.0) -> None:
+    """Two state dicts: the same keys, every tensor (recipe-state dicts' too) bit for bit, or
+    within ``tol`` (:func:`close`) when given."""
+    if sorted(got) != sorted(want):
+        raise AssertionError(f"{what}: keys {sorted(got)} != {sorted(want)}")
+    for k, v in want.items():
+        if isinstance(v, dict):
+            check_full(f"{what} {k}", got[k], v, tol)
+        elif tol:
+            close(f"{what} {k}", got[k], v, tol)
+        elif isinstance(v, torch.Tensor):
+            exact(f"{what} {k}", got[k], v)
+
+
+def qkv_rows(r: int, tp: int, heads: int, groups: int, head_dim: int) -> torch.Tensor:
+    """TP rank ``r``'s rows of a full fused QKV weight (rows ``[Q; K; V]``): its block of Q's
+    heads, of K's groups and of V's groups."""
+    q, kv = heads * head_dim, groups * head_dim
+    blk = lambda n, off: torch.arange(n)[r * n // tp : (r + 1) * n // tp] + off  # noqa: E731
+    return torch.cat([blk(q, 0), blk(kv, q), blk(kv, q + kv)])
+
+
 def sharded_grads_then_step(
     tag: str, comp: torch.nn.Module, eager: torch.nn.Module, opts: list[Any], backend: str
 ) -> int:
