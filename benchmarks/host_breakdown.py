@@ -56,7 +56,7 @@ class _Record(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _step(variant: str, device: str) -> Callable[[], None]:
+def _step(variant: str, device: str, phases: dict[str, float] | None = None) -> Callable[[], None]:
     import fusible
     from fusible import ops, recipe
 
@@ -83,7 +83,54 @@ def _step(variant: str, device: str) -> Callable[[], None]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return step
+    def timed_step() -> None:
+        assert phases is not None
+        t0 = time.perf_counter()
+        with fusible.autocast(enabled=rec is not None, recipe=rec):
+            y = m(x)
+        t1 = time.perf_counter()
+        y.float().sum().backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        phases["forward"] += t1 - t0
+        phases["backward"] += t2 - t1
+        phases["optimizer"] += t3 - t2
+
+    return step if phases is None else timed_step
+
+
+def phases(variant: str, device: str, iters: int) -> dict[str, Any]:
+    """Host microseconds a step spends in its forward, its backward (``loss.backward()``, the
+    autograd engine included) and the optimizer (``step`` and ``zero_grad``), steps back to back
+    with one synchronize at the end; and the CUDA runtime calls one step makes (torch.profiler's
+    CPU-side ``cuda*`` / ``cu*`` events: launches, memsets, queries) with their host time."""
+    acc: dict[str, float] = collections.defaultdict(float)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    step = _step(variant, device, acc)
+    for _ in range(30):
+        step()
+    sync()
+    acc.clear()
+    for _ in range(iters):
+        step()
+    sync()
+    out: dict[str, Any] = {"variant": variant, **{k: v / iters * 1e6 for k, v in acc.items()}}
+    if device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            sync()
+        runtime: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu"):
+                runtime[e.name][0] += 1 / 5
+                runtime[e.name][1] += e.cpu_time_total / 5
+        out["runtime_calls"] = {k: {"calls": v[0], "us": v[1]} for k, v in runtime.items()}
+    return out
 
 
 def _loop_us(func: Any, args: Any, kwargs: Any, iters: int, sync: Callable[[], None]) -> float:
@@ -168,11 +215,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--phases", action="store_true",
+                    help="time forward / backward / optimizer apart, count CUDA runtime calls")
     ap.add_argument("--out", default=None, help="write host_breakdown_<gpu>.json into this folder")
     args = ap.parse_args()
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.phases:
+        rows = [phases(v, device, args.iters) for v in ("torch", *RECIPES)]
+        print(f"host us per step by phase, {T} tokens, hidden {H}, {device}")
+        for r in rows:
+            rt = r.get("runtime_calls", {})
+            n = sum(c["calls"] for c in rt.values())
+            us = sum(c["us"] for c in rt.values())
+            print(f"{r['variant']:10} forward {r['forward']:7.0f} backward {r['backward']:7.0f} "
+                  f"optimizer {r['optimizer']:6.0f}  CUDA runtime calls {n:5.1f} ({us:6.0f} us)")
+            for k, c in sorted(rt.items(), key=lambda kv: -kv[1]["us"]):
+                print(f"    {c['calls']:5.1f} x {k} {c['us']:7.1f} us")
+        if args.out:
+            payload = {"env": environment(), "device": device, "tokens": T, "phases": rows}
+            print("wrote", write_json("host_phases", payload, args.out))
+        return
     results = [measure(v, device, args.iters) for v in ("torch", *RECIPES)]
     print(
         f"host time per step, {T} tokens, hidden {H}, {device}: the step against its "
