@@ -215,8 +215,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--phases", action="store_true",
-                    help="time forward / backward / optimizer apart, count CUDA runtime calls")
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="time forward / backward / optimizer apart, count CUDA runtime calls",
+    )
     ap.add_argument("--out", default=None, help="write host_breakdown_<gpu>.json into this folder")
     args = ap.parse_args()
     device = args.device
@@ -229,8 +232,10 @@ def main() -> None:
             rt = r.get("runtime_calls", {})
             n = sum(c["calls"] for c in rt.values())
             us = sum(c["us"] for c in rt.values())
-            print(f"{r['variant']:10} forward {r['forward']:7.0f} backward {r['backward']:7.0f} "
-                  f"optimizer {r['optimizer']:6.0f}  CUDA runtime calls {n:5.1f} ({us:6.0f} us)")
+            print(
+                f"{r['variant']:10} forward {r['forward']:7.0f} backward {r['backward']:7.0f} "
+                f"optimizer {r['optimizer']:6.0f}  CUDA runtime calls {n:5.1f} ({us:6.0f} us)"
+            )
             for k, c in sorted(rt.items(), key=lambda kv: -kv[1]["us"]):
                 print(f"    {c['calls']:5.1f} x {k} {c['us']:7.1f} us")
         if args.out:
