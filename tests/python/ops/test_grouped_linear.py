@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ops_helpers import E4M3, E5M2, RECIPES, CountingOps, prequantized, rel_err, tol
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusible
 from fusible import _kernels as K
@@ -708,22 +709,23 @@ def test_grouped_mlp_equals_loop(recipe_name):
             assert torch.equal(got[2][name], want[2][name]), name
 
 
+class _OpNames(TorchDispatchMode):
+    """Records the name of every operator dispatched inside it, in order, in ``names``."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def _dispatched(n, rec, bias=True):
     """Operators dispatched by one forward + backward of a GroupedLinear of ``n`` GEMMs (after
     warm-up steps), counted with a TorchDispatchMode. The gradients come from
     ``torch.autograd.grad``: the autograd engine's per-parameter accumulation into ``.grad`` is
     not the op's work (with ``.backward()`` it adds one ``detach`` per parameter)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     model = ops.Sequential(ops.GroupedLinear(n, 64, 32, bias=bias))
     params = list(model.parameters())
@@ -738,9 +740,9 @@ def _dispatched(n, rec, bias=True):
 
     for _ in range(3):
         step()
-    with Count() as c:
+    with _OpNames() as mode:
         step()
-    return c.calls
+    return mode.names
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
@@ -799,18 +801,7 @@ def _mlp(recipe_name, dtype, f=64, approximate="tanh", bias=True):
 
 def _dispatched_ops(model, x, splits, g, rec):
     """The operators one forward + backward dispatches (a TorchDispatchMode), and the result."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Names(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Names() as mode:
+    with _OpNames() as mode:
         out = _run(model, x, splits, g, rec)
     return mode.names, out
 

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -196,14 +197,19 @@ def _assert_same(a: list[Any], b: list[Any]) -> None:
         assert torch.equal(replay._bits(u), replay._bits(v)), f"tensor {i} differs"
 
 
-def _compare(name: str, rec: Any, **kw: Any) -> dict[str, int]:
-    """The scenario without and with replay: the same bits. Returns the replay run's stats."""
-    want = _run(name, rec, False, **kw)
+def _same_with_replay(run: Callable[[bool], list[Any]]) -> dict[str, int]:
+    """``run(enabled)`` without and with replay: the same bits. Returns the replay run's stats."""
+    want = run(False)
     replay.reset_stats()
-    got = _run(name, rec, True, **kw)
+    got = run(True)
     stats = replay.stats()
     _assert_same(want, got)
     return stats
+
+
+def _compare(name: str, rec: Any, **kw: Any) -> dict[str, int]:
+    """The scenario without and with replay: the same bits. Returns the replay run's stats."""
+    return _same_with_replay(lambda enabled: _run(name, rec, enabled, **kw))
 
 
 # ---- bit for bit the Python executor --------------------------------------------------------
@@ -339,10 +345,7 @@ def test_torch_autocast():
                 model.zero_grad()
         return out
 
-    want = step_all(False)
-    replay.reset_stats()
-    _assert_same(want, step_all(True))
-    assert replay.stats()["forward.replay"] > 0
+    assert _same_with_replay(step_all)["forward.replay"] > 0
 
 
 def test_retained_graph_backs_a_second_backward():
@@ -361,10 +364,7 @@ def test_retained_graph_backs_a_second_backward():
                 model.zero_grad()
         return out
 
-    want = twice(False)
-    replay.reset_stats()
-    _assert_same(want, twice(True))
-    assert replay.stats()["backward.replay"] > 0
+    assert _same_with_replay(twice)["backward.replay"] > 0
 
 
 # ---- signatures -------------------------------------------------------------------------------
@@ -427,10 +427,7 @@ def test_an_assigned_op_attribute_rerecords():
                 out += _steps(model, [torch.ones(T, H)])
         return out
 
-    want = run(False)
-    replay.reset_stats()
-    _assert_same(want, run(True))
-    assert replay.stats()["forward.replay"] >= 2
+    assert _same_with_replay(run)["forward.replay"] >= 2
 
 
 def test_bad_input_still_raises_after_replays():
@@ -578,10 +575,7 @@ def test_cuda_replay_equals_python(recipe_name):
                 opt.zero_grad()
         return out + _state(model)
 
-    want = run(False)
-    replay.reset_stats()
-    _assert_same(want, run(True))
-    stats = replay.stats()
+    stats = _same_with_replay(run)
     assert stats["forward.replay"] == 3 and stats["backward.replay"] == 2, stats
 
 
@@ -706,10 +700,7 @@ def test_the_same_tensor_as_two_inputs():
                 out += [y, x.grad, r.grad]
         return out
 
-    want = run(False)
-    replay.reset_stats()
-    _assert_same(want, run(True))
-    assert replay.stats()["forward.replay"] >= 3
+    assert _same_with_replay(run)["forward.replay"] >= 3
 
 
 def test_non_contiguous_parameter():
