@@ -150,10 +150,16 @@ def test_dbias_dtype_follows_out_dtype_then_grad():
 # ---- quantized outputs == quantize(high-precision output) ---------------------------------------
 
 
-@pytest.mark.parametrize("fp8_dtype", (E4M3, E5M2), ids=_name)
-@pytest.mark.parametrize("quant", ("fp8", "mxfp8"))
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=_name)
-@pytest.mark.parametrize("kind", KINDS)
+def _quantized_cases(test):
+    """Parametrizes ``test`` over every kind x dtype (fp32, bf16) x quant (fp8, mxfp8) x
+    fp8_dtype (E4M3, E5M2)."""
+    test = pytest.mark.parametrize("kind", KINDS)(test)
+    test = pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=_name)(test)
+    test = pytest.mark.parametrize("quant", ("fp8", "mxfp8"))(test)
+    return pytest.mark.parametrize("fp8_dtype", (E4M3, E5M2), ids=_name)(test)
+
+
+@_quantized_cases
 def test_forward_quantized_equals_quantize_of_output(kind, dtype, quant, fp8_dtype):
     scale = torch.tensor([7.0])
     for shape in [(1, 1), (127, 7), (3, 5, 64), (70, 4097)]:
@@ -170,10 +176,7 @@ def test_forward_quantized_equals_quantize_of_output(kind, dtype, quant, fp8_dty
                     assert_bits_equal(out[0], y, f"{what} y")
 
 
-@pytest.mark.parametrize("fp8_dtype", (E4M3, E5M2), ids=_name)
-@pytest.mark.parametrize("quant", ("fp8", "mxfp8"))
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=_name)
-@pytest.mark.parametrize("kind", KINDS)
+@_quantized_cases
 def test_backward_quantized_equals_quantize_of_output(kind, dtype, quant, fp8_dtype):
     scale = torch.tensor([3.0])
     for shape in [(1, 32), (127, 7), (3, 5, 64), (70, 4097)]:

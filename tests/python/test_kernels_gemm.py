@@ -279,16 +279,17 @@ def check_or_refused(case: Case, devices: str) -> None:
 # ---- high precision -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "dtype,out_dtype",
-    [
-        (torch.float32, torch.float32),
-        (torch.float16, torch.float16),
-        (torch.float16, torch.float32),
-        (torch.bfloat16, torch.bfloat16),
-        (torch.bfloat16, torch.float32),
-    ],
-)
+# (input dtype, output dtype) of the high-precision GEMMs.
+HP_TYPES = [
+    (torch.float32, torch.float32),
+    (torch.float16, torch.float16),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+]
+
+
+@pytest.mark.parametrize("dtype,out_dtype", HP_TYPES)
 @pytest.mark.parametrize("transa,transb", list(itertools.product([False, True], repeat=2)))
 def test_high_precision_all_transposes_odd_sizes(devices, dtype, out_dtype, transa, transb):
     for seed, (m, n, k) in enumerate(ODD_SIZES):
@@ -300,13 +301,7 @@ def test_high_precision_all_transposes_odd_sizes(devices, dtype, out_dtype, tran
 
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize(
-    "dtype,out_dtype",
-    [
-        (torch.float32, torch.float32),
-        (torch.float16, torch.float16),
-        (torch.bfloat16, torch.bfloat16),
-        (torch.bfloat16, torch.float32),
-    ],
+    "dtype,out_dtype", [t for t in HP_TYPES if t != (torch.float16, torch.float32)]
 )
 def test_high_precision_epilogues(devices, epilogue, dtype, out_dtype):
     # N multiple of 8: the CUDA backend's aux epilogues need it (cuBLASLt's aux leading dimension).
