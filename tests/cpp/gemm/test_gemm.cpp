@@ -425,17 +425,14 @@ bool supported(const Case& c) {
 }
 
 ::testing::AssertionResult run_and_check_cpu(const Case& cs) {
+  Problem p(cs);
+  Buffers bufs = p.init;
+  const fus_status st = run_cpu(bufs, p.call());
   if (!supported(cs)) {
-    Problem p(cs);
-    Buffers bufs = p.init;
-    const fus_status st = run_cpu(bufs, p.call());
     if (st == FUS_ERROR_UNSUPPORTED) return ::testing::AssertionSuccess();
     return ::testing::AssertionFailure() << cs.str() << ": expected FUS_ERROR_UNSUPPORTED, got "
                                          << st << " (" << fus_last_error() << ")";
   }
-  Problem p(cs);
-  Buffers bufs = p.init;
-  const fus_status st = run_cpu(bufs, p.call());
   if (st != FUS_SUCCESS)
     return ::testing::AssertionFailure()
            << cs.str() << ": status " << st << ": " << fus_last_error();
@@ -621,10 +618,9 @@ TEST(GemmCpu, SummationOrderIsAscendingKInFp32BitForBit) {
   for (fus_gemm_epilogue ep : kAllEpilogues) {
     for (bool fp8 : {false, true}) {
       Case c;
-      c.m = 70;
-      c.n = 260;
-      c.k = 300;  // crosses the 64 x 256 tiles and the 256-deep K panels
-      c.types(fp8 ? kE4M3 : kF32, kF32).trans(false, true);
+      c.size(70, 260, 300)  // crosses the 64 x 256 tiles and the 256-deep K panels
+          .types(fp8 ? kE4M3 : kF32, kF32)
+          .trans(false, true);
       c.ep = ep;
       c.alpha = 0.7f;
       c.beta = (ep == FUS_GEMM_EPILOGUE_BIAS && !fp8) ? 0.3f : 0.0f;
@@ -1001,13 +997,7 @@ TEST(GemmCuda, HighPrecisionAllTransposesOddSizes) {
           for (const Size& sz :
                {Size{1, 1, 1}, Size{7, 13, 5}, Size{127, 129, 67}, Size{256, 384, 512}}) {
             Case c;
-            c.m = sz.m;
-            c.n = sz.n;
-            c.k = sz.k;
-            c.at = c.bt = in;
-            c.dt = out;
-            c.transa = ta;
-            c.transb = tb;
+            c.size(sz.m, sz.n, sz.k).types(in, out).trans(ta, tb);
             c.seed = seed++;
             expect_cuda_matches_cpu(c.finish());
           }
@@ -1023,13 +1013,7 @@ TEST(GemmCuda, HighPrecisionEveryEpilogueAndAccumulate) {
     for (fus_dtype in : {kF32, kF16, kBF16}) {
       for (fus_dtype out : {in, kF32}) {
         Case c;
-        c.m = 127;
-        c.n = 96;
-        c.k = 200;
-        c.at = c.bt = in;
-        c.dt = out;
-        c.transa = (seed % 2) == 1;
-        c.transb = (seed % 3) != 1;
+        c.size(127, 96, 200).types(in, out).trans((seed % 2) == 1, (seed % 3) != 1);
         c.ep = ep;
         c.alpha = 0.5f;
         c.seed = seed++;
@@ -1054,17 +1038,11 @@ TEST(GemmCuda, Fp8AllMixesOutputsAndEpilogues) {
       for (fus_gemm_epilogue ep : kAllEpilogues) {
         for (const Size& sz : {Size{1, 16, 16}, Size{13, 48, 64}, Size{256, 256, 512}}) {
           Case c;
-          c.m = sz.m;
-          c.n = sz.n;
-          c.k = sz.k;
-          c.at = mix[0];
-          c.bt = mix[1];
-          c.dt = out;
-          c.transb = true;
+          c.size(sz.m, sz.n, sz.k)
+              .types(mix[0], mix[1], out)
+              .trans(false, true)
+              .scales(0.5f, 1.0f / 3.0f, 1.0f / 32);
           c.ep = ep;
-          c.a_scale_inv = 0.5f;
-          c.b_scale_inv = 1.0f / 3.0f;
-          c.d_scale = 1.0f / 32;
           c.want_amax = is_fp8(out);
           c.seed = seed++;
           expect_cuda_matches_cpu(c.finish());
@@ -1078,22 +1056,14 @@ TEST(GemmCuda, EmptyProblemsAndKZero) {
   FUSTEST_REQUIRE_CUDA();
   for (fus_gemm_epilogue ep : kAllEpilogues) {
     Case c;
-    c.m = 3;
-    c.n = 8;
-    c.k = 0;
-    c.at = c.bt = kBF16;
-    c.dt = kBF16;
+    c.size(3, 8, 0).types(kBF16, kBF16);
     c.ep = ep;
     c.seed = 1300 + static_cast<uint32_t>(ep);
     expect_cuda_matches_cpu(c.finish());
   }
   for (const Size& sz : {Size{0, 8, 16}, Size{4, 0, 16}}) {
     Case c;
-    c.m = sz.m;
-    c.n = sz.n;
-    c.k = sz.k;
-    c.at = c.bt = kBF16;
-    c.dt = kBF16;
+    c.size(sz.m, sz.n, sz.k).types(kBF16, kBF16);
     c.ep = FUS_GEMM_EPILOGUE_DGELU_BGRAD;
     expect_cuda_matches_cpu(c.finish());
   }
@@ -1103,13 +1073,7 @@ TEST(GemmCuda, BadShapesReportErrorsNotCrashes) {
   FUSTEST_REQUIRE_CUDA();
   // An FP8 layout cuBLASLt cannot run is refused before launch.
   Case c;
-  c.m = 4;
-  c.n = 16;
-  c.k = 16;
-  c.at = c.bt = kE4M3;
-  c.dt = kBF16;
-  c.transa = true;
-  c.transb = true;
+  c.size(4, 16, 16).types(kE4M3, kBF16).trans(true, true);
   c.finish();
   Problem p(c);
   Buffers bufs = p.init;
@@ -1141,13 +1105,7 @@ TEST(GemmCuda, Fp8FastAccumulation) {
   FUSTEST_REQUIRE_CUDA();
   for (fus_gemm_epilogue ep : {FUS_GEMM_EPILOGUE_NONE, FUS_GEMM_EPILOGUE_BIAS_GELU_AUX}) {
     Case c;
-    c.m = 128;
-    c.n = 256;
-    c.k = 1024;
-    c.at = kE4M3;
-    c.bt = kE4M3;
-    c.dt = kBF16;
-    c.transb = true;
+    c.size(128, 256, 1024).types(kE4M3, kBF16).trans(false, true);
     c.ep = ep;
     c.fast_accum = true;
     c.seed = 1500 + static_cast<uint32_t>(ep);
@@ -1158,11 +1116,7 @@ TEST(GemmCuda, Fp8FastAccumulation) {
 TEST(GemmCuda, HighPrecisionFp32WithAndWithoutTf32) {
   FUSTEST_REQUIRE_CUDA();
   Case c;
-  c.m = 64;
-  c.n = 64;
-  c.k = 256;
-  c.at = c.bt = kF32;
-  c.dt = kF32;
+  c.size(64, 64, 256).types(kF32, kF32);
   c.seed = 1600;
   expect_cuda_matches_cpu(c.finish());  // precise: full fp32 products
 }
@@ -1173,12 +1127,7 @@ TEST(GemmCuda, HighPrecisionFp32WithAndWithoutTf32) {
 TEST(GemmCuda, CapturedInACudaGraphIncludingTheFirstCallOnAStream) {
   FUSTEST_REQUIRE_CUDA();
   Case c;
-  c.m = 64;
-  c.n = 128;
-  c.k = 256;
-  c.at = c.bt = kE4M3;
-  c.dt = kBF16;
-  c.transb = true;
+  c.size(64, 128, 256).types(kE4M3, kBF16).trans(false, true);
   c.ep = FUS_GEMM_EPILOGUE_BIAS_GELU_AUX;
   c.seed = 1700;
   c.finish();
