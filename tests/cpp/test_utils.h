@@ -380,50 +380,87 @@ inline bool cuda_device_present() {
                                       : "this build has no CUDA backend"); \
   } while (0)
 
-// Copies bufs to the device, runs the call with a CUDA context (legacy default stream),
-// synchronises and copies every buffer back into bufs. Returns the call's status; a CUDA runtime
-// failure in the harness itself is reported as a test failure and FUS_ERROR_CUDA.
-inline fus_status run_cuda(Buffers& bufs, const ApiCall& call) {
 #if defined(FUSIBLE_WITH_CUDA)
-  std::vector<void*> ptrs(bufs.b.size(), nullptr);
-  auto cleanup = [&] {
-    for (void* p : ptrs)
-      if (p) cudaFree(p);
-  };
-  for (size_t i = 0; i < bufs.b.size(); ++i) {
-    if (bufs.b[i].empty()) continue;
-    cudaError_t e = cudaMalloc(&ptrs[i], bufs.b[i].size());
-    if (e == cudaSuccess)
-      e = cudaMemcpy(ptrs[i], bufs.b[i].data(), bufs.b[i].size(), cudaMemcpyHostToDevice);
+// Device copies of host buffers: the constructor allocates and copies every non-empty buffer (an
+// empty one stays NULL) and waits for the copies (a pageable-memory cudaMemcpy may return before
+// its DMA lands, and a non-blocking stream does not order after the legacy default stream);
+// copy_back() copies every buffer back into host buffers of the same sizes; the destructor frees.
+// A CUDA runtime failure is reported as a test failure: ok() / copy_back() return false.
+class DeviceBuffers {
+ public:
+  std::vector<void*> ptrs;
+
+  explicit DeviceBuffers(const Buffers& host) : ptrs(host.b.size(), nullptr) {
+    cudaError_t e = cudaSuccess;
+    for (size_t i = 0; i < host.b.size() && e == cudaSuccess; ++i) {
+      if (host.b[i].empty()) continue;
+      e = cudaMalloc(&ptrs[i], host.b[i].size());
+      if (e == cudaSuccess)
+        e = cudaMemcpy(ptrs[i], host.b[i].data(), host.b[i].size(), cudaMemcpyHostToDevice);
+    }
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
     if (e != cudaSuccess) {
       ADD_FAILURE() << "harness: cudaMalloc/cudaMemcpy failed: " << cudaGetErrorString(e);
-      cleanup();
-      return FUS_ERROR_CUDA;
+      ok_ = false;
     }
   }
-  const fus_context ctx = cuda_ctx();
-  const fus_status st = call(ptrs, ctx);
-  cudaError_t e = cudaDeviceSynchronize();
-  if (e == cudaSuccess) e = cudaGetLastError();
+  DeviceBuffers(const DeviceBuffers&) = delete;
+  DeviceBuffers& operator=(const DeviceBuffers&) = delete;
+  ~DeviceBuffers() {
+    for (void* p : ptrs)
+      if (p) cudaFree(p);
+  }
+
+  bool ok() const { return ok_; }
+  bool copy_back(Buffers& host) const {
+    for (size_t i = 0; i < host.b.size(); ++i) {
+      if (host.b[i].empty()) continue;
+      const cudaError_t e =
+          cudaMemcpy(host.b[i].data(), ptrs[i], host.b[i].size(), cudaMemcpyDeviceToHost);
+      if (e != cudaSuccess) {
+        ADD_FAILURE() << "harness: cudaMemcpy back failed: " << cudaGetErrorString(e);
+        return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  bool ok_ = true;
+};
+#endif
+
+// Copies bufs to the device, runs the call with a CUDA context, synchronises and copies every
+// buffer back into bufs. The context's stream is the legacy default stream, or with own_stream a
+// non-blocking stream of the harness's own, which alone it then waits for (cudaStreamSynchronize):
+// for tests that the backend honours ctx->stream. Returns the call's status; a CUDA runtime
+// failure in the harness itself is reported as a test failure and FUS_ERROR_CUDA.
+inline fus_status run_cuda(Buffers& bufs, const ApiCall& call, bool own_stream = false) {
+#if defined(FUSIBLE_WITH_CUDA)
+  DeviceBuffers dev(bufs);
+  if (!dev.ok()) return FUS_ERROR_CUDA;
+  cudaStream_t stream = nullptr;
+  cudaError_t e = cudaSuccess;
+  if (own_stream) e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
   if (e != cudaSuccess) {
-    ADD_FAILURE() << "CUDA error after the call: " << cudaGetErrorString(e);
-    cleanup();
+    ADD_FAILURE() << "harness: cudaStreamCreateWithFlags failed: " << cudaGetErrorString(e);
     return FUS_ERROR_CUDA;
   }
-  for (size_t i = 0; i < bufs.b.size(); ++i) {
-    if (bufs.b[i].empty()) continue;
-    e = cudaMemcpy(bufs.b[i].data(), ptrs[i], bufs.b[i].size(), cudaMemcpyDeviceToHost);
-    if (e != cudaSuccess) {
-      ADD_FAILURE() << "harness: cudaMemcpy back failed: " << cudaGetErrorString(e);
-      cleanup();
-      return FUS_ERROR_CUDA;
-    }
+  const fus_context ctx{FUS_DEVICE_CUDA, 0, stream};
+  const fus_status st = call(dev.ptrs, ctx);
+  e = own_stream ? cudaStreamSynchronize(stream) : cudaDeviceSynchronize();
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (own_stream) cudaStreamDestroy(stream);
+  if (e != cudaSuccess) {
+    ADD_FAILURE() << "CUDA error after the call: " << cudaGetErrorString(e);
+    return FUS_ERROR_CUDA;
   }
-  cleanup();
+  if (!dev.copy_back(bufs)) return FUS_ERROR_CUDA;
   return st;
 #else
   (void)bufs;
   (void)call;
+  (void)own_stream;
   ADD_FAILURE() << "run_cuda called in a build without the CUDA backend";
   return FUS_ERROR_UNSUPPORTED;
 #endif

@@ -1135,20 +1135,14 @@ TEST(GemmCuda, CapturedInACudaGraphIncludingTheFirstCallOnAStream) {
   Buffers cpu = p.init;
   ASSERT_EQ(run_cpu(cpu, p.call()), FUS_SUCCESS) << fus_last_error();
 
-  std::vector<void*> dev(p.init.b.size(), nullptr);
-  for (size_t i = 0; i < dev.size(); ++i) {
-    if (p.init.b[i].empty()) continue;
-    ASSERT_EQ(cudaMalloc(&dev[i], p.init.b[i].size()), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(dev[i], p.init.b[i].data(), p.init.b[i].size(), cudaMemcpyHostToDevice),
-              cudaSuccess);
-  }
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the copies above, before `stream` runs
+  DeviceBuffers dev(p.init);
+  ASSERT_TRUE(dev.ok());
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const fus_context ctx{FUS_DEVICE_CUDA, 0, stream};
   cudaGraph_t graph;
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  const fus_status st = p.call()(dev, ctx);
+  const fus_status st = p.call()(dev.ptrs, ctx);
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
   ASSERT_EQ(st, FUS_SUCCESS) << fus_last_error();
   cudaGraphExec_t exec;
@@ -1157,12 +1151,7 @@ TEST(GemmCuda, CapturedInACudaGraphIncludingTheFirstCallOnAStream) {
   ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);  // replays are idempotent
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   Buffers got = p.init;
-  for (size_t i = 0; i < dev.size(); ++i) {
-    if (p.init.b[i].empty()) continue;
-    ASSERT_EQ(cudaMemcpy(got.b[i].data(), dev[i], got.b[i].size(), cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    cudaFree(dev[i]);
-  }
+  ASSERT_TRUE(dev.copy_back(got));
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);

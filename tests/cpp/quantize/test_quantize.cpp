@@ -174,6 +174,12 @@ std::string ShapeTypeFormatName(const ::testing::TestParamInfo<ShapeTypeFormat>&
          fmt_name(std::get<1>(info.param)) + "_" + fmt_name(std::get<2>(info.param));
 }
 
+// Every shape with every high-precision input dtype and every FP8 format.
+auto shapes_types_formats(const std::vector<Shape>& shapes) {
+  return ::testing::Combine(::testing::ValuesIn(shapes), ::testing::ValuesIn(kHpTypes),
+                            ::testing::ValuesIn(kFormats));
+}
+
 class Fp8FormatTest : public ::testing::TestWithParam<fus_dtype> {};
 std::string FormatName(const ::testing::TestParamInfo<fus_dtype>& info) {
   return fmt_name(info.param);
@@ -723,10 +729,8 @@ TEST_P(PerTensorTest, RowwiseMatchesReferenceAndColumnwiseIsItsTranspose) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, PerTensorTest,
-    ::testing::Combine(
-        ::testing::ValuesIn(std::vector<Shape>{
-            {1, 1}, {7, 13}, {127, 33}, {1, 4097}, {4097, 1}, {65, 129}, {0, 9}, {9, 0}}),
-        ::testing::ValuesIn(kHpTypes), ::testing::ValuesIn(kFormats)),
+    shapes_types_formats(
+        {{1, 1}, {7, 13}, {127, 33}, {1, 4097}, {4097, 1}, {65, 129}, {0, 9}, {9, 0}}),
     ShapeTypeFormatName);
 
 TEST(PerTensor, OnlyOneCopyRequestedAndAmaxOptional) {
@@ -1115,10 +1119,8 @@ TEST_P(Mxfp8Test, ScalesPerPartialBlockAndDataMatchReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, Mxfp8Test,
-    ::testing::Combine(
-        ::testing::ValuesIn(std::vector<Shape>{
-            {33, 65}, {1, 1}, {32, 32}, {31, 33}, {64, 96}, {1, 4097}, {97, 1}, {0, 7}}),
-        ::testing::ValuesIn(kHpTypes), ::testing::ValuesIn(kFormats)),
+    shapes_types_formats(
+        {{33, 65}, {1, 1}, {32, 32}, {31, 33}, {64, 96}, {1, 4097}, {97, 1}, {0, 7}}),
     ShapeTypeFormatName);
 
 // Blocks whose amax is exactly a power of two, just below, just above: through the API.
@@ -1877,10 +1879,7 @@ TEST_P(CudaVsCpuTest, ComputeAmax) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, CudaVsCpuTest,
-                         ::testing::Combine(::testing::ValuesIn(kCudaShapes),
-                                            ::testing::ValuesIn(kHpTypes),
-                                            ::testing::ValuesIn(kFormats)),
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaVsCpuTest, shapes_types_formats(kCudaShapes),
                          ShapeTypeFormatName);
 
 TEST(CudaVsCpu, Every251stFloatPatternPerTensorAndMxfp8) {
@@ -2021,42 +2020,9 @@ TEST(CudaVsCpu, NonDefaultStream) {
   QuantizeSetup s{FUS_BFLOAT16, rows, cols, kE4M3, FUS_SCALING_PER_TENSOR};
   Buffers cpu = quantize_buffers(in, s);
   ASSERT_EQ(run_cpu(cpu, quantize_call(s, 0)), FUS_SUCCESS);
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   Buffers dev = quantize_buffers(in, s);
-  std::vector<void*> p(dev.b.size(), nullptr);
-  for (size_t i = 0; i < dev.b.size(); ++i) {
-    if (dev.b[i].empty()) continue;
-    ASSERT_EQ(cudaMalloc(&p[i], dev.b[i].size()), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(p[i], dev.b[i].data(), dev.b[i].size(), cudaMemcpyHostToDevice),
-              cudaSuccess);
-  }
-  // A pageable-memory cudaMemcpy may return before its DMA lands, and a non-blocking stream does
-  // not order after the legacy default stream: wait for the copies before launching on `stream`.
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  fus_tensor t{p[kIn], s.in_dtype, rows, cols};
-  fus_quantized q{s.mode,
-                  s.fmt,
-                  rows,
-                  cols,
-                  p[kRow],
-                  p[kCol],
-                  p[kRowS],
-                  p[kColS],
-                  static_cast<float*>(p[kScale]),
-                  static_cast<float*>(p[kAmax]),
-                  0,
-                  0.0f};
-  const fus_context ctx{FUS_DEVICE_CUDA, 0, stream};
-  ASSERT_EQ(fus_quantize_current_scaling(&t, &q, 0, &ctx), FUS_SUCCESS) << fus_last_error();
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  for (size_t i = 0; i < dev.b.size(); ++i) {
-    if (dev.b[i].empty()) continue;
-    ASSERT_EQ(cudaMemcpy(dev.b[i].data(), p[i], dev.b[i].size(), cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    cudaFree(p[i]);
-  }
-  cudaStreamDestroy(stream);
+  ASSERT_EQ(run_cuda(dev, quantize_call(s, 0), /*own_stream=*/true), FUS_SUCCESS)
+      << fus_last_error();
   for (int slot : {kRow, kCol, kRowS, kScale, kAmax})
     EXPECT_EQ(dev.b[slot], cpu.b[slot]) << "slot " << slot;
 }
@@ -2068,26 +2034,8 @@ TEST(CudaVsCpu, TransposeOnNonDefaultStream) {
   const TransposeSetup s{rows, cols, kE5M2};
   Buffers cpu = transpose_buffers(s, 91);
   ASSERT_EQ(run_cpu(cpu, transpose_call(s)), FUS_SUCCESS) << fus_last_error();
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   Buffers dev = transpose_buffers(s, 91);
-  std::vector<void*> p(dev.b.size(), nullptr);
-  for (size_t i = 0; i < dev.b.size(); ++i) {
-    ASSERT_EQ(cudaMalloc(&p[i], dev.b[i].size()), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(p[i], dev.b[i].data(), dev.b[i].size(), cudaMemcpyHostToDevice),
-              cudaSuccess);
-  }
-  // As in NonDefaultStream: the copies land before the launch on a non-blocking stream.
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const fus_context ctx{FUS_DEVICE_CUDA, 0, stream};
-  ASSERT_EQ(transpose_call(s)(p, ctx), FUS_SUCCESS) << fus_last_error();
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  for (size_t i = 0; i < dev.b.size(); ++i) {
-    ASSERT_EQ(cudaMemcpy(dev.b[i].data(), p[i], dev.b[i].size(), cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    cudaFree(p[i]);
-  }
-  cudaStreamDestroy(stream);
+  ASSERT_EQ(run_cuda(dev, transpose_call(s), /*own_stream=*/true), FUS_SUCCESS) << fus_last_error();
   EXPECT_TRUE(same_bits<uint8_t>(cpu, dev, 1, "output"));
   EXPECT_TRUE(is_transpose(dev, s));
 }
