@@ -294,6 +294,14 @@ struct ActSetup {
   uint32_t seed = 1;
   int64_t in_cols() const { return gated(kind) ? 2 * cols : cols; }
   int64_t out_cols() const { return bwd ? in_cols() : cols; }
+
+  // Chainable setters of the fields most cases set together.
+  ActSetup& problem(fus_activation k, bool backward, int64_t r, int64_t c) {
+    return (kind = k, bwd = backward, rows = r, cols = c), *this;
+  }
+  ActSetup& dtypes(fus_dtype x, fus_dtype g, fus_dtype out) {
+    return (x_dt = x, g_dt = g, out_dt = out), *this;
+  }
 };
 
 std::string describe(const ActSetup& s) {
@@ -388,11 +396,7 @@ class ActReference : public ::testing::TestWithParam<RefParam> {};
 TEST_P(ActReference, MatchesFp64) {
   const auto [kind, dt, bwd, shape] = GetParam();
   ActSetup s;
-  s.kind = kind;
-  s.bwd = bwd;
-  s.x_dt = s.g_dt = s.out_dt = dt;
-  s.rows = shape.first;
-  s.cols = shape.second;
+  s.problem(kind, bwd, shape.first, shape.second).dtypes(dt, dt, dt);
   s.dbias = bwd;
   SCOPED_TRACE(describe(s));
   Data d = make_data(s);
@@ -429,11 +433,8 @@ INSTANTIATE_TEST_SUITE_P(All, ActReference,
 TEST(ActDbias, OrderIsSequentialGroupsThenGroups) {
   for (int64_t rows : {1, 31, 100, 2049, 5000}) {
     ActSetup s;
-    s.kind = FUS_ACT_RELU;
-    s.bwd = true;
+    s.problem(FUS_ACT_RELU, true, rows, 5);
     s.dbias = true;
-    s.rows = rows;
-    s.cols = 5;
     SCOPED_TRACE(rows);
     Data d = make_data(s);
     ASSERT_EQ(run_cpu(d.bufs, call(s)), FUS_SUCCESS) << fus_last_error();
@@ -487,12 +488,8 @@ TEST_P(ActQuantized, EqualsQuantizeOfHighPrecisionOutput) {
   const auto [kind, dt, bwd, qmode, shape] = GetParam();
   for (int variant = 0; variant < 3; ++variant) {
     ActSetup s;
-    s.kind = kind;
-    s.bwd = bwd;
-    s.x_dt = s.g_dt = dt;
-    s.out_dt = variant == 1 ? FUS_FLOAT32 : (variant == 2 ? FUS_BFLOAT16 : dt);
-    s.rows = shape.first;
-    s.cols = shape.second;
+    s.problem(kind, bwd, shape.first, shape.second)
+        .dtypes(dt, dt, variant == 1 ? FUS_FLOAT32 : (variant == 2 ? FUS_BFLOAT16 : dt));
     s.q.mode = qmode;
     s.q.fmt = variant == 1 ? FUS_FLOAT8_E5M2 : FUS_FLOAT8_E4M3;
     s.q.scale = qmode == 1 ? 11.0f : 1.0f;
@@ -522,10 +519,8 @@ INSTANTIATE_TEST_SUITE_P(All, ActQuantized,
 
 TEST(ActQuantizedEdge, ZeroRows) {
   ActSetup s;
-  s.bwd = true;
+  s.problem(FUS_ACT_GELU, true, 0, 12);
   s.dbias = true;
-  s.rows = 0;
-  s.cols = 12;
   s.q.mode = 1;
   s.q.scale = 8.0f;
   Data d = make_data(s);
@@ -625,14 +620,9 @@ TEST_P(ActCuda, BitIdenticalToCpu) {
   for (const auto& shape : shapes) {
     for (int variant = 0; variant < 3; ++variant) {
       ActSetup s;
-      s.kind = kind;
-      s.bwd = bwd;
-      s.x_dt = dt;
-      s.g_dt = variant == 1 ? FUS_FLOAT32 : dt;
-      s.out_dt = variant == 2 ? FUS_FLOAT32 : dt;
+      s.problem(kind, bwd, shape.first, shape.second)
+          .dtypes(dt, variant == 1 ? FUS_FLOAT32 : dt, variant == 2 ? FUS_FLOAT32 : dt);
       s.has_out = variant != 1;
-      s.rows = shape.first;
-      s.cols = shape.second;
       s.dbias = bwd && variant != 2;
       s.bias_dt = variant == 0 ? dt : FUS_FLOAT32;
       s.q.mode = qmode;
@@ -680,11 +670,7 @@ TEST_P(ActCuda16, BitIdenticalToCpu) {
       // Without dbias the blocks walk several tiles only on large matrices: one such case.
       if (shape.first == 8192 && variant != 1) continue;
       ActSetup s;
-      s.kind = kind;
-      s.bwd = bwd;
-      s.x_dt = s.g_dt = s.out_dt = dt;
-      s.rows = shape.first;
-      s.cols = shape.second;
+      s.problem(kind, bwd, shape.first, shape.second).dtypes(dt, dt, dt);
       s.has_out = variant != 1;
       s.dbias = bwd && variant != 1;
       s.bias_dt = variant == 3 ? FUS_FLOAT32 : dt;
@@ -827,10 +813,7 @@ TEST(ActCudaMath, SameBitsAsHostOnDenseSample) {
   for (fus_activation kind : kKinds) {
     for (bool bwd : {false, true}) {
       ActSetup s;
-      s.kind = kind;
-      s.bwd = bwd;
-      s.rows = 1 << 10;
-      s.cols = gated(kind) ? 1 << 7 : 1 << 8;  // the input is [rows, 256] either way
+      s.problem(kind, bwd, 1 << 10, gated(kind) ? 1 << 7 : 1 << 8);  // the input is [rows, 256]
       Data d = make_data(s);
       d.bufs.b[kX] = HostMatrix(FUS_FLOAT32, s.rows, s.in_cols(), pts).bytes;
       const DualResult r = run_both(d.bufs, call(s));

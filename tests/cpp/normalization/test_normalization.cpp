@@ -110,9 +110,10 @@ constexpr double kRtol = 2e-5;
 // ---- forward vs FP64
 // --------------------------------------------------------------------------------
 
-using FwdParam = std::tuple<fus_norm_kind, fus_dtype, std::pair<int64_t, int64_t>>;
+// (kind, dtype, shape): the parameters of NormForward and NormBackward.
+using KindTypeShape = std::tuple<fus_norm_kind, fus_dtype, std::pair<int64_t, int64_t>>;
 
-class NormForward : public ::testing::TestWithParam<FwdParam> {};
+class NormForward : public ::testing::TestWithParam<KindTypeShape> {};
 
 TEST_P(NormForward, MatchesFp64Reference) {
   const auto [kind, dt, shape] = GetParam();
@@ -238,16 +239,26 @@ INSTANTIATE_TEST_SUITE_P(Modes, NormQuantized,
                                             ::testing::Values(FUS_FLOAT8_E4M3, FUS_FLOAT8_E5M2),
                                             ::testing::ValuesIn(kQShapes)));
 
-TEST(NormQuantizedEdge, ZeroRowsWritesAmaxZeroAndScaleInv) {
+// A forward of 0 rows with a per-tensor FP8 cast (scale 4); it still writes amax 0 and
+// scale_inv 1/4 (expect_zero_rows_scalars).
+FwdSetup zero_rows_setup() {
   FwdSetup s;
   s.rows = 0;
   s.cols = 16;
   s.q.mode = 1;
   s.q.scale = 4.0f;
+  return s;
+}
+void expect_zero_rows_scalars(const Buffers& b) {
+  EXPECT_EQ(b.get<float>(kQ + kQAmax)[0], 0.0f);
+  EXPECT_EQ(b.get<float>(kQ + kQRowS)[0], 0.25f);
+}
+
+TEST(NormQuantizedEdge, ZeroRowsWritesAmaxZeroAndScaleInv) {
+  const FwdSetup s = zero_rows_setup();
   FwdData d = fwd_data(s);
   ASSERT_EQ(run_cpu(d.bufs, fwd_call(s)), FUS_SUCCESS) << fus_last_error();
-  EXPECT_EQ(d.bufs.get<float>(kQ + kQAmax)[0], 0.0f);
-  EXPECT_EQ(d.bufs.get<float>(kQ + kQRowS)[0], 0.25f);
+  expect_zero_rows_scalars(d.bufs);
 }
 
 // ---- backward
@@ -371,9 +382,7 @@ BwdRef bwd_reference(const BwdSetup& s, const BwdData& d) {
   return r;
 }
 
-using BwdParam = std::tuple<fus_norm_kind, fus_dtype, std::pair<int64_t, int64_t>>;
-
-class NormBackward : public ::testing::TestWithParam<BwdParam> {};
+class NormBackward : public ::testing::TestWithParam<KindTypeShape> {};
 
 TEST_P(NormBackward, MatchesFp64Reference) {
   const auto [kind, dt, shape] = GetParam();
@@ -810,16 +819,11 @@ TEST(NormCuda, ColumnwiseOnlyCopyMatchesCpu) {
 
 TEST(NormCuda, ZeroRows) {
   FUSTEST_REQUIRE_CUDA();
-  FwdSetup s;
-  s.rows = 0;
-  s.cols = 16;
-  s.q.mode = 1;
-  s.q.scale = 4.0f;
+  const FwdSetup s = zero_rows_setup();
   FwdData d = fwd_data(s);
   const DualResult r = run_both(d.bufs, fwd_call(s));
   ASSERT_EQ(r.cuda_status, FUS_SUCCESS) << fus_last_error();
-  EXPECT_EQ(r.cuda.get<float>(kQ + kQAmax)[0], 0.0f);
-  EXPECT_EQ(r.cuda.get<float>(kQ + kQRowS)[0], 0.25f);
+  expect_zero_rows_scalars(r.cuda);
   BwdSetup b;
   b.rows = 0;
   b.cols = 9;
