@@ -430,36 +430,18 @@ TEST(Blockwise, RejectsBadArguments) {
   // fus_quantize reads the parameters from out (power_2_scale must be 0 or 1).
   auto via_quantize = [](const std::vector<void*>& p, const fus_context& ctx) {
     fus_tensor in{p[0], FUS_FLOAT32, 4, 4};
-    fus_quantized q{FUS_SCALING_BLOCK_1D,
-                    FUS_FLOAT8_E4M3,
-                    4,
-                    4,
-                    p[1],
-                    nullptr,
-                    p[3],
-                    nullptr,
-                    nullptr,
-                    nullptr,
-                    2,
-                    0.0f};
+    fus_quantized q = block_q(p, 4, 4, false, FUS_FLOAT8_E4M3, 2);
+    q.columnwise_data = q.columnwise_scale_inv = nullptr;
+    q.amax = nullptr;
     return fus_quantize(&in, &q, &ctx);
   };
   EXPECT_TRUE(is_error(run_cpu(b, via_quantize), FUS_ERROR_INVALID_ARGUMENT,
                        {"fus_quantize", "power_2_scale"}));
   auto missing_scale = [](const std::vector<void*>& p, const fus_context& ctx) {
     fus_tensor in{p[0], FUS_FLOAT32, 4, 4};
-    fus_quantized q{FUS_SCALING_BLOCK_2D,
-                    FUS_FLOAT8_E4M3,
-                    4,
-                    4,
-                    p[1],
-                    nullptr,
-                    nullptr,
-                    nullptr,
-                    nullptr,
-                    nullptr,
-                    0,
-                    0.0f};
+    fus_quantized q = block_q(p, 4, 4, true, FUS_FLOAT8_E4M3);
+    q.columnwise_data = q.rowwise_scale_inv = q.columnwise_scale_inv = nullptr;
+    q.amax = nullptr;
     return fus_quantize_blockwise(&in, &q, 1, 0.0f, &ctx);
   };
   EXPECT_TRUE(
