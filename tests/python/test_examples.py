@@ -49,9 +49,9 @@ def test_quantize_demo_runs(monkeypatch, capsys):
 def test_train_fsdp_fp8_runs(recipe_name, compiled):
     """examples/train_fsdp_fp8.py on two CPU processes (gloo): FSDP2 with the FP8 weight
     all-gather trains (the loss falls) and reports the bytes its gathers move; also with each
-    sharded layer compiled (torch >= 2.13)."""
+    sharded layer compiled (torch >= 2.11)."""
     if compiled and not compile_quantized_supported():
-        pytest.skip("torch.compile with FP8 weights is tested on torch >= 2.13")
+        pytest.skip("torch.compile with FP8 weights is tested on torch >= 2.11")
     import os
     import subprocess
 

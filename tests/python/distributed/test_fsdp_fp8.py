@@ -25,8 +25,8 @@ CASES = [
     "checkpointed_layers_current", "checkpointed_layers_delayed",
 ]  # fmt: skip
 # torch.compile reads the gathered FP8 weights through QuantizedTensor's traceable-subclass
-# protocol, tested on torch >= 2.13; older releases raise a clear error (test_quantized_weights).
-_OLD = "torch.compile with FP8 weights is tested on torch >= 2.13"
+# protocol, tested on torch >= 2.11; older releases raise a clear error (test_quantized_weights).
+_OLD = "torch.compile with FP8 weights is tested on torch >= 2.11"
 _SKIP = {} if compile_quantized_supported() else {
     c: _OLD for c in CASES if "compile" in c or "checkpointed" in c}  # fmt: skip
 results, test_case = two_rank_suite(_WORKER, CASES, TIMEOUT_S, "FSDP", "fsdp", skip=_SKIP)

@@ -336,6 +336,34 @@ def test_residual_of_the_blocks_own_input_compiles():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("recipe_name", ALL_RECIPES)
+def test_compiled_extra_output_gradient(recipe_name, devices):
+    """A branch taken by ``MakeExtraOutput`` after the norm (read on by the Linear's FP8 cast)
+    and a residual added at the end: compiled, both outputs' gradients reach the input and the
+    norm's parameters, bit for bit as eagerly. On torch 2.11 the compiled backward lost the
+    branch's gradient under every FP8 recipe (dynamo traced it with zeros) until the branch
+    became a view of the tensor passed on (MakeExtraOutput.op_forward)."""
+    torch.manual_seed(0)
+    model = ops.Sequential(
+        ops.LayerNorm(HIDDEN), ops.MakeExtraOutput(), ops.Linear(HIDDEN, FFN), ops.GELU(),
+        ops.Linear(FFN, HIDDEN), ops.AddExtraInput(),
+    ).to(devices)  # fmt: skip
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    ((x, (r,), g),) = _data("sequential", devices, 1)
+    rec = RECIPES[recipe_name]
+    results = []
+    for m in (compiled, twin):
+        xa, ra = x.clone().requires_grad_(True), r.clone().requires_grad_(True)
+        with fusible.autocast(enabled=rec is not None, recipe=rec):
+            y, branch = m(xa, ra)
+        torch.autograd.backward([y, branch], [g, 3 * g.flip(0)])
+        results.append([y.detach(), branch.detach(), xa.grad, ra.grad,
+                        *(p.grad for p in m.parameters())])  # fmt: skip
+    for i, (a, b) in enumerate(zip(*results, strict=True)):
+        assert torch.equal(a, b), f"result {i} differs"
+
+
 # ---- GroupedLinear: split sizes under torch.compile ------------------------------------------
 
 # (m_splits, is_first_microbatch, compiles so far with a recipe, without one). The first call

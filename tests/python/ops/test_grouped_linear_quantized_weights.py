@@ -465,7 +465,7 @@ def test_explain_names_the_stored_weights():
 
 @pytest.mark.skipif(
     not compile_quantized_supported(),
-    reason="torch.compile with quantized weights is tested on torch >= 2.13",
+    reason="torch.compile with quantized weights is tested on torch >= 2.11",
 )
 @pytest.mark.parametrize(
     ("recipe_name", "train"), [("current", "current"), ("current", "delayed"), ("mxfp8", "mxfp8")]

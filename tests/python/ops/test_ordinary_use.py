@@ -355,7 +355,7 @@ def test_meta_forward_gives_shapes_and_materialises(rec):
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_compile_with_quantized_weights(fullgraph):
     """Compiled, a model with quantized weights computes what it computes eagerly (torch >=
-    2.13, where it is tested); older torch raises the documented error."""
+    2.11, where it is tested); older torch raises the documented error."""
     torch._dynamo.reset()
     rec = recipe.Float8CurrentScaling()
     with fusible.quantized_model_init(rec):

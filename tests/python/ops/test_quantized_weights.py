@@ -863,11 +863,11 @@ def _error_chain(exc):
 
 _COMPILE_TESTED = compile_quantized_supported()
 needs_compile_support = pytest.mark.skipif(
-    not _COMPILE_TESTED, reason="torch.compile with quantized weights is tested on torch >= 2.13"
+    not _COMPILE_TESTED, reason="torch.compile with quantized weights is tested on torch >= 2.11"
 )
 
 
-@pytest.mark.skipif(_COMPILE_TESTED, reason="torch >= 2.13 compiles quantized weights")
+@pytest.mark.skipif(_COMPILE_TESTED, reason="torch >= 2.11 compiles quantized weights")
 def test_compile_on_older_torch_raises_a_clear_error():
     rec = QRECIPES["current"]
     model = _build("sequential", rec)
@@ -876,12 +876,12 @@ def test_compile_on_older_torch_raises_a_clear_error():
     with pytest.raises(Exception) as excinfo, fusible.autocast(recipe=rec):
         compiled(torch.randn(TOKENS, HIDDEN, dtype=BF16))
     assert "torch.compile with quantized weights" in _error_chain(excinfo.value)
-    assert "needs torch >= 2.13" in _error_chain(excinfo.value)
+    assert "needs torch >= 2.11" in _error_chain(excinfo.value)
 
 
 def test_compile_gate_raises_a_clear_error(monkeypatch):
     """The torch-version gate, forced shut on this torch: the compiled forward raises naming the
-    op and the torch it needs (the path every torch < 2.13 takes)."""
+    op and the torch it needs (the path every torch < 2.11 takes)."""
     from fusible.ops.basic import quantized_weight
 
     monkeypatch.setattr(quantized_weight, "COMPILE_QUANTIZED_MIN_TORCH", (99, 0))

@@ -249,8 +249,9 @@ class QuantizedWeightOp(BasicOperation):
 # torch.compile reads a stored quantized weight through QuantizedTensor's traceable-subclass
 # protocol (__tensor_flatten__): dynamo reads the container's tensors and AOTAutograd passes
 # them to the graph as inputs; the weight gradient, a plain tensor, reaches the parameter. Tested
-# on torch 2.13 (CI); older releases keep the clear error until they are tested.
-COMPILE_QUANTIZED_MIN_TORCH = (2, 13)
+# on torch 2.13 (CI) and 2.11 (the H200's; CPU, session 23); older releases keep the clear error
+# until they are tested.
+COMPILE_QUANTIZED_MIN_TORCH = (2, 11)
 _COMPILE_UNSUPPORTED = (
     "{op}: torch.compile with quantized weights (fusible.quantized_model_init, or the FP8 "
     "weights of fusible.distributed.fully_shard_fp8) needs torch >= {need} (tested there), this "
