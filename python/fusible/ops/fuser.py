@@ -635,13 +635,15 @@ def _backward_python(
             c.saved = s
         del s  # the last list: its op's backward must hold the only reference
     del saved_lists
+    # Gradients may be strided (the expanded gradient of a sum()): kernels read rows.
     eog: list[Any] = []
     pos = 0
     for n in plan.n_extra_out:
-        eog += (list(out_grads[pos : pos + n]),)
+        eog += ([g if g is None or g.is_contiguous() else g.contiguous()
+                 for g in out_grads[pos : pos + n]],)  # fmt: skip
         pos += n
     if dy is not None and not dy.is_contiguous():
-        dy = dy.contiguous()  # e.g. the expanded gradient of a sum(): kernels read rows
+        dy = dy.contiguous()
     dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
     del ctxs
     if dx is not None and ctx.needs_input_grad[2]:

@@ -154,6 +154,35 @@ def test_output_accepts_inplace_add(kind, rec, devices):
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("rec", sorted(RECIPES))
+def test_branch_gradient_of_a_sum(rec, devices):
+    """``(y.sum() + branch.sum()).backward()`` on a block with a ``MakeExtraOutput`` branch: the
+    branch's gradient is an expanded (stride 0) tensor, which the FP8 dgrad GEMM that adds it
+    could not read ("argument 'c' must be contiguous"). Over four steps (the Python executor,
+    the recording, replays): the gradients equal those of the same block given the same
+    gradients as contiguous tensors, bit for bit."""
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.LayerNorm(64), ops.MakeExtraOutput(), ops.Linear(64, 64),
+                           ops.GELU(), ops.Linear(64, 64)).to(devices)  # fmt: skip
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x = torch.randn(32, 64, generator=g).to(devices)
+        results = []
+        for m, strided in ((model, True), (twin, False)):
+            xa = x.clone().requires_grad_(True)
+            with fusible.autocast(enabled=RECIPES[rec] is not None, recipe=RECIPES[rec]):
+                y, branch = m(xa)
+            if strided:
+                (y.sum() + branch.sum()).backward()
+            else:
+                torch.autograd.backward([y, branch], [torch.ones_like(y), torch.ones_like(branch)])
+            results.append([xa.grad, *(p.grad for p in m.parameters())])
+            m.zero_grad(set_to_none=True)
+        for i, (a, b) in enumerate(zip(*results, strict=True)):
+            assert torch.equal(a, b), f"step {step}: gradient {i} differs"
+
+
 # ---- 3. several plans compile into one graph, cold -----------------------------------------
 
 
