@@ -342,7 +342,7 @@ def test_compiled_extra_output_gradient(recipe_name, devices):
     and a residual added at the end: compiled, both outputs' gradients reach the input and the
     norm's parameters, bit for bit as eagerly. On torch 2.11 the compiled backward lost the
     branch's gradient under every FP8 recipe (dynamo traced it with zeros) until the branch
-    became a view of the tensor passed on (MakeExtraOutput.op_forward)."""
+    became a view of the tensor passed on there (misc._BRANCH_AS_VIEW)."""
     torch.manual_seed(0)
     model = ops.Sequential(
         ops.LayerNorm(HIDDEN), ops.MakeExtraOutput(), ops.Linear(HIDDEN, FFN), ops.GELU(),

@@ -161,6 +161,15 @@ class AddExtraInput(BasicOperation):
         return dy, [], [dy.to(ctx.attrs["extra_dtype"])]
 
 
+# Traced on torch < 2.13, the branch is a view of the tensor passed on, not that tensor itself:
+# torch 2.11's dynamo traced the plan's backward with zeros for the gradient of an extra output
+# that a later op also reads (an FP8 cast), so the branch gradient was lost
+# (test_compile.py::test_compiled_extra_output_gradient). The view costs nothing, but torch then
+# refuses in-place ops on the branch (a view output of a multi-output function), which 2.13
+# allows: so only where the bug is (2.12 untested, taken as 2.11).
+_BRANCH_AS_VIEW = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
 class MakeExtraOutput(BasicOperation):
     """Emits its input as an extra output of ``Sequential.forward`` (a branch, e.g. the residual
     stream) and passes it on; backward adds the branch's gradient."""
@@ -170,11 +179,7 @@ class MakeExtraOutput(BasicOperation):
 
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
         x = C.dequantize(x)
-        if torch.compiler.is_compiling():
-            # Traced, the branch is a view of the tensor passed on, not that tensor itself:
-            # torch 2.11's dynamo traced the plan's backward with zeros for the gradient of an
-            # extra output that a later op also reads (an FP8 cast), so the branch gradient
-            # was lost (test_compile.py::test_compiled_extra_output_gradient). A view is free.
+        if _BRANCH_AS_VIEW and torch.compiler.is_compiling():
             return x, [x.view_as(x)]
         return x, [x]
 
