@@ -34,6 +34,7 @@ from fusible.modules.layernorm_linear import LayerNormLinear
 from fusible.modules.layernorm_mlp import LayerNormMLP
 from fusible.modules.linear import Linear
 from fusible.ops import AddExtraInput, Dropout, Sequential
+from fusible.ops.op import TORCH_VERSION
 from fusible.ops.sequential import _NO_RECIPE, OwnForwardModule
 from fusible.quantization import QuantizerRole
 
@@ -44,7 +45,7 @@ RESERVED_ATTENTION_ROLES = ("qkv:dpa", "s:dpa")
 MASK_TYPES = ("causal", "no_mask", "arbitrary")
 FORMATS = ("bshd", "sbhd")
 # scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5 on.
-_SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+_SDPA_GQA = TORCH_VERSION >= (2, 5)
 
 
 class RotaryPositionEmbedding(torch.nn.Module):

@@ -589,6 +589,12 @@ def _forward_python(
     return (y, *flat_out, *new_ws)
 
 
+def _rows(g: torch.Tensor | None) -> torch.Tensor | None:
+    """An incoming gradient as the kernels read it, row by row: contiguous (the expanded
+    gradient of a ``sum()`` is not)."""
+    return g if g is None or g.is_contiguous() else g.contiguous()
+
+
 def _backward_python(
     ctx: Any,
     dy: torch.Tensor | None,
@@ -635,15 +641,12 @@ def _backward_python(
             c.saved = s
         del s  # the last list: its op's backward must hold the only reference
     del saved_lists
-    # Gradients may be strided (the expanded gradient of a sum()): kernels read rows.
     eog: list[Any] = []
     pos = 0
     for n in plan.n_extra_out:
-        eog += ([g if g is None or g.is_contiguous() else g.contiguous()
-                 for g in out_grads[pos : pos + n]],)  # fmt: skip
+        eog += ([_rows(g) for g in out_grads[pos : pos + n]],)
         pos += n
-    if dy is not None and not dy.is_contiguous():
-        dy = dy.contiguous()
+    dy = _rows(dy)
     dx, param_grads, extra_in_grads = _backward_units(plan, ctxs, dy, eog)
     del ctxs
     if dx is not None and ctx.needs_input_grad[2]:

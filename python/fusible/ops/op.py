@@ -86,6 +86,9 @@ _STATE_GENS = itertools.count(1)
 #: (``gather.<weight>.amax_history`` / ``.scale``). ``set_extra_state`` skips it, so such a
 #: checkpoint loads into a model without the wrapper (plain ``fully_shard``).
 GATHER_KEY = "gather"
+
+#: (major, minor) of the installed torch, for the version gates of the ops.
+TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 #: Bumped whenever any op's active states change (built, stashed or restored): a Sequential
 #: re-activates its ops' states only when the recipe or this changed.
 ACTIVE_EPOCH = [0]

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from fusible.ops import _compute as C
-from fusible.ops.op import BasicOperation
+from fusible.ops.op import TORCH_VERSION, BasicOperation
 from fusible.quantization import QuantizerRole
 
 __all__ = [
@@ -167,7 +167,7 @@ class AddExtraInput(BasicOperation):
 # (test_compile.py::test_compiled_extra_output_gradient). The view costs nothing, but torch then
 # refuses in-place ops on the branch (a view output of a multi-output function), which 2.13
 # allows: so only where the bug is (2.12 untested, taken as 2.11).
-_BRANCH_AS_VIEW = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+_BRANCH_AS_VIEW = TORCH_VERSION < (2, 13)
 
 
 class MakeExtraOutput(BasicOperation):

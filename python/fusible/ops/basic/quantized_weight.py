@@ -15,7 +15,7 @@ import torch
 
 from fusible._kernels import HIGH_PRECISION_DTYPES
 from fusible.ops import _compute as C
-from fusible.ops.op import BasicOperation
+from fusible.ops.op import TORCH_VERSION, BasicOperation
 from fusible.ops.workspace import quantize_weight
 from fusible.quantization.model_init import (
     get_quantized_model_init_recipe,
@@ -262,8 +262,7 @@ _COMPILE_UNSUPPORTED = (
 def compile_quantized_supported() -> bool:
     """Whether this torch's ``torch.compile`` takes quantized weights (``>=
     COMPILE_QUANTIZED_MIN_TORCH``)."""
-    have = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-    return have >= COMPILE_QUANTIZED_MIN_TORCH
+    return TORCH_VERSION >= COMPILE_QUANTIZED_MIN_TORCH
 
 
 def check_compile_quantized(op: str) -> None:
