@@ -402,7 +402,10 @@ for _r in GROUPED_RECIPES:
 
 def compile_tp(rec_name: str) -> None:
     """torch.compile(fullgraph=True) of a sequence-parallel column Linear and a row Linear (the
-    comm ops trace: see docs/distributed.md), against eager, bit for bit."""
+    comm ops trace: see docs/distributed.md), against eager, bit for bit. Also row Linears
+    without bias, plain and sequence-parallel: the AllReduce / ReduceScatter's result is the
+    output itself, whose gradient torch 2.11 lost while the collective was traced in place
+    (dx zero; ops/basic/comm.py)."""
     rec, g = RECIPES[rec_name], dist.group.WORLD
     torch._dynamo.reset()
     x, dy = toks(rand(S, H, seed=130), base.RANK), rand(S, F // 2, seed=131)
@@ -418,6 +421,18 @@ def compile_tp(rec_name: str) -> None:
             lambda: fusible.Linear(F, H, tp_group=g, parallel_mode="row"),
             rand(S, F // 2, seed=132),
             rand(S, H, seed=133),
+        ),
+        (
+            lambda: fusible.Linear(F, H, bias=False, tp_group=g, parallel_mode="row"),
+            rand(S, F // 2, seed=134),
+            rand(S, H, seed=135),
+        ),
+        (
+            lambda: fusible.Linear(
+                F, H, bias=False, tp_group=g, parallel_mode="row", sequence_parallel=True
+            ),
+            rand(S, F // 2, seed=136),
+            toks(rand(S, H, seed=137), base.RANK),
         ),
     ):
         torch.manual_seed(0)

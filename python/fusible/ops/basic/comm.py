@@ -40,7 +40,7 @@ import torch
 
 from fusible import _kernels as K
 from fusible.ops import _compute as C
-from fusible.ops.op import BasicOperation
+from fusible.ops.op import TORCH_VERSION, BasicOperation
 from fusible.quantization.quantizers import (
     Float8CurrentScalingQuantizer,
     Float8Data,
@@ -71,6 +71,28 @@ def _check_group(op: str, group: Any) -> None:
             f"{op}: 'group' must be a torch.distributed.ProcessGroup or None (the default "
             f"group), got {type(group).__name__}"
         )
+
+
+# Traced on torch < 2.13, the collectives whose result an op returns are the functional ones
+# (a new tensor), not the in-place ones into a tensor made here. torch 2.11's dynamo makes every
+# intermediate of an autograd.Function's forward an extra output of its traced forward (for side
+# effects; no alias filtering), the in-place collective's trailing ``out.copy_(result)`` among
+# them: the very tensor the op returns. Where that was the plan's output (a row-parallel Linear or
+# GroupedLinear without bias: AllReduce / ReduceScatter last), autograd gave the tensor the extra
+# output's slot, and the plan's backward got zeros for dy: dx was zero (test_fsdp_tp.py's
+# compile_grow_* cases). The functional ops are what dynamo turns the in-place ones into, minus
+# the copy: the same values. Eagerly, and on torch >= 2.13 (no such outputs), unchanged.
+_FUNCTIONAL_WHEN_TRACED = TORCH_VERSION < (2, 13)
+
+
+def _functional() -> bool:
+    return _FUNCTIONAL_WHEN_TRACED and torch.compiler.is_compiling()
+
+
+def _funcol() -> Any:
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
 
 
 # torch >= 2.12 names the single-tensor collectives *_single (the *_tensor spellings warn).
@@ -115,6 +137,8 @@ class _Collective(BasicOperation):
             raise ValueError(
                 f"{type(self).__name__}: expected at least one dimension, got a scalar"
             )
+        if _functional():
+            return _funcol().all_gather_tensor(x, 0, self.group)  # type: ignore[no-any-return]
         out = x.new_empty((x.shape[0] * self.group_size, *x.shape[1:]))
         _all_gather(out, x, self.group)
         return out
@@ -129,6 +153,8 @@ class _Collective(BasicOperation):
                 f"{type(self).__name__}: the {what}'s first (sequence) dimension, {n}, must be "
                 f"divisible by the group size {self.group_size} (shape {tuple(x.shape)})"
             )
+        if _functional():
+            return _funcol().reduce_scatter_tensor(x, "sum", 0, self.group)  # type: ignore[no-any-return]
         out = x.new_empty((n // self.group_size, *x.shape[1:]))
         _reduce_scatter(out, x, self.group)
         return out
@@ -136,6 +162,8 @@ class _Collective(BasicOperation):
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.group_size == 1:
             return x
+        if _functional():
+            return _funcol().all_reduce(x.contiguous(), "sum", self.group)  # type: ignore[no-any-return]
         out = x.contiguous().clone()  # never reduce into a tensor another op may hold
         _dist().all_reduce(out, op=_dist().ReduceOp.SUM, group=self.group)
         return out
