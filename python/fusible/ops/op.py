@@ -166,6 +166,18 @@ class BasicOperation(torch.nn.Module):
         super().__setstate__(state)
         self._assign_uid()
 
+    def forward(self, x: Any, *extra_inputs: Any, **kwargs: Any) -> Any:
+        """The op called on its own (``ops.GELU()(x)``, ``ops.LayerNorm(64)(x)``), as
+        TransformerEngine's basic ops can be: it runs as a one-op ``ops.Sequential``, with that
+        container's arguments (``is_first_microbatch``, extra inputs, ``m_splits``) and output.
+        The container is made per call, as TransformerEngine makes its fuser per call: one kept
+        by the op would keep the op alive through its plans. For repeated calls put the op in an
+        ``ops.Sequential`` (which also fuses it with its neighbours). Inside a container the op
+        never runs through here: the container's plan runs it."""
+        from fusible.ops.sequential import Sequential
+
+        return Sequential(self)(x, *extra_inputs, **kwargs)
+
     # ---- module hooks ----------------------------------------------------------------------
 
     def _no_hooks(self, kind: str) -> Any:
@@ -229,7 +241,11 @@ class BasicOperation(torch.nn.Module):
                 device=self._state_device(),
             )  # fmt: skip
         self._recipe_key = _recipe_key(recipe)
-        self._apply_pending_recipe_state()
+        try:
+            self._apply_pending_recipe_state()
+        except ValueError:
+            self._built = False  # the next run builds again and raises again: never drops it
+            raise
         self._build_qmap()
 
     def _build_qmap(self) -> None:
@@ -344,7 +360,19 @@ class BasicOperation(torch.nn.Module):
         for mode in list(self._pending_recipe_state):
             state = held[mode]
             if state is not None:
-                load_recipe_state(state, self._pending_recipe_state.pop(mode))
+                # Removed only once loaded: a checkpoint that does not fit the recipe raises on
+                # every run (it used to raise on the first one only: the next ran on fresh state,
+                # the checkpoint's dropped silently).
+                try:
+                    load_recipe_state(state, self._pending_recipe_state[mode])
+                except ValueError as e:
+                    raise ValueError(
+                        f"{type(self).__name__}: the {mode} recipe state from load_state_dict() "
+                        "does not fit the recipe it runs under (a checkpoint saved under another "
+                        "recipe?): load one saved under this recipe, or leave out its "
+                        f"'_extra_state' entries to start from fresh recipe state. {e}"
+                    ) from e
+                del self._pending_recipe_state[mode]
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         # Checkpoints without recipe state (older ones, or from a model never run under a recipe)

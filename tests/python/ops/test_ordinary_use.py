@@ -458,3 +458,56 @@ def test_autocast_recipe_error_lists_every_recipe():
     for name in ("DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling",
                  "Float8BlockScaling", "CustomRecipe"):  # fmt: skip
         assert name in str(info.value)
+
+
+# ---- found by an ordinary-use audit (session 24) -------------------------------------------
+
+
+def test_checkpoint_of_another_history_length_raises_on_every_run():
+    """Resuming a delayed-scaling checkpoint under a recipe with another ``amax_history_len``
+    raised at the first forward, but the loaded state was dropped then: the next forward ran on
+    fresh scales (1.0) without a word. It raises on every run now, naming the way out; leaving
+    out ``_extra_state`` starts from fresh state."""
+    torch.manual_seed(0)
+    m = fusible.Linear(64, 64)
+    _train(m, recipe.DelayedScaling(amax_history_len=8), 2)
+    sd = m.state_dict()
+    fresh = fusible.Linear(64, 64)
+    fresh.load_state_dict(sd)
+    longer = recipe.DelayedScaling(amax_history_len=16)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"from load_state_dict\(\) does not fit the recipe"):
+            _train(fresh, longer, 1)
+    fresh.load_state_dict({k: v for k, v in sd.items() if k != "_extra_state"})
+    _train(fresh, longer, 1)
+    assert fresh.state_dict()["_extra_state"]["forward.amax_history"].shape == (16, 3)
+
+
+@pytest.mark.parametrize("rec", ["none", "delayed", "current"])
+def test_basic_op_called_on_its_own(rec):
+    """``ops.GELU()(x)`` or ``ops.LayerNorm(64)(x)`` raised torch's ``Module [GELU] is missing
+    the required "forward" function``: a basic op ran only inside a container. Called on its
+    own it runs as a one-op ``ops.Sequential`` (as TransformerEngine's basic ops do), the same
+    bits, gradients included; a dropped op is freed without the cyclic collector."""
+    r = RECIPES[rec]
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    for make in (lambda: ops.LayerNorm(64), lambda: ops.GELU(), lambda: ops.BasicLinear(64, 32)):
+        op, twin = make(), None
+        twin = copy.deepcopy(op)
+        seq = ops.Sequential(twin)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with fusible.autocast(enabled=r is not None, recipe=r):
+            ya, yb = op(xa), seq(xb)
+        ya.sum().backward()
+        yb.sum().backward()
+        assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
+        for p, q in zip(op.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+    gl = ops.GroupedLinear(2, 64, 32)
+    assert gl(x, m_splits=[8, 24]).shape == (32, 32)
+    ln = ops.LayerNorm(64)
+    ln(x)
+    ref = weakref.ref(ln)
+    del ln
+    assert ref() is None
