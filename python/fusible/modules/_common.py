@@ -177,3 +177,19 @@ def resolve_params_dtype(
             "('params_dtype' is TransformerEngine's name for 'dtype')"
         )
     return params_dtype
+
+
+def check_bias(module: str, bias: object, te_third: str | None = None) -> None:
+    """``bias`` must be a bool (or 0 / 1). ``te_third``: the name of TransformerEngine's third
+    positional argument where it is not ``bias`` (``eps`` for ``LayerNormLinear`` /
+    ``LayerNormMLP``), so ``LayerNormMLP(1024, 4096, 1e-6)`` written for TE is refused instead
+    of turning the bias on and keeping the default epsilon."""
+    if isinstance(bias, bool) or (type(bias) is int and bias in (0, 1)):
+        return
+    hint = (
+        f"; TransformerEngine's third positional argument is '{te_third}', pass it by keyword "
+        f"({te_third}={bias!r})"
+        if te_third is not None
+        else ""
+    )
+    raise TypeError(f"{module}: bias must be a bool, got {bias!r} ({type(bias).__name__}){hint}")

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from fusible.modules._common import resolve_params_dtype, use_te_state_dict_names
+from fusible.modules._common import check_bias, resolve_params_dtype, use_te_state_dict_names
 from fusible.modules._tp import TensorParallel
 from fusible.ops import GroupedLinear as _GroupedLinearOp
 from fusible.ops import Sequential
@@ -59,6 +59,7 @@ class GroupedLinear(Sequential):
         sequence_parallel: bool = False,
     ) -> None:
         dtype = resolve_params_dtype("GroupedLinear", dtype, params_dtype)
+        check_bias("GroupedLinear", bias)
         tp = TensorParallel.resolve("GroupedLinear", tp_group, parallel_mode, sequence_parallel)
         if tp.sequence_parallel:
             raise ValueError(

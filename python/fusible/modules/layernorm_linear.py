@@ -8,6 +8,7 @@ import torch
 
 from fusible.modules._common import (
     NormFirst,
+    check_bias,
     linear_te_names,
     make_norm,
     norm_te_names,
@@ -55,6 +56,7 @@ class LayerNormLinear(NormFirst, LinearParameters):
         sequence_parallel: bool = False,
     ) -> None:
         dtype = resolve_params_dtype("LayerNormLinear", dtype, params_dtype)
+        check_bias("LayerNormLinear", bias, "eps")
         tp = TensorParallel.resolve("LayerNormLinear", tp_group, parallel_mode, sequence_parallel)
         if tp.mode == "row":
             raise ValueError(

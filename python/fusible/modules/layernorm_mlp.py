@@ -9,6 +9,7 @@ import torch
 from fusible.modules._common import (
     GLU,
     NormFirst,
+    check_bias,
     linear_te_names,
     make_activation,
     make_norm,
@@ -61,6 +62,7 @@ class LayerNormMLP(NormFirst):
         sequence_parallel: bool = False,
     ) -> None:
         dtype = resolve_params_dtype("LayerNormMLP", dtype, params_dtype)
+        check_bias("LayerNormMLP", bias, "eps")
         mode = None if tp_group is None else "column"  # fc1's; fc2 is row-parallel
         tp = TensorParallel.resolve("LayerNormMLP", tp_group, mode, sequence_parallel)
         norm = make_norm(normalization, hidden_size, eps, zero_centered_gamma, device, dtype,

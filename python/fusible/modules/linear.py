@@ -6,7 +6,12 @@ from typing import Any
 
 import torch
 
-from fusible.modules._common import linear_te_names, resolve_params_dtype, use_te_state_dict_names
+from fusible.modules._common import (
+    check_bias,
+    linear_te_names,
+    resolve_params_dtype,
+    use_te_state_dict_names,
+)
 from fusible.modules._tp import TensorParallel, reduce_grad_over
 from fusible.ops import BasicLinear, Bias
 from fusible.ops.linear import Linear as _OpsLinear
@@ -56,6 +61,7 @@ class Linear(_OpsLinear):
         save_original_input: bool = False,
     ) -> None:
         dtype = resolve_params_dtype("Linear", dtype, params_dtype)
+        check_bias("Linear", bias)
         tp = TensorParallel.resolve("Linear", tp_group, parallel_mode, sequence_parallel)
         if not tp.active:
             super().__init__(in_features, out_features, bias, device=device, dtype=dtype,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fusible.modules._common import resolve_params_dtype
+from fusible.modules._common import check_bias, resolve_params_dtype
 from fusible.modules._tp import TensorParallel
 from fusible.modules.layernorm_linear import LayerNormLinear
 from fusible.modules.layernorm_mlp import LayerNormMLP
@@ -100,6 +100,27 @@ def _check_choice(owner: str, arg: str, value: Any, choices: tuple[str, ...]) ->
         raise ValueError(f"{owner}: {arg} must be one of {list(choices)}, got {value!r}")
 
 
+def _check_mask(owner: str, mask: torch.Tensor, full: tuple[int, int, int, int]) -> None:
+    """``attention_mask`` must be bool (True masks out, TransformerEngine's convention) and
+    4-D, broadcastable to ``full`` = ``[batch, heads, seq, seq]``. A 0/1 mask of another dtype
+    is refused rather than read as bool: Hugging Face's padding masks use 1 for "attend", the
+    opposite meaning, and would be inverted without a word."""
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"{owner}.forward: attention_mask must be a bool tensor (True masks a position out, "
+            f"TransformerEngine's convention), got dtype {mask.dtype}; a 0/1 padding mask with "
+            "1 for tokens to attend (Hugging Face's) converts as mask == 0, an additive 0 / -inf "
+            "mask as mask.isinf()"
+        )
+    ok = mask.dim() == 4 and all(m in (1, n) for m, n in zip(mask.shape, full, strict=True))
+    if not ok:
+        raise ValueError(
+            f"{owner}.forward: attention_mask must have 4 dimensions broadcastable to "
+            f"[batch, heads, seq, seq] = {list(full)} (e.g. [batch, 1, 1, seq] for padding, "
+            f"[batch, 1, seq, seq]), got shape {tuple(mask.shape)}"
+        )
+
+
 def _residual_tail(module: Sequential, hidden_dropout: float) -> None:
     """Append ``[Dropout,] AddExtraInput`` to ``module`` (the residual add of a pre-norm block:
     ``module(x, residual)``; fused into the preceding GEMM when no dropout sits between)."""
@@ -150,8 +171,9 @@ class MultiheadAttention(_Block):
       ``num_gqa_groups``: K/V heads (grouped-query attention; default: one per query head).
       The QKV weight's rows are ``[Q (heads * kv_channels); K; V (groups * kv_channels each)]``.
     - ``attn_mask_type``: ``"causal"`` (default), ``"no_mask"`` or ``"arbitrary"`` (forward's
-      ``attention_mask``: bool, True masks a position out, TE's convention; broadcastable to
-      ``[batch, heads, seq, seq]``).
+      ``attention_mask``: bool, True masks a position out, TE's convention; 4-D, broadcastable
+      to ``[batch, heads, seq, seq]``; another dtype raises ``TypeError``, another shape
+      ``ValueError``).
     - ``qkv_format``: ``"bshd"`` (default: ``(batch, seq, hidden)`` input) or ``"sbhd"``
       (``(seq, batch, hidden)``, TransformerEngine's default).
     - ``rotary``: build a ``RotaryPositionEmbedding(kv_channels, rotary_base)`` and apply it to
@@ -191,6 +213,7 @@ class MultiheadAttention(_Block):
         sequence_parallel: bool = False,
     ) -> None:
         dtype = resolve_params_dtype(type(self).__name__, dtype, params_dtype)
+        check_bias(type(self).__name__, bias)
         super().__init__()
         owner = type(self).__name__
         tp = TensorParallel.resolve(owner, tp_group, None if tp_group is None else "column",
@@ -347,6 +370,8 @@ class MultiheadAttention(_Block):
             rotary_pos_emb = self.rotary_pos_emb(s, device=q.device)
         if rotary_pos_emb is not None:
             q, k = _rotate(q, rotary_pos_emb), _rotate(k, rotary_pos_emb)
+        if attention_mask is not None:
+            _check_mask(owner, attention_mask, (b, h, s, s))
         a = self._attention(q, k, v, attention_mask)  # [batch, heads, seq, head_dim]
         a = a.transpose(1, 2) if self.qkv_format == "bshd" else a.permute(2, 0, 1, 3)
         a = a.reshape(*a.shape[:2], h * d)

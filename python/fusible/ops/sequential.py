@@ -539,7 +539,8 @@ class Sequential(OwnForwardModule):
 
     def _check_dtypes(self, x: torch.Tensor, run: list[Any], params: list[torch.Tensor]) -> None:
         """The input and parameters a run's kernels compute with are float32, float16 or
-        bfloat16 (else the first kernel would refuse them, naming itself, not the module). Not
+        bfloat16, and on the input's device (else the first kernel would refuse them, naming
+        itself and its argument, not the module and the parameter). Not
         checked: a run with an op defined outside fusible (a user's op may take token ids or
         masks), the input of a run of ops that only move it (``Identity``, ``Reshape``, ...:
         ``BasicOperation.computes``), and extra inputs (``AddExtraInput`` casts its own; their
@@ -560,6 +561,14 @@ class Sequential(OwnForwardModule):
                     f"{name}.forward: parameter '{names.get(id(p), '?')}' has dtype {p.dtype}; "
                     f"{allowed} (convert the model, e.g. model.float() or "
                     f"model.to(torch.bfloat16))"
+                )
+        for p in params:
+            if p.device != x.device:
+                names = {id(v): f"{k}" for k, v in self.named_parameters()}
+                raise ValueError(
+                    f"{name}.forward: the input is on {x.device} but parameter "
+                    f"'{names.get(id(p), '?')}' is on {p.device}; put the input and the model "
+                    f"on one device (x.to({str(p.device)!r}) or model.to({str(x.device)!r}))"
                 )
 
     def _check_call_kwargs(self, kwargs: dict[str, Any]) -> None:

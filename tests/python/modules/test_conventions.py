@@ -550,6 +550,32 @@ def test_params_dtype_is_dtype(make):
         make(dtype=torch.float32, params_dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    "make, te_eps",
+    [
+        (lambda *a, **kw: fusible.Linear(16, 8, *a, **kw), False),
+        (lambda *a, **kw: fusible.LayerNormLinear(16, 8, *a, **kw), True),
+        (lambda *a, **kw: fusible.LayerNormMLP(16, 32, *a, **kw), True),
+        (lambda *a, **kw: fusible.GroupedLinear(2, 16, 8, *a, **kw), False),
+        (lambda *a, **kw: fusible.MultiheadAttention(16, 2, **kw), False),
+        (lambda *a, **kw: fusible.TransformerLayer(16, 32, 2, **kw), False),
+    ],
+    ids=["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "MHA", "TransformerLayer"],
+)
+def test_bias_must_be_a_bool(make, te_eps):
+    """TransformerEngine's third positional argument of ``LayerNormLinear`` / ``LayerNormMLP``
+    is ``eps``: ``LayerNormMLP(1024, 4096, 1e-6)`` written for TE used to turn the bias on
+    (1e-6 is truthy) and keep eps at 1e-5 without a word. A bias that is not a bool raises,
+    naming the module and, where TE's third argument is eps, the keyword to use."""
+    with pytest.raises(TypeError, match=r"bias must be a bool, got 1e-06 \(float\)") as err:
+        make(1e-6) if te_eps else make(bias=1e-6)
+    assert ("pass it by keyword (eps=1e-06)" in str(err.value)) == te_eps
+    for bias in (True, False, 1, 0):
+        m = make(bias=bias)
+        biased = any("bias" in n and "layer_norm" not in n for n in m.state_dict())
+        assert biased == bool(bias), bias
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_functional_call_by_state_dict_names(case):
     """``torch.func.functional_call`` with the parameters keyed by ``state_dict()``'s (TE)

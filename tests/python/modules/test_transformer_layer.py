@@ -210,6 +210,29 @@ def test_arbitrary_mask():
     _compare(layer, x, dy, forward_kw={"attention_mask": mask}, ref_kw={"mask": mask})
 
 
+def test_attention_mask_of_another_dtype_or_shape_raises():
+    """A 0/1 padding mask as Hugging Face builds it (1 = attend, float or long) used to be read
+    with ``.to(bool)``, the opposite of the bool convention (True masks out), inverting the mask
+    without a word; a 2-D ``[batch, seq]`` mask failed inside SDPA with a broadcast error (or,
+    with batch == seq, broadcast as ``[seq, seq]``). Both now raise naming ``attention_mask``
+    and what is expected; bool masks of the documented shapes are unchanged."""
+    layer = _layer(self_attn_mask_type="arbitrary")
+    x, _ = _data()
+    keep = torch.ones(B, S)
+    keep[1, S // 2 :] = 0  # the second sequence is padded
+    mask = (keep == 0)[:, None, None, :]
+    with torch.no_grad():
+        want = layer(x, attention_mask=mask)
+        assert torch.equal(layer(x, attention_mask=mask.expand(B, 1, S, S)), want)
+        for other in (keep[:, None, None, :], keep.long()[:, None, None, :]):
+            with pytest.raises(TypeError, match=r"attention_mask must be a bool tensor.*mask == 0"):
+                layer(x, attention_mask=other)
+        for shape in [(B, S), (S, S), (B, 1, S // 2, S // 2), (B, HEADS + 1, S, S)]:
+            with pytest.raises(ValueError, match=r"attention_mask must have 4 dimensions "
+                               r"broadcastable to \[batch, heads, seq, seq\]"):  # fmt: skip
+                layer(x, attention_mask=torch.zeros(shape, dtype=torch.bool))
+
+
 @pytest.mark.parametrize("input_layernorm", [False, True])
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
 def test_multihead_attention_alone(input_layernorm, fmt):

@@ -301,6 +301,29 @@ def test_bad_inputs_name_the_problem():
         m(torch.randn(2, 63))
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fusible.Linear(64, 32),
+        lambda: fusible.LayerNormMLP(64, 128),
+        lambda: ops.Sequential(ops.LayerNorm(64), ops.Linear(64, 32), ops.GELU()),
+    ],
+    ids=["Linear", "LayerNormMLP", "Sequential"],
+)
+def test_input_on_another_device_names_module_and_parameter(make):
+    """An input on another device than the parameters (here meta against cpu, the case every
+    machine has) used to fail in the first kernel, naming it and its argument
+    (``fusible.norm_fwd: argument 'gamma' is on cpu``); it names the module, the parameter and
+    both devices. A forward with input and model both on meta still gives shapes."""
+    m = make()
+    name = type(m).__name__
+    with pytest.raises(ValueError, match=rf"{name}\.forward: the input is on meta but "
+                       r"parameter '0\.weight' is on cpu"):  # fmt: skip
+        m(torch.randn(4, 64, device="meta"))
+    assert m(torch.randn(4, 64)).shape[-1] in (32, 64)
+    assert m.to("meta")(torch.randn(4, 64, device="meta")).device.type == "meta"
+
+
 def test_fused_op_returning_wrong_result_is_named():
     class Bad(ops.FusedOperation):
         name = "bad_fusion"
