@@ -417,7 +417,8 @@ class TransformerLayer(_Block):
     - RoPE: forward's ``rotary_pos_emb`` (angles from ``RotaryPositionEmbedding``, TE's format),
       or ``rotary=True`` (with ``rotary_base``) to build the layer's own, positions ``0 .. seq-1``.
     - ``attention_dropout`` (SDPA), ``hidden_dropout`` (each block's output, before its residual
-      add); both only in training mode.
+      add); both only in training mode. Both default to 0.0, where TransformerEngine's default
+      to 0.1.
     - ``name``: a label for ``explain()`` and ``repr``; the Linears' role names are always
       ``qkv``, ``proj``, ``fc1``, ``fc2``, so a ``CustomRecipe`` rule such as ``"weight:*:fc2"``
       reaches the same Linear in every layer.
