@@ -26,7 +26,7 @@ ops = torch.ops.fusible
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-KINDS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu")
+KINDS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "identity")
 GATED = ("swiglu", "geglu")
 SHAPES = [(1, 1), (7, 7), (127, 127), (1, 4097), (4097, 3), (3, 5, 7), (0, 8)]
 # fp32 math is within a few ulps (activation_math.h); then one rounding to the output dtype.
@@ -61,6 +61,8 @@ def reference(x64: torch.Tensor, kind: str) -> torch.Tensor:
             return F.gelu(t)
         if k == "relu":
             return F.relu(t)
+        if k == "identity":
+            return t
         return F.silu(t)
 
     if kind in GATED:

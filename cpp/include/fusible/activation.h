@@ -12,6 +12,10 @@
  *   FUS_ACT_SILU      x * sigmoid(x)
  *   FUS_ACT_SWIGLU    gated: input [N, 2H] = [a | b], output silu(a) * b       [N, H]
  *   FUS_ACT_GEGLU     gated: input [N, 2H] = [a | b], output gelu_tanh(a) * b  [N, H]
+ *   FUS_ACT_IDENTITY  x; backward dx = grad, and x is not read on CUDA (pass grad as x). Its
+ *                     use: a gradient's quantized copy and its column sums in one pass (the
+ *                     bias gradient beside the FP8 cast of a Linear's grad_output: Bias's
+ *                     backward), bit for bit fus_quantize() of grad and the unfused column sums.
  *
  * Shapes: K = H for the elementwise kinds, 2H for the gated ones.
  *   forward:  x [N, K] -> y [N, H]
@@ -64,7 +68,8 @@ extern "C" {
   X(RELU, 2, "relu", 0, Relu)            \
   X(SILU, 3, "silu", 0, Silu)            \
   X(SWIGLU, 4, "swiglu", 1, Silu)        \
-  X(GEGLU, 5, "geglu", 1, GeluTanh)
+  X(GEGLU, 5, "geglu", 1, GeluTanh)      \
+  X(IDENTITY, 6, "identity", 0, Identity)
 
 typedef enum fus_activation {
 #define FUS_ACT_ENUMERATOR_(id, value, name, gated, fn) FUS_ACT_##id = value,

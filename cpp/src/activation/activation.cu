@@ -59,6 +59,7 @@ struct ActParams {
 template <typename T, ActFn A, bool kGated, bool kBwd>
 __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
   constexpr bool k16 = !std::is_void_v<T>;
+  constexpr bool kReadX = !(kBwd && A == ActFn::kIdentity);  // identity's backward: grad only
   __shared__ EpilogueSmem sm;
   const int tid = threadIdx.x, tx = tid % 8, ty = tid / 8;
   const int64_t H = p.cols, in_cols = kGated ? 2 * H : H;
@@ -79,7 +80,7 @@ __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
       ra = rb = rg = make_uint4(0, 0, 0, 0);
       if (r >= rend) return;
       const T* x = static_cast<const T*>(p.x) + r * in_cols + c;
-      ra = __ldcs(reinterpret_cast<const uint4*>(x));
+      if constexpr (kReadX) ra = __ldcs(reinterpret_cast<const uint4*>(x));
       if constexpr (kGated) rb = __ldcs(reinterpret_cast<const uint4*>(x + H));
       if constexpr (kBwd)
         rg = __ldcs(reinterpret_cast<const uint4*>(static_cast<const T*>(p.grad) + r * H + c));
@@ -102,7 +103,7 @@ __global__ void __launch_bounds__(kTileThreads) act_kernel(const ActParams p) {
         if constexpr (kBwd) fused::unpack8<T>(rg, gr);
         load_raw(r + kTileRows);
       } else {
-        fused::load8(p.x, p.x_dtype, r * in_cols + c, n, p.vec_x, a);
+        if constexpr (kReadX) fused::load8(p.x, p.x_dtype, r * in_cols + c, n, p.vec_x, a);
         if constexpr (kGated) fused::load8(p.x, p.x_dtype, r * in_cols + H + c, n, p.vec_x, b);
         if constexpr (kBwd) fused::load8(p.grad, p.grad_dtype, r * H + c, n, p.vec_grad, gr);
       }
@@ -159,6 +160,7 @@ __global__ void __launch_bounds__(kWalkThreads) act_walk_kernel(const ActParams 
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kWalkThreads + threadIdx.x) * 8;
   const int64_t g0 = static_cast<int64_t>(blockIdx.y) * p.groups_per_block;
   const int64_t g1 = fused::imin(p.groups, g0 + p.groups_per_block);
+  constexpr bool kReadX = !(kBwd && A == ActFn::kIdentity);  // identity's backward: grad only
   const bool active = c < H;  // H % 8 == 0: a thread's 8 columns are all inside or all outside
   const float scale = o.qmode == 1 ? *o.scale : 0.0f;
   uint32_t am0 = 0, am1 = 0;
@@ -171,7 +173,7 @@ __global__ void __launch_bounds__(kWalkThreads) act_walk_kernel(const ActParams 
       ra[k] = rb[k] = rg[k] = make_uint4(0, 0, 0, 0);
       if (r + k >= rend) continue;
       const T* x = static_cast<const T*>(p.x) + (r + k) * in_cols + c;
-      ra[k] = __ldcs(reinterpret_cast<const uint4*>(x));
+      if constexpr (kReadX) ra[k] = __ldcs(reinterpret_cast<const uint4*>(x));
       if constexpr (kGated) rb[k] = __ldcs(reinterpret_cast<const uint4*>(x + H));
       if constexpr (kBwd)
         rg[k] =

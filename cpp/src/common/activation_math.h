@@ -75,7 +75,8 @@ namespace fusible {
   X(GeluTanh, gelu_tanh, dgelu_tanh) \
   X(GeluErf, gelu_erf, dgelu_erf)    \
   X(Relu, relu, drelu)               \
-  X(Silu, silu, dsilu)
+  X(Silu, silu, dsilu)               \
+  X(Identity, identity_f, didentity_f)
 
 // The elementwise function of an activation, in FUS_ACT_FUNCTIONS order (kGeluTanh = 0, ...).
 enum class ActFn : int {
@@ -298,6 +299,12 @@ FUS_HD float dsilu(float x) {
   return f_fma(f_mul(x, p.small), p.big, s);
 }
 
+// ---- identity (the bias gradient beside a gradient's cast; activation.h)
+// -----------------------------------------------------------------------------------
+
+FUS_HD float identity_f(float x) { return x; }
+FUS_HD float didentity_f(float) { return 1.0f; }
+
 // ---- dispatch by function
 // -------------------------------------------------------------------------
 
@@ -345,6 +352,7 @@ FUS_HD float dact_fn(ActFn a, float x) {
 template <ActFn A>
 FUS_HD float act_grad(float grad, float x) {
   if constexpr (A == ActFn::kRelu) return x > 0.0f ? grad : 0.0f;
+  if constexpr (A == ActFn::kIdentity) return grad;  // x unread (the CUDA kernels skip its load)
   return f_mul(grad, dact_fn<A>(x));
 }
 

@@ -259,6 +259,7 @@ const char* kind_name(fus_activation k) {
     case FUS_ACT_SILU: return "SILU";
     case FUS_ACT_SWIGLU: return "SWIGLU";
     case FUS_ACT_GEGLU: return "GEGLU";
+    case FUS_ACT_IDENTITY: return "IDENTITY";
   }
   return "?";
 }
@@ -271,6 +272,7 @@ LD act_ref(fus_activation k, LD x) {
     case FUS_ACT_GEGLU: return gelu_tanh_ref(x);
     case FUS_ACT_GELU_ERF: return gelu_erf_ref(x);
     case FUS_ACT_RELU: return relu_ref(x);
+    case FUS_ACT_IDENTITY: return x;
     default: return silu_ref(x);
   }
 }
@@ -280,6 +282,7 @@ LD dact_ref(fus_activation k, LD x) {
     case FUS_ACT_GEGLU: return dgelu_tanh_ref(x);
     case FUS_ACT_GELU_ERF: return dgelu_erf_ref(x);
     case FUS_ACT_RELU: return drelu_ref(x);
+    case FUS_ACT_IDENTITY: return 1;
     default: return dsilu_ref(x);
   }
 }
@@ -383,8 +386,8 @@ std::vector<double> reference(const ActSetup& s, const Data& d) {
   return r;
 }
 
-const fus_activation kKinds[] = {FUS_ACT_GELU, FUS_ACT_GELU_ERF, FUS_ACT_RELU,
-                                 FUS_ACT_SILU, FUS_ACT_SWIGLU,   FUS_ACT_GEGLU};
+const fus_activation kKinds[] = {FUS_ACT_GELU,   FUS_ACT_GELU_ERF, FUS_ACT_RELU,    FUS_ACT_SILU,
+                                 FUS_ACT_SWIGLU, FUS_ACT_GEGLU,    FUS_ACT_IDENTITY};
 
 // ---- CPU vs FP64
 // ------------------------------------------------------------------------------------
