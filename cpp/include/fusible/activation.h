@@ -12,10 +12,10 @@
  *   FUS_ACT_SILU      x * sigmoid(x)
  *   FUS_ACT_SWIGLU    gated: input [N, 2H] = [a | b], output silu(a) * b       [N, H]
  *   FUS_ACT_GEGLU     gated: input [N, 2H] = [a | b], output gelu_tanh(a) * b  [N, H]
- *   FUS_ACT_IDENTITY  x; backward dx = grad, and x is not read on CUDA (pass grad as x). Its
- *                     use: a gradient's quantized copy and its column sums in one pass (the
- *                     bias gradient beside the FP8 cast of a Linear's grad_output: Bias's
- *                     backward), bit for bit fus_quantize() of grad and the unfused column sums.
+ *   FUS_ACT_IDENTITY  x; backward dx = grad, and x is not read on CUDA (pass grad as x): a
+ *                     gradient's quantized copy (bit for bit fus_quantize() of grad) and its
+ *                     column sums (in the order below) in one pass. Meant for a bias gradient
+ *                     beside the FP8 cast of a Linear's grad_output; no op uses it yet.
  *
  * Shapes: K = H for the elementwise kinds, 2H for the gated ones.
  *   forward:  x [N, K] -> y [N, H]

@@ -554,20 +554,21 @@ class Sequential(OwnForwardModule):
                 f"{name}.forward: the input has dtype {x.dtype}; {allowed} (cast it, e.g. "
                 f"x.float() or x.to(torch.bfloat16))"
             )
+
+        def pname(p: torch.Tensor) -> str:
+            return next((k for k, v in self.named_parameters() if v is p), "?")
+
         for p in params:
             if p.dtype not in HIGH_PRECISION_DTYPES:
-                names = {id(v): f"{k}" for k, v in self.named_parameters()}
                 raise TypeError(
-                    f"{name}.forward: parameter '{names.get(id(p), '?')}' has dtype {p.dtype}; "
+                    f"{name}.forward: parameter '{pname(p)}' has dtype {p.dtype}; "
                     f"{allowed} (convert the model, e.g. model.float() or "
                     f"model.to(torch.bfloat16))"
                 )
-        for p in params:
             if p.device != x.device:
-                names = {id(v): f"{k}" for k, v in self.named_parameters()}
                 raise ValueError(
                     f"{name}.forward: the input is on {x.device} but parameter "
-                    f"'{names.get(id(p), '?')}' is on {p.device}; put the input and the model "
+                    f"'{pname(p)}' is on {p.device}; put the input and the model "
                     f"on one device (x.to({str(p.device)!r}) or model.to({str(x.device)!r}))"
                 )
 
