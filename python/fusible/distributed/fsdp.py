@@ -94,7 +94,7 @@ class _GatherSpec:
     gathers: int = field(default=0)  # forward all-gathers so far (for tests and messages)
     # Current scaling, by precompute_fp8_scales: (scale, what it is valid for, see
     # _shard_key); used while the shard is unchanged (no optimizer step since).
-    precomputed: tuple[torch.Tensor, Any, tuple[int, int]] | None = None
+    precomputed: tuple[torch.Tensor, Any, tuple[int, int, int]] | None = None
     # Delayed scaling: the amax slot of ``delayed`` holds the group's max (precompute_fp8_scales
     # reduced it, and no gather recorded since), so the next forward gather need not reduce it.
     agreed: bool = False
@@ -322,12 +322,30 @@ class Float8AllGatherWeight(torch.Tensor):
         return Float8Tensor(qdata, dtype=param_dtype), inner
 
 
-def _shard_key(param: Any, master: torch.Tensor) -> tuple[int, int] | None:
-    """What a precomputed scale is valid for: the sharded parameter's version and the master
-    shard's storage. An optimizer step writes the parameter in place, which bumps the version
-    of the ``DTensor`` parameter (not of its local tensor's inner tensor, whose writes run below
-    the dispatcher's version-counter key: checked); None once the parameter is gone."""
-    return None if param is None else (param._version, master.data_ptr())
+def _shard_key(param: Any, master: torch.Tensor) -> tuple[int, int, int] | None:
+    """What a precomputed scale is valid for: the sharded parameter's version, the master
+    shard's storage and the count of ``torch.optim`` optimizer steps taken. The version alone
+    misses updates: a ``foreach`` optimizer step (the default on CUDA) writes ``DTensor``
+    parameters without bumping their version (checked on torch 2.11 and 2.13), and writes
+    below the dispatcher (the local tensor's inner tensor) never bump it. None once the
+    parameter is gone."""
+    return None if param is None else (param._version, master.data_ptr(), _OPTIMIZER_STEPS[0])
+
+
+# torch.optim steps since the first precompute_fp8_scales call: a global step post-hook (one
+# integer increment per step) so a precomputed scale expires at any optimizer's step.
+_OPTIMIZER_STEPS = [0]
+_OPTIMIZER_HOOK: list[Any] = []
+
+
+def _count_optimizer_steps() -> None:
+    if not _OPTIMIZER_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        def bump(*_: Any) -> None:
+            _OPTIMIZER_STEPS[0] += 1
+
+        _OPTIMIZER_HOOK.append(register_optimizer_step_post_hook(bump))
 
 
 def _reduce_amax_slots(states: list[Any], group: Any) -> None:
@@ -353,7 +371,9 @@ def precompute_fp8_scales(module: torch.nn.Module) -> int:
 
     Current scaling: each scale is the one ``fsdp_pre_all_gather`` would agree on (the max over
     the ranks of each shard's amax, then the recipe's scale rule): the same bits. It is used
-    while the master shard is unchanged; after an optimizer step without a new call the
+    until a ``torch.optim`` optimizer steps or the parameter is written in place with its
+    version bumped (an update that does neither, e.g. a hand-written ``torch._foreach_*`` on
+    the ``DTensor`` parameters, needs a new call); after an optimizer step without a new call the
     all-gather agrees on its scale itself again (correct, one collective per weight and
     gather). Delayed scaling: the amaxes the step's gathers recorded are max-reduced (what the
     next forward gather would do, the same bits) and that gather skips its own reduction;
@@ -369,6 +389,7 @@ def precompute_fp8_scales(module: torch.nn.Module) -> int:
             f"precompute_fp8_scales: 'module' must be a torch.nn.Module, got "
             f"{type(module).__name__}"
         )
+    _count_optimizer_steps()
     groups: dict[Any, list[tuple[DTensor, Float8AllGatherWeight, torch.Tensor]]] = {}
     delayed: dict[Any, list[_GatherSpec]] = {}
     for param in module.parameters():

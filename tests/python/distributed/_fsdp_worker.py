@@ -506,14 +506,17 @@ def count_all_reduce() -> Iterator[list[int]]:
         dist.all_reduce = orig
 
 
-def precompute_scales(rec_name: str, make_mesh: Any = mesh) -> None:
+def precompute_scales(rec_name: str, make_mesh: Any = mesh, update: str = "sgd") -> None:
     """precompute_fp8_scales (LayerNormMLP inside a root fully_shard, so each weight is gathered
     for forward and again for backward): three SGD steps bit for bit equal to the same model
     agreeing on its scales itself -- outputs, input and parameter gradients -- with one
     all_reduce per call and none in forward or backward (without it: current scaling 4, one per
     weight and gather; delayed 2, one per weight at its forward gather); after an optimizer step
     without a new call the gathers agree again themselves (current: stale scales are not used;
-    delayed: the step's amaxes are reduced at the forward gather)."""
+    delayed: the step's amaxes are reduced at the forward gather). ``update``: how the weights
+    change between steps -- "sgd" (SGD, foreach=False), "foreach" (SGD, foreach=True: the
+    default on CUDA, whose DTensor writes bump no version) or "manual" (an in-place update by
+    hand, no optimizer: only the parameter's version tells)."""
     from fusible.distributed import precompute_fp8_scales
 
     rec = R.Float8CurrentScaling() if rec_name == "current" else R.DelayedScaling()
@@ -527,7 +530,8 @@ def precompute_scales(rec_name: str, make_mesh: Any = mesh) -> None:
         the_mesh = make_mesh()
         fully_shard_fp8(inner, recipe=rec, mesh=the_mesh)
         fully_shard(model, mesh=the_mesh)
-        runs.append((model, torch.optim.SGD(model.parameters(), lr=LR)))
+        opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=update == "foreach")
+        runs.append((model, opt))
     (plain, plain_opt), (pre, pre_opt) = runs
     n = 1 if base.WORLD > 1 else 0
     for k in range(3):
@@ -558,7 +562,13 @@ def precompute_scales(rec_name: str, make_mesh: Any = mesh) -> None:
         for (name, p), q in zip(pre.named_parameters(), plain.parameters(), strict=True):
             exact(f"{tag} grad {name}", p.grad.full_tensor(), q.grad.full_tensor())
         for opt in (pre_opt, plain_opt):
-            opt.step()
+            if update == "manual":
+                with torch.no_grad():
+                    for group in opt.param_groups:
+                        for p in group["params"]:
+                            p.sub_(LR * p.grad)
+            else:
+                opt.step()
             opt.zero_grad()
     bad = base._raises
     bad(lambda: precompute_fp8_scales("model"), "precompute_fp8_scales", "'module'")  # type: ignore[arg-type]
@@ -566,6 +576,8 @@ def precompute_scales(rec_name: str, make_mesh: Any = mesh) -> None:
 
 case("precompute_scales")(lambda: precompute_scales("current"))
 case("precompute_scales_delayed")(lambda: precompute_scales("delayed"))
+for _update in ("foreach", "manual"):  # the updates a parameter version alone misses / tells
+    case(f"precompute_scales_{_update}")(lambda u=_update: precompute_scales("current", update=u))
 for _rec in ("current", "delayed"):  # HSDP: the scales agreed over the shard dimension
     case(f"hsdp_precompute_{_rec}")(lambda r=_rec: precompute_scales(r, hsdp_mesh))
 

@@ -19,7 +19,7 @@ CASES = [
     "train_lnmlp_delayed_no_reshard", "grouped_shared_weight",
     "delayed_state_checkpoint", "all_gather_bytes", "mixed_group",
     "plain_fully_shard_unchanged", "bad_input", "precompute_scales",
-    "precompute_scales_delayed",
+    "precompute_scales_delayed", "precompute_scales_foreach", "precompute_scales_manual",
     *(f"compile_{k}_{r}" for k in ("linear", "lnmlp", "tlayer") for r in ("current", "delayed")),
     "compile_lnmlp_current_inductor",
     "checkpointed_layers_current", "checkpointed_layers_delayed",
