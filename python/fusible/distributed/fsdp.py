@@ -45,6 +45,7 @@ from fusible._kernels import HIGH_PRECISION_DTYPES
 from fusible.ops.basic.grouped_linear import GroupedLinear
 from fusible.ops.basic.linear import BasicLinear
 from fusible.ops.op import GATHER_KEY
+from fusible.ops.workspace import OPTIMIZER_STEPS, count_optimizer_steps
 from fusible.quantization.data import Float8Data
 from fusible.quantization.quantizers import Float8Quantizer
 from fusible.quantization.recipe import DelayedScaling, Float8CurrentScaling
@@ -323,29 +324,11 @@ class Float8AllGatherWeight(torch.Tensor):
 
 
 def _shard_key(param: Any, master: torch.Tensor) -> tuple[int, int, int] | None:
-    """What a precomputed scale is valid for: the sharded parameter's version, the master
-    shard's storage and the count of ``torch.optim`` optimizer steps taken. The version alone
-    misses updates: a ``foreach`` optimizer step (the default on CUDA) writes ``DTensor``
-    parameters without bumping their version (checked on torch 2.11 and 2.13), and writes
-    below the dispatcher (the local tensor's inner tensor) never bump it. None once the
+    """What a precomputed scale is valid for: the sharded parameter's version (an in-place
+    write by hand), the master shard's storage and the count of ``torch.optim`` steps (the
+    version alone misses a ``foreach`` step's writes: see ``OPTIMIZER_STEPS``). None once the
     parameter is gone."""
-    return None if param is None else (param._version, master.data_ptr(), _OPTIMIZER_STEPS[0])
-
-
-# torch.optim steps since the first precompute_fp8_scales call: a global step post-hook (one
-# integer increment per step) so a precomputed scale expires at any optimizer's step.
-_OPTIMIZER_STEPS = [0]
-_OPTIMIZER_HOOK: list[Any] = []
-
-
-def _count_optimizer_steps() -> None:
-    if not _OPTIMIZER_HOOK:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        def bump(*_: Any) -> None:
-            _OPTIMIZER_STEPS[0] += 1
-
-        _OPTIMIZER_HOOK.append(register_optimizer_step_post_hook(bump))
+    return None if param is None else (param._version, master.data_ptr(), OPTIMIZER_STEPS[0])
 
 
 def _reduce_amax_slots(states: list[Any], group: Any) -> None:
@@ -389,7 +372,7 @@ def precompute_fp8_scales(module: torch.nn.Module) -> int:
             f"precompute_fp8_scales: 'module' must be a torch.nn.Module, got "
             f"{type(module).__name__}"
         )
-    _count_optimizer_steps()
+    count_optimizer_steps()
     groups: dict[Any, list[tuple[DTensor, Float8AllGatherWeight, torch.Tensor]]] = {}
     delayed: dict[Any, list[_GatherSpec]] = {}
     for param in module.parameters():

@@ -6,11 +6,12 @@ the cache afterwards. So no module is an argument of the function and ``torch.co
 
 ``is_first_microbatch``: ``True`` quantizes the weight and caches the result; ``False`` reuses
 the cache (no weight quantization kernel runs) unless it is invalid; ``None`` never caches.
-A cache is invalid when the weight was modified in place (its version counter moved), replaced
-(another tensor, or new storage through ``.data =``), or the quantizer changed (recipe kind,
-format, or the state was rebuilt). Under ``torch.compile`` in-place updates cannot be seen (see
-``WorkspaceCache.key_for``): pass ``True`` after changing weights there. A weight that is FSDP2's
-unsharded parameter (``fully_shard``) is keyed by its sharded parameter instead (see
+A cache is invalid when the weight was modified in place (its version counter moved), a
+``torch.optim`` optimizer stepped (any optimizer: see ``OPTIMIZER_STEPS``), the weight was
+replaced (another tensor, or new storage through ``.data =``), or the quantizer changed (recipe
+kind, format, or the state was rebuilt). Under ``torch.compile`` in-place updates cannot be
+seen (see ``WorkspaceCache.key_for``): pass ``True`` after changing weights there. A weight that
+is FSDP2's unsharded parameter (``fully_shard``) is keyed by its sharded parameter instead (see
 ``fsdp_param_of``): FSDP2's all-gathers write it without moving its version.
 """
 
@@ -106,6 +107,26 @@ def unflatten_workspace(tensors: list[torch.Tensor | None], meta: Any) -> Quanti
     return MXFP8Data(data, scale, col_data, col_scale, fp8_dtype, torch.Size(shape))
 
 
+# torch.optim optimizer steps, counted from the first cached workspace or precomputed FSDP2 scale
+# on (a global step post-hook: one integer increment per step). Weight keys include the count
+# because a parameter's version misses optimizer writes: a ``foreach`` step (PyTorch's default on
+# CUDA) writes ``DTensor`` parameters, FSDP2's sharded ones, without bumping their version
+# (torch 2.11 and 2.13).
+OPTIMIZER_STEPS = [0]
+_STEP_HOOK: list[Any] = []
+
+
+def count_optimizer_steps() -> None:
+    """Start counting ``torch.optim`` steps in ``OPTIMIZER_STEPS`` (once per process)."""
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        def bump(*_: Any) -> None:
+            OPTIMIZER_STEPS[0] += 1
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(bump))
+
+
 def fsdp_param_of(weight: torch.Tensor) -> Any:
     """FSDP2's ``FSDPParam`` whose unsharded parameter ``weight`` is, else None.
 
@@ -154,8 +175,9 @@ class WorkspaceCache:
         source_dtype: torch.dtype | None = None,
         fsdp: Any = None,
     ) -> Any:
-        # Eager: the version counter (in-place updates) and the storage address (``.data =``
-        # reassignment, e.g. ``module.to(dtype)``, which keeps the version). Under
+        # Eager: the version counter (in-place updates), the optimizer steps (writes that keep
+        # the version, see OPTIMIZER_STEPS) and the storage address (``.data =`` reassignment,
+        # e.g. ``module.to(dtype)``, which keeps the version). Under
         # torch.compile, Tensor._version is an unbacked SymInt (functionalized away, never
         # guarded on) and data_ptr() is not traceable: a traced lookup cannot see in-place
         # updates, so this part is left out there (None) and a traced
@@ -168,11 +190,12 @@ class WorkspaceCache:
         if torch.compiler.is_compiling():
             state: Any = None
         elif fsdp is None:
-            state = (weight._version, weight.data_ptr())
+            state = (weight._version, OPTIMIZER_STEPS[0], weight.data_ptr())
         else:
             sharded = fsdp.sharded_param
             local = getattr(sharded, "_local_tensor", sharded)
-            state = (weight._version, sharded._version, local._version, local.data_ptr())
+            state = (weight._version, sharded._version, local._version, OPTIMIZER_STEPS[0],
+                     local.data_ptr())  # fmt: skip
         # source_dtype: the dtype the workspace was quantized from (a torch.autocast cast of the
         # weight differs from the weight itself).
         return (id(weight), state, weight.device, id(quantizer), type(quantizer),
@@ -206,6 +229,8 @@ class WorkspaceCache:
             self.key = None
             return
         self.inference = not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
+        if not torch.compiler.is_compiling() and not _STEP_HOOK:  # (traced keys have no count)
+            count_optimizer_steps()
         if self.fsdp_for != id(weight) and not torch.compiler.is_compiling():
             # (A held FSDPParam keeps its unsharded parameter alive: its id is not reused.)
             self.fsdp, self.fsdp_for = fsdp_param_of(weight), id(weight)

@@ -64,16 +64,17 @@ def micro(m: Any, x: torch.Tensor, dy: torch.Tensor, rec: Any, first: bool) -> t
     return y.detach(), x.grad
 
 
-def steps(rec_name: str) -> None:
+def steps(rec_name: str, foreach: bool = False) -> None:
     """Three SGD steps, one micro-batch each: ``is_first_microbatch=False`` after step 0 against
     ``True`` every step. Outputs, input gradients and parameters after each step bit for bit;
     every ``False`` after a step is a miss (the optimizer's update is seen: before, at the same
-    address, it reused the FP8 weight of the step before)."""
+    address, it reused the FP8 weight of the step before). ``foreach``: SGD's foreach step (the
+    default on CUDA), whose DTensor writes bump no version: the step count tells."""
     rec = RECIPES[rec_name]
     torch.manual_seed(0)
     ref = fusible.Linear(H, F)
     a, b = sharded_linear(ref), sharded_linear(ref)
-    opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (a, b)]
+    opts = [torch.optim.SGD(m.parameters(), lr=LR, foreach=foreach) for m in (a, b)]
     for k in range(3):
         x, dy = rand(S, H, seed=200 + k + base.RANK), rand(S, F, seed=210 + k + base.RANK)
         with counting() as n:
@@ -129,6 +130,7 @@ def microbatches(rec_name: str) -> None:
 for _rec in ("delayed", "current", "mxfp8"):
     case(f"steps_{_rec}")(lambda r=_rec: steps(r))
     case(f"microbatches_{_rec}")(lambda r=_rec: microbatches(r))
+case("steps_current_foreach")(lambda: steps("current", foreach=True))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from _launch import two_rank_suite
 
 _WORKER = Path(__file__).with_name("_fsdpw_worker.py")
 CASES = [f"{c}_{r}" for r in ("delayed", "current", "mxfp8") for c in ("steps", "microbatches")]
+CASES.append("steps_current_foreach")  # SGD foreach=True (the CUDA default): no version bump
 
 results, test_case = two_rank_suite(_WORKER, CASES, 120, "FSDP2 workspace cache", "fsdpw")
 

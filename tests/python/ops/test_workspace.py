@@ -269,6 +269,26 @@ def _sgd_step(model):
     torch.optim.SGD(model.parameters(), lr=0.1).step()
 
 
+class _DataSGD(torch.optim.Optimizer):
+    """An optimizer that writes through ``.data`` (as some hand-written ones do): the weight's
+    version does not move, the cache sees the step through the optimizer step count."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def _data_sgd_step(model):
+    versions = [op.weight._version for op in _linears(model)]
+    _DataSGD(model.parameters()).step()
+    assert [op.weight._version for op in _linears(model)] == versions  # (what makes it a test)
+
+
 def _no_grad_add(model):
     with torch.no_grad():
         for op in _linears(model):
@@ -282,6 +302,7 @@ def _data_add(model):
 
 UPDATES = {
     "optimizer_step": _sgd_step,
+    "optimizer_step_via_data": _data_sgd_step,
     "no_grad_add_": _no_grad_add,
     "data_add_": _data_add,
 }
@@ -291,6 +312,7 @@ UPDATES = {
     "how",
     [
         "optimizer_step",
+        "optimizer_step_via_data",
         "no_grad_add_",
         pytest.param(
             "data_add_",
