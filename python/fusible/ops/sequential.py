@@ -34,6 +34,7 @@ __all__ = ["Sequential"]
 _SEQ_UIDS = itertools.count()
 _SEQ_BY_UID: weakref.WeakValueDictionary[str, Sequential] = weakref.WeakValueDictionary()
 _NO_RECIPE: Any = object()  # explain(): no recipe argument given
+_WHERE = "(raised while running "  # the note _note_where adds
 _MAX_PLANS = 32  # per container
 
 
@@ -515,17 +516,26 @@ class Sequential(OwnForwardModule):
                 plan = fuser.plan_by_id(_traced_plan_id(uid, key, rkey))
                 if extra:  # block(x, x): dynamo wants distinct autograd.Function inputs
                     extra = fuser.distinct_inputs(x, extra)
+                calls = fuser.call_args(plan, call_kwargs) if plan.call_ops else None
+                x, outs = fuser.run_plan(
+                    plan, x, extra, run_params, is_first_microbatch, params, calls, False
+                )
             else:
-                key = self._eager_key(index, rkey, x, extra, run_params, run)
-                found = self._plans.get(key)
-                if found is None:  # a new key: its dtypes are checked once, here
-                    self._check_dtypes(x, run, run_params)
-                    found = self._plan(key, recipe)
-                plan = found
-            calls = fuser.call_args(plan, call_kwargs) if plan.call_ops else None
-            x, outs = fuser.run_plan(
-                plan, x, extra, run_params, is_first_microbatch, params, calls, not traced
-            )
+                # (A try costs nothing until it catches; not traced: dynamo would have to.)
+                try:
+                    key = self._eager_key(index, rkey, x, extra, run_params, run)
+                    found = self._plans.get(key)
+                    if found is None:  # a new key: its dtypes are checked once, here
+                        self._check_dtypes(x, run, run_params)
+                        found = self._plan(key, recipe)
+                    plan = found
+                    calls = fuser.call_args(plan, call_kwargs) if plan.call_ops else None
+                    x, outs = fuser.run_plan(
+                        plan, x, extra, run_params, is_first_microbatch, params, calls, True
+                    )
+                except (ValueError, TypeError, NotImplementedError) as err:
+                    self._note_where(err, run)
+                    raise
             if outs:
                 extra_outputs.extend(outs)
             if plan.forward_states:
@@ -536,6 +546,26 @@ class Sequential(OwnForwardModule):
             # Written past Module.__setattr__ (a dozen calls per step): a plain attribute.
             self.__dict__["_last_run"] = (recipe, x.dtype, x.device)
         return (x, *extra_outputs) if extra_outputs else x
+
+    def _note_where(self, err: BaseException, run: list[Any]) -> None:
+        """Add to ``err`` (shown under its message in the traceback) the module it was raised in
+        and that run's ops: an op's message names the op class (``BasicLinear``), which a user
+        of ``fusible.Linear`` or of a model of many layers did not write. Once per error; not on
+        Python 3.10 (no exception notes)."""
+        add_note = getattr(err, "add_note", None)
+        if add_note is None or any(n.startswith(_WHERE) for n in getattr(err, "__notes__", ())):
+            return
+        cls = type(self)
+        mod = cls.__module__
+        prefix = "fusible." if mod.startswith("fusible.modules") else (
+            "fusible.ops." if mod.startswith("fusible.ops") else f"{mod}.")  # fmt: skip
+        ops = [
+            f"[{k}] {type(op).__name__}"
+            + (f" {q!r}" if (q := getattr(op, "quantizer_name", None)) else "")
+            for k, op in self._modules.items()
+            if any(op is o for o in run)
+        ]
+        add_note(f"{_WHERE}{prefix}{cls.__qualname__}, in its ops {', '.join(ops)})")
 
     def _check_dtypes(self, x: torch.Tensor, run: list[Any], params: list[torch.Tensor]) -> None:
         """The input and parameters a run's kernels compute with are float32, float16 or

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 import weakref
 
 import pytest
@@ -299,6 +300,45 @@ def test_bad_inputs_name_the_problem():
         m([torch.randn(2, 64)])
     with pytest.raises(ValueError, match="in_features 64"):
         m(torch.randn(2, 63))
+
+
+@pytest.mark.parametrize(
+    "make,where",
+    [
+        (
+            lambda: fusible.Linear(63, 32, name="proj"),
+            "fusible.Linear, in its ops [0] BasicLinear 'proj', [1] Bias 'proj')",
+        ),
+        (
+            lambda: fusible.LayerNormMLP(63, 128),
+            "fusible.LayerNormMLP, in its ops [0] LayerNorm, [1] BasicLinear 'fc1', [2] Bias, "
+            "[3] GELU, [4] BasicLinear 'fc2', [5] Bias)",
+        ),
+        (
+            lambda: ops.Sequential(ops.Linear(64, 32), ops.GELU(), ops.Linear(64, 8)),
+            "fusible.ops.Sequential, in its ops [0] BasicLinear, [1] Bias, [2] GELU, "
+            "[3] BasicLinear, [4] Bias)",
+        ),
+    ],
+    ids=["Linear", "LayerNormMLP", "Sequential"],
+)
+@pytest.mark.parametrize("rec", ["none", "delayed"])
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes: Python >= 3.11")
+def test_op_error_notes_the_module(make, where, rec):
+    """An op's error names the op class (``BasicLinear``, ``LayerNorm``), which the user of a
+    module never wrote: the container adds a note (shown under the message) naming the module
+    and its ops with their names, once; the message itself is unchanged. The eager plan path
+    (a try that costs nothing until it catches) has the same Python call count as before
+    (test_overhead_counts)."""
+    m = make()
+    x = torch.randn(4, 64)
+    with fusible.autocast(recipe=RECIPES[rec]):
+        with pytest.raises(ValueError, match=r"input feature size (64|32) does not match") as info:
+            m(x)
+        assert info.value.__notes__ == [f"(raised while running {where}"]
+        with pytest.raises(ValueError) as again:  # the cached plan's run notes it too
+            m(x)
+        assert len(again.value.__notes__) == 1
 
 
 @pytest.mark.parametrize(
