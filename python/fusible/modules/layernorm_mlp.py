@@ -27,7 +27,8 @@ class LayerNormMLP(NormFirst):
     """``fc2(act(fc1(Norm(x))))``; roles ``...:layernorm_mlp`` with names ``fc1`` / ``fc2``.
 
     ``activation``: ``gelu`` (tanh), ``relu``, ``silu``, ``swiglu`` or ``geglu`` (gated: fc1
-    produces ``2 * ffn_hidden_size`` features).
+    produces ``2 * ffn_hidden_size`` features). ``name``: a label for ``repr`` and error notes
+    (as ``TransformerLayer``'s); the Linears' role names stay ``fc1`` / ``fc2``.
 
     ``state_dict()`` keys are TransformerEngine's: ``layer_norm_weight``, ``layer_norm_bias``
     (LayerNorm only), ``fc1_weight``, ``fc1_bias``, ``fc2_weight``, ``fc2_bias``, then each
@@ -60,7 +61,12 @@ class LayerNormMLP(NormFirst):
         params_dtype: torch.dtype | None = None,
         tp_group: Any = None,
         sequence_parallel: bool = False,
+        name: str | None = None,
     ) -> None:
+        if name is not None and not isinstance(name, str):
+            raise TypeError(
+                f"LayerNormMLP: 'name' must be a str or None, got {type(name).__name__}"
+            )
         dtype = resolve_params_dtype("LayerNormMLP", dtype, params_dtype)
         check_bias("LayerNormMLP", bias, "eps")
         mode = None if tp_group is None else "column"  # fc1's; fc2 is row-parallel
@@ -90,7 +96,7 @@ class LayerNormMLP(NormFirst):
                 for pname, _ in owner.named_parameters(recurse=False):
                     reduce_grad_over(owner, pname, tp.group)
         super().__init__(*ops)
-        self.tp = tp
+        self.tp, self.name = tp, name
         self.tp_size, self.sequence_parallel = tp.size, sequence_parallel
         self.hidden_size, self.ffn_hidden_size, self.activation = (
             hidden_size, ffn_hidden_size, activation,
@@ -146,5 +152,5 @@ class LayerNormMLP(NormFirst):
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
-            f"activation={self.activation!r}"
+            f"activation={self.activation!r}" + (f", name={self.name!r}" if self.name else "")
         )

@@ -565,7 +565,9 @@ class Sequential(OwnForwardModule):
             for k, op in self._modules.items()
             if any(op is o for o in run)
         ]
-        add_note(f"{_WHERE}{prefix}{cls.__qualname__}, in its ops {', '.join(ops)})")
+        label = getattr(self, "name", None)
+        label = f" {label!r}" if isinstance(label, str) and label else ""
+        add_note(f"{_WHERE}{prefix}{cls.__qualname__}{label}, in its ops {', '.join(ops)})")
 
     def _check_dtypes(self, x: torch.Tensor, run: list[Any], params: list[torch.Tensor]) -> None:
         """The input and parameters a run's kernels compute with are float32, float16 or
@@ -661,6 +663,9 @@ class Sequential(OwnForwardModule):
 
     def _explain(self, recipe: Any, dtype: torch.dtype, device: Any) -> str:
         lines = [f"recipe: {recipe!r}" if recipe is not None else "recipe: none (high precision)"]
+        if self._last_run is None:
+            lines.append(f"(no run yet: explained for a {dtype} input on {device}; pass dtype, "
+                         "device and recipe to explain another)")  # fmt: skip
         self._activate(recipe)
         for r, run, n_in in self._runs():
             if n_in < 0:

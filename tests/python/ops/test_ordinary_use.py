@@ -72,6 +72,32 @@ def test_eval_forward_without_recipe_does_not_quantize():
     torch.testing.assert_close(y, x @ m.weight.T + m.bias, rtol=0, atol=1e-5)
 
 
+def test_explain_before_any_run_says_so():
+    m = ops.Sequential(ops.LayerNorm(64), ops.Linear(64, 64))
+    lines = m.explain().splitlines()
+    assert lines[:2] == [
+        "recipe: none (high precision)",
+        "(no run yet: explained for a torch.float32 input on cpu; pass dtype, device and recipe "
+        "to explain another)",
+    ]
+    m(torch.randn(2, 64))
+    assert "no run yet" not in m.explain()
+
+
+def test_layernorm_mlp_name_labels_repr_and_error_notes():
+    m = fusible.LayerNormMLP(64, 128, name="mlp")
+    assert "name='mlp'" in repr(m) and "name=" not in repr(fusible.LayerNormMLP(64, 128))
+    assert [r.name for r in m.get_quantizer_roles(True)][:2] == ["fc1", "fc1"]  # roles unchanged
+    if sys.version_info >= (3, 11):
+        with pytest.raises(ValueError) as info:
+            m(torch.randn(2, 63))
+        assert info.value.__notes__[0].startswith(
+            "(raised while running fusible.LayerNormMLP 'mlp', in its ops [0] LayerNorm"
+        )
+    with pytest.raises(TypeError, match="LayerNormMLP: 'name' must be a str or None, got int"):
+        fusible.LayerNormMLP(64, 128, name=3)
+
+
 def test_explain_outside_autocast_shows_last_run_and_keeps_state():
     m = ops.Sequential(ops.LayerNorm(64), ops.Linear(64, 64))
     _train(m, DELAYED, 2)
