@@ -126,6 +126,9 @@ class BasicOperation(torch.nn.Module):
     computes: ClassVar[bool] = True
     # Scope of the op's quantizer roles (e.g. "linear"); modules may re-scope.
     role_scope: ClassVar[str] = ""
+    #: Role buckets the op declares (for a recipe's role list) but never quantizes with:
+    #: ``explain()`` marks their quantizers "not read".
+    unread_buckets: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, *, name: str | None = None) -> None:
         super().__init__()

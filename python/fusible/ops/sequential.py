@@ -698,6 +698,8 @@ class Sequential(OwnForwardModule):
                     for role, q in zip(state.roles or (), state.quantizers, strict=True):
                         any_q = True
                         what = "high precision" if q is None else repr(q)
+                        if role.bucket in op.unread_buckets:
+                            what += " (not read: a role-list slot, see roles.UNREAD_BUCKETS)"
                         lines.append(f"    op {i} {type(op).__name__}: {role.qualified}: {what}")
             if not any_q:
                 lines.append("    (none)")

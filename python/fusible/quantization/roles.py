@@ -22,6 +22,7 @@ __all__ = [
     "BACKWARD_BUCKETS",
     "FORWARD_BUCKETS",
     "STANDARD_BUCKETS",
+    "UNREAD_BUCKETS",
     "QuantizerRole",
     "as_role",
     "as_roles",
@@ -33,6 +34,10 @@ __all__ = [
 FORWARD_BUCKETS: tuple[str, ...] = ("input", "weight", "output")
 BACKWARD_BUCKETS: tuple[str, ...] = ("grad_output", "grad_input")
 STANDARD_BUCKETS: tuple[str, ...] = FORWARD_BUCKETS + BACKWARD_BUCKETS
+#: The Linear-like buckets kept for TransformerEngine's role list only: fusible's GEMMs write the
+#: output and the input gradient in high precision (a following op quantizes with its own
+#: ``input`` / the previous op's ``grad_output`` quantizer), so nothing reads these.
+UNREAD_BUCKETS: frozenset[str] = frozenset({"output", "grad_input"})
 
 _IDENT = re.compile(r"[a-z_][a-z0-9_]*\Z")
 

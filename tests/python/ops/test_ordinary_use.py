@@ -84,6 +84,20 @@ def test_explain_before_any_run_says_so():
     assert "no run yet" not in m.explain()
 
 
+@pytest.mark.parametrize(
+    "make", [lambda: fusible.Linear(32, 32), lambda: fusible.GroupedLinear(2, 32, 32)]
+)
+def test_explain_marks_quantizer_slots_nothing_reads(make):
+    """``output`` and ``grad_input`` are role-list slots (TE's roles) that fusible's GEMMs never
+    quantize with: explain() says so, and only for them."""
+    text = make().explain(recipe=recipe.DelayedScaling())
+    lines = [ln for ln in text.splitlines() if ":linear" in ln or ":grouped_linear" in ln]
+    assert lines
+    for ln in lines:
+        bucket = ln.split(": ")[1].split(":")[0]
+        assert ("(not read:" in ln) == (bucket in ("output", "grad_input")), ln
+
+
 def test_layernorm_mlp_name_labels_repr_and_error_notes():
     m = fusible.LayerNormMLP(64, 128, name="mlp")
     assert "name='mlp'" in repr(m) and "name=" not in repr(fusible.LayerNormMLP(64, 128))

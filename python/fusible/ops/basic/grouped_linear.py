@@ -32,7 +32,7 @@ from fusible.quantization.quantizers import (
     Quantizer,
     replaying_scales,
 )
-from fusible.quantization.roles import BACKWARD_BUCKETS, FORWARD_BUCKETS
+from fusible.quantization.roles import BACKWARD_BUCKETS, FORWARD_BUCKETS, UNREAD_BUCKETS
 
 __all__ = ["GradCast", "GroupedLinear", "gemm_index"]
 
@@ -124,6 +124,8 @@ class GroupedLinear(QuantizedWeightOp):
     ``_extra_state`` (``weight<i>.data``, ...). The grouped kernels serve stored per-tensor FP8
     weights under delayed and current scaling; every other case runs the per-expert loop.
     """
+
+    unread_buckets = UNREAD_BUCKETS
 
     role_scope = "grouped_linear"
     call_kwargs = ("m_splits",)

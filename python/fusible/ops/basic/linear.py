@@ -34,6 +34,7 @@ from fusible.quantization.quantizers import (
     QuantizedTensor,
     Quantizer,
 )
+from fusible.quantization.roles import UNREAD_BUCKETS
 
 __all__ = ["BasicLinear", "Bias"]
 
@@ -91,6 +92,8 @@ class BasicLinear(QuantizedWeightOp):
     ``_convert_quantized``); an op built on ``meta`` inside ``quantized_model_init`` gets its
     quantized weight when materialised (``to_empty()``).
     """
+
+    unread_buckets = UNREAD_BUCKETS
 
     role_scope = "linear"
     _SNAPSHOT_ATTRS = (*BasicOperation._SNAPSHOT_ATTRS, "_rowwise_twins")
