@@ -267,6 +267,28 @@ def test_no_graph_breaks(recipe_name):
     assert explained.graph_count == 1
 
 
+@pytest.mark.parametrize("recipe_name", ["none", "delayed", "current"])
+def test_dynamic_shapes_compile_once(recipe_name):
+    """``torch.compile(dynamic=True)``: token counts on both sides of the Linears' out_features
+    reuse the first graph. (Linear's backward used to order its GEMMs by comparing the token
+    count with out_features, a guard under dynamic shapes: one recompile per threshold.)"""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    rec = RECIPES[recipe_name]
+    torch.manual_seed(0)
+    model = fusible.LayerNormMLP(HIDDEN, FFN)
+    counter = CompileCounterWithBackend("aot_eager")
+    f = torch.compile(model, backend=counter, dynamic=True, fullgraph=True)
+    frames = []
+    for n in (HIDDEN // 2 + 3, HIDDEN + 5, FFN + 7, 2 * FFN + 1):
+        x = torch.randn(n, HIDDEN, requires_grad=True)
+        with fusible.autocast(recipe=rec, enabled=rec is not None):
+            y = f(x)
+        y.sum().backward()
+        frames.append(counter.frame_count)
+    assert frames == frames[:1] * 4, frames
+
+
 # ---- cache semantics under compile --------------------------------------------------------------
 
 

@@ -429,9 +429,11 @@ class BasicLinear(QuantizedWeightOp):
         if hp:
             dy = C.as_2d(dy)
         left = need_wgrad + need_dgrad  # GEMMs still to run
-        wgrad_first = need_wgrad and (
-            not need_dgrad or not attrs["w_own"] or math.prod(lead) >= self.out_features
-        )
+        # Traced: dgrad first (wgrad when it runs alone or the weight copy is not backward's),
+        # without comparing the token count: only peak memory depends on the order, and with
+        # dynamic shapes that comparison is a guard, which recompiled at each threshold.
+        x_larger = not torch.compiler.is_compiling() and math.prod(lead) >= self.out_features
+        wgrad_first = need_wgrad and (not need_dgrad or not attrs["w_own"] or x_larger)
         dx = dw = None
         for wgrad in _WGRAD_FIRST if wgrad_first else _DGRAD_FIRST:
             if not (need_wgrad if wgrad else need_dgrad):
