@@ -228,12 +228,13 @@ class WorkspaceCache:
         if ws is None:
             self.key = None
             return
-        self.inference = not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
-        if not torch.compiler.is_compiling() and not _STEP_HOOK:  # (traced keys have no count)
+        traced = torch.compiler.is_compiling()
+        self.inference = not traced and torch.is_inference_mode_enabled()
+        if not traced:  # (a traced key has no step count, nor an FSDP2 parameter to find)
             count_optimizer_steps()
-        if self.fsdp_for != id(weight) and not torch.compiler.is_compiling():
-            # (A held FSDPParam keeps its unsharded parameter alive: its id is not reused.)
-            self.fsdp, self.fsdp_for = fsdp_param_of(weight), id(weight)
+            if self.fsdp_for != id(weight):
+                # (A held FSDPParam keeps its unsharded parameter alive: its id is not reused.)
+                self.fsdp, self.fsdp_for = fsdp_param_of(weight), id(weight)
         self.key = self.key_for(weight, quantizer, source_dtype, self.fsdp)
 
     def clear(self) -> None:
