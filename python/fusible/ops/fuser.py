@@ -661,7 +661,65 @@ def _backward_python(
         grads += pg
     # The rest: the workspace inputs (not differentiable).
     grads += (None,) * (len(ctx.needs_input_grad) - 3 - plan.n_extra_in - plan.n_params)
+    if not compiling and torch.is_grad_enabled():  # create_graph=True: rare, off the hot path
+        return tuple(_refuse_double_backward(plan, grads))
     return tuple(grads)
+
+
+class _DoubleBackwardRefused(torch.autograd.Function):
+    """Identity on a gradient; differentiating it raises ``RuntimeError(where)``."""
+
+    @staticmethod
+    def forward(ctx: Any, g: torch.Tensor, where: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.where = where
+        return g.view_as(g)
+
+    @staticmethod
+    def backward(ctx: Any, gg: torch.Tensor) -> Any:  # type: ignore[override]
+        raise RuntimeError(ctx.where)
+
+
+def _runs_a_kernel(fn: Any, budget: int = 256) -> bool:
+    """Whether the graph below ``fn`` holds a node of a fusible kernel: fusible's operators
+    have no derivative, so torch's fallback gave them a ``NotImplemented`` node, which raises
+    "derivative for fusible::<op> is not implemented" when reached. A bounded walk that stops at
+    leaves and at forward plans (such nodes sit a few levels below the gradient)."""
+    todo, seen = [fn], set[Any]()
+    while todo and len(seen) < budget:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        name = f.name()
+        if name == "torch::autograd::NotImplemented":
+            return True
+        if name != "torch::autograd::AccumulateGrad" and name != "_PlanFunctionBackward":
+            todo += [n for n, _ in f.next_functions]
+    return False
+
+
+def _refuse_double_backward(plan: Plan, grads: list[Any]) -> list[Any]:
+    """A backward run with ``create_graph=True``: each gradient whose graph reaches a fusible
+    kernel is wrapped so that differentiating it again raises an error that names the plan's
+    ops and says what to do, instead of torch's fallback's message about an internal operator.
+    Gradients made by torch operators alone (a Linear's without a recipe) stay
+    differentiable."""
+    ops = " -> ".join(
+        type(op).__name__ + (f" {q!r}" if (q := getattr(op, "quantizer_name", None)) else "")
+        for op in plan.ops
+    )
+    where = (
+        f"fusible: double backward is not supported through {ops}: a gradient taken with "
+        "create_graph=True was differentiated again, and that gradient was computed by fusible "
+        "kernels, which have no derivative. Take it without create_graph=True, or compute "
+        "this part with torch.nn modules."
+    )
+    return [
+        _DoubleBackwardRefused.apply(g, where)
+        if isinstance(g, torch.Tensor) and g.requires_grad and _runs_a_kernel(g.grad_fn)
+        else g
+        for g in grads
+    ]
 
 
 def _cache(op: BasicOperation, key: int | None) -> WorkspaceCache:

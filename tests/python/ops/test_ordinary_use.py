@@ -529,6 +529,50 @@ def test_create_graph_grad_after_an_ordinary_backward(rec):
     assert torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize(
+    ("make", "rec"),
+    [("linear", "delayed"), ("linear", "current"), ("mlp", "none"), ("mlp", "delayed")],
+)
+def test_double_backward_through_kernels_names_the_ops(make, rec):
+    """Differentiating a gradient taken with ``create_graph=True`` (a gradient penalty) through
+    fusible kernels, which have no derivative, raised torch's fallback's "derivative for
+    fusible::gemm is not implemented": an operator the user never called. Now the error names
+    the plan's ops and what to do; the first gradient is unchanged (bit for bit)."""
+    torch.manual_seed(0)
+    m = fusible.Linear(64, 64) if make == "linear" else fusible.LayerNormMLP(64, 128)
+    x = torch.randn(8, 64, requires_grad=True)
+    r = RECIPES[rec]
+    _train(m, r, 1)  # a recipe state to restore
+    grads = []
+    for create_graph in (False, True):
+        state = copy.deepcopy(m.state_dict())  # delayed scaling: both steps from one state
+        with fusible.autocast(enabled=r is not None, recipe=r):
+            y = m(x)
+        (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=create_graph)
+        grads.append(g)
+        m.load_state_dict(state)
+    assert torch.equal(grads[0], grads[1].detach())
+    ops_named = "BasicLinear -> Bias" if make == "linear" else "LayerNorm -> BasicLinear 'fc1'"
+    with pytest.raises(RuntimeError, match=f"double backward is not supported through {ops_named}"):
+        grads[1].pow(2).sum().backward()
+
+
+def test_double_backward_of_torch_only_gradients_still_works():
+    """Without a recipe a Linear's backward GEMMs are torch's: its gradient is differentiable,
+    and a gradient penalty through it equals plain torch's."""
+    torch.manual_seed(0)
+    m = fusible.Linear(64, 32)
+    ref = torch.nn.Linear(64, 32)
+    ref.load_state_dict({"weight": m.weight.detach(), "bias": m.bias.detach()})
+    x = torch.randn(8, 64)
+    for mod in (m, ref):
+        xi = x.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(mod(xi).pow(2).sum(), xi, create_graph=True)
+        g.pow(2).sum().backward()
+    torch.testing.assert_close(m.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(m.bias.grad, ref.bias.grad)
+
+
 @pytest.mark.parametrize("rec", ["delayed", "current", "mxfp8"])
 def test_weight_cached_under_inference_mode_then_training(rec):
     """A weight workspace cached under ``torch.inference_mode`` (``is_first_microbatch=True``)
