@@ -13,7 +13,9 @@ only ever sees tensors and constants.
 
 from __future__ import annotations
 
+import io
 import itertools
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -332,6 +334,17 @@ class BasicOperation(torch.nn.Module):
     def set_extra_state(self, state: Any) -> None:
         if state is None:
             return
+        if _is_te_extra_state(state):
+            if isinstance(state, io.BytesIO) or state.numel():
+                warnings.warn(
+                    f"{type(self).__name__}: the checkpoint's _extra_state is "
+                    "TransformerEngine's serialized FP8 state, whose format fusible does not "
+                    "read: it is ignored and the recipe state starts afresh (delayed scaling "
+                    "re-learns its amax history)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            return  # an empty one: TransformerEngine's "no FP8 state"
         if not isinstance(state, Mapping):
             raise ValueError(
                 f"{type(self).__name__}: malformed recipe state in checkpoint: expected a dict of "
@@ -527,3 +540,14 @@ class FusedOperation:
         extra_output_grads: list[list[torch.Tensor | None]],
     ) -> tuple[Any, list[list[torch.Tensor | None]], list[list[torch.Tensor | None]]]:
         raise NotImplementedError
+
+
+def _is_te_extra_state(state: Any) -> bool:
+    """Whether a checkpoint's ``_extra_state`` is TransformerEngine's: a 1-D uint8 tensor of
+    its pickled FP8 metadata, or an empty tensor without FP8 state (TE reads any empty tensor
+    as that); TE 1.x saved an ``io.BytesIO``. fusible's own is a dict of tensors."""
+    return isinstance(state, io.BytesIO) or (
+        isinstance(state, torch.Tensor)
+        and state.dim() == 1
+        and (state.dtype == torch.uint8 or state.numel() == 0)
+    )

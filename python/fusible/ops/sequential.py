@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import sys
 import types
 import weakref
 from collections.abc import Iterator
@@ -32,6 +33,12 @@ __all__ = ["Sequential"]
 
 
 _SEQ_UIDS = itertools.count()
+try:  # what torch.func.functional_call assigns through (Sequential.__setattr__)
+    from torch.nn.utils._named_member_accessor import swap_tensor as _swap_tensor
+
+    _SWAP_CODE: types.CodeType | None = _swap_tensor.__code__
+except ImportError:  # pragma: no cover - older torch
+    _SWAP_CODE = None
 _SEQ_BY_UID: weakref.WeakValueDictionary[str, Sequential] = weakref.WeakValueDictionary()
 _NO_RECIPE: Any = object()  # explain(): no recipe argument given
 _WHERE = "(raised while running "  # the note _note_where adds
@@ -195,7 +202,8 @@ class Sequential(OwnForwardModule):
         # A plain tensor goes into the op's parameter slot as it is, as torch.func.functional_call
         # (torch.nn.utils.stateless) puts one into a module's own parameter slot: functional
         # calls by state_dict() names (the TE names) then work, and its restore assigns the
-        # Parameter back through the branch above.
+        # Parameter back through the branch above. Only the accessor's swap may put one there
+        # (recognised by its code object; a torch without it allows any caller).
         if isinstance(value, torch.Tensor):
             target = self._forwarded_parameter(name)
             if target is not None:
@@ -208,8 +216,17 @@ class Sequential(OwnForwardModule):
                     )
                 if isinstance(value, torch.nn.Parameter):
                     setattr(op, attr, value)
-                else:
+                elif sys._getframe(1).f_code is _SWAP_CODE or _SWAP_CODE is None:
                     op._parameters[attr] = value  # type: ignore[assignment]
+                else:
+                    # Anyone else: a plain tensor would sit in the slot and never train, so
+                    # refuse it as nn.Module refuses one for a registered parameter.
+                    raise TypeError(
+                        f"{type(self).__name__}.{name}: cannot assign a "
+                        f"{type(value).__name__} as parameter '{name}' (torch.nn.Parameter "
+                        "expected: wrap it, torch.nn.Parameter(t), or copy into the existing "
+                        f"one under torch.no_grad(): m.{name}.copy_(t))"
+                    )
                 return
         super().__setattr__(name, value)
 

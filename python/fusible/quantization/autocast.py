@@ -32,7 +32,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode as _get_proxy_mode
 
 from fusible.quantization.quantizers import _log_stack, replaying_scales
-from fusible.quantization.recipe import DelayedScaling, Recipe
+from fusible.quantization.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 from fusible.quantization.state import RecipeState, update_delayed_scaling
 
 __all__ = [
@@ -52,6 +52,8 @@ __all__ = [
 
 #: The recipe of ``autocast(recipe=None)``.
 DEFAULT_RECIPE: Recipe = DelayedScaling()
+# The recipes whose fp8_format is checked when a region starts (no call: a class lookup).
+_PER_TENSOR = (DelayedScaling, Float8CurrentScaling)
 
 
 @dataclass(frozen=True)
@@ -333,6 +335,16 @@ class autocast(contextlib.ContextDecorator):
                 "fusible.autocast: 'recipe' must be a fusible.recipe recipe (DelayedScaling, "
                 "Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling, CustomRecipe) or "
                 f"None, got {recipe!r}"
+            )
+        if recipe.__class__ in _PER_TENSOR and recipe.fp8_format is Format.E5M2:  # type: ignore[union-attr]
+            # A building block of a CustomRecipe (E5M2 gradient roles) may be pure E5M2; the
+            # whole recipe may not: every forward GEMM would pair two E5M2 operands, which no
+            # FP8 GEMM multiplies (TransformerEngine refuses pure E5M2 too).
+            raise ValueError(
+                f"fusible.autocast: recipe {type(recipe).__name__}(fp8_format=Format.E5M2) "
+                "casts inputs and weights to E5M2 too, and no FP8 GEMM multiplies two E5M2 "
+                "operands; use Format.HYBRID (E4M3 forward, E5M2 gradients) or Format.E4M3, or "
+                "route E5M2 to the gradient roles only in a CustomRecipe"
             )
         if isinstance(amax_reduction_group, (bool, int, float, str)):
             raise TypeError(

@@ -347,6 +347,19 @@ def test_assigning_a_parameter_of_another_shape_raises():
         g.weight1 = torch.nn.Parameter(torch.zeros(H, H))
 
 
+@pytest.mark.parametrize("case", NAMES)
+def test_assigning_a_plain_tensor_to_a_te_named_parameter_raises(case):
+    """``m.weight = torch.randn(...)`` (no Parameter) raises ``TypeError`` as nn.Module's does
+    for a registered parameter: it used to go into the op's slot, where it never trained.
+    ``torch.func.functional_call`` still puts plain tensors there (its own test below)."""
+    m = _build(case)
+    name = next(k for k in CASES[case][1] if not k.endswith("_extra_state"))
+    old = getattr(m, name)
+    with pytest.raises(TypeError, match=rf"\.{name}: cannot assign a Tensor as parameter"):
+        setattr(m, name, torch.randn_like(old))
+    assert getattr(m, name) is old and isinstance(old, torch.nn.Parameter)
+
+
 def test_grouped_linear_experts_can_share_a_weight():
     g = fusible.GroupedLinear(3, H, F)
     g.weight1 = g.weight0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -208,6 +209,33 @@ def test_checkpoint_from_high_precision_model_loads():
     before = _extra_states(trained)
     trained.load_state_dict(sd, strict=True)
     _assert_states_equal(_extra_states(trained), before)
+
+
+@pytest.mark.parametrize("kind", ["empty_uint8", "empty_float", "pickled", "bytesio"])
+def test_transformer_engine_extra_state_is_ignored(kind):
+    """A TransformerEngine checkpoint's ``_extra_state`` (TE 2.x: an empty uint8 tensor without
+    FP8 state, else its pickled FP8 metadata as a uint8 tensor; TE 1.x: an ``io.BytesIO``) loads:
+    the weights are taken, the recipe state starts afresh, and only a non-empty one warns (its
+    format is not read). It used to raise "malformed recipe state"."""
+    value = {
+        "empty_uint8": torch.empty(0, dtype=torch.uint8),
+        "empty_float": torch.empty(0),
+        "pickled": torch.frombuffer(bytearray(b"\x80\x04N."), dtype=torch.uint8),
+        "bytesio": io.BytesIO(b"\x80\x04N."),
+    }[kind]
+    src = _trained(DELAYED)
+    sd = {k: (value if k.endswith("_extra_state") else v) for k, v in src.state_dict().items()}
+    model = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.load_state_dict(sd, strict=True)
+    te_warnings = [w for w in caught if "serialized FP8 state" in str(w.message)]
+    assert bool(te_warnings) == (kind in ("pickled", "bytesio"))
+    for (k, a), b in zip(model.state_dict().items(), src.state_dict().values(), strict=True):
+        if not k.endswith("_extra_state"):
+            assert torch.equal(a, b), k
+    with fusible.autocast(recipe=DELAYED):  # the recipe state is built afresh and trains
+        model(torch.randn(4, 32)).sum().backward()
 
 
 def _bad(sd, value):

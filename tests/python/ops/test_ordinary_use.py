@@ -557,6 +557,23 @@ def test_double_backward_through_kernels_names_the_ops(make, rec):
         grads[1].pow(2).sum().backward()
 
 
+@pytest.mark.parametrize("cls", [recipe.DelayedScaling, recipe.Float8CurrentScaling])
+def test_pure_e5m2_recipe_is_refused_at_autocast(cls):
+    """``DelayedScaling(fp8_format=Format.E5M2)`` as the whole recipe failed at the first GEMM
+    ("fusible.gemm: fus_gemm: a and b are both float8_e5m2"); ``fusible.autocast`` now refuses
+    it with what to use instead. As a CustomRecipe's rule for the gradient roles it still
+    trains."""
+    with pytest.raises(ValueError, match=r"fusible.autocast: recipe \w+\(fp8_format=Format.E5M2\)"):
+        fusible.autocast(recipe=cls(fp8_format=recipe.Format.E5M2))
+    e5m2_grads = recipe.CustomRecipe.from_rules(
+        {"grad_*:*": cls(fp8_format=recipe.Format.E5M2), "*": cls()}
+    )
+    m = fusible.Linear(64, 64)
+    with fusible.autocast(recipe=e5m2_grads):
+        m(torch.randn(8, 64)).sum().backward()
+    assert m.weight.grad is not None and torch.isfinite(m.weight.grad).all()
+
+
 def test_double_backward_of_torch_only_gradients_still_works():
     """Without a recipe a Linear's backward GEMMs are torch's: its gradient is differentiable,
     and a gradient penalty through it equals plain torch's."""
