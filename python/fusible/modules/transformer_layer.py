@@ -345,7 +345,14 @@ class MultiheadAttention(_Block):
         ``(seq, batch, hidden)``; returns the same shape. ``rotary_pos_emb``: RoPE angles
         ``[seq, 1, 1, d]`` (``RotaryPositionEmbedding``'s output) applied to Q and K."""
         owner = type(self).__name__
-        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+        try:  # (free unless it catches)
+            dims = hidden_states.dim()
+        except AttributeError:
+            raise TypeError(
+                f"{owner}.forward: hidden_states must be a torch.Tensor, got "
+                f"{type(hidden_states).__name__}"
+            ) from None
+        if dims != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"{owner}.forward: expected hidden_states of shape "
                 f"{'(batch, seq' if self.qkv_format == 'bshd' else '(seq, batch'}, "

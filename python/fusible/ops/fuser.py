@@ -194,6 +194,19 @@ def build_plan(
     ``ensure_recipe_state``). ``input_requires_grad`` / ``extra_requires_grad`` (one per extra
     input, in order) / ``grad_enabled``: the requires-grad pattern it is built for (parameters':
     read from the ops now)."""
+    for op in ops:
+        if torch.nn.utils.parametrize.is_parametrized(op):
+            # Their parametrized attribute is recomputed on access, but the kernels read the
+            # op's registered parameters, which parametrize moved away (an unpacking error
+            # deep in an op's forward, before this check).
+            names = ", ".join(getattr(op, "parametrizations", {}))
+            raise NotImplementedError(
+                f"{type(op).__name__}: parametrized parameters ({names}: "
+                "torch.nn.utils.parametrize, weight_norm, spectral_norm, ...) are not supported "
+                "on fusible ops; remove them "
+                "(parametrize.remove_parametrizations) or apply the transformation to the "
+                "weight itself"
+            )
     rejected: list[Any] = []
     fwd = _build_units(ops, recipe, True, rejected)
     bwd = _build_units(ops, recipe, False, rejected)

@@ -574,6 +574,30 @@ def test_pure_e5m2_recipe_is_refused_at_autocast(cls):
     assert m.weight.grad is not None and torch.isfinite(m.weight.grad).all()
 
 
+@pytest.mark.parametrize("run_first", [False, True])
+def test_parametrized_op_is_refused_by_name(run_first):
+    """``weight_norm`` on an op (torch.nn.utils.parametrize) moves the registered weight away,
+    which the kernels read: the forward failed with "not enough values to unpack" inside a
+    fused op. Now the plan build refuses it, naming the op, the parametrized name and the
+    way out; also after the module ran (a new plan: its parameters changed)."""
+    m = fusible.Linear(64, 64)
+    x = torch.randn(4, 64)
+    if run_first:
+        m(x)
+    torch.nn.utils.parametrizations.weight_norm(m[0], "weight")
+    with pytest.raises(NotImplementedError, match=r"ParametrizedBasicLinear: parametrized "
+                                                  r"parameters \(weight: "):  # fmt: skip
+        m(x)
+
+
+def test_transformer_layer_non_tensor_input_is_a_type_error():
+    """It was ``AttributeError: 'NoneType' object has no attribute 'dim'``."""
+    layer = fusible.TransformerLayer(64, 128, 4)
+    for bad in (None, [[1.0] * 64]):
+        with pytest.raises(TypeError, match=r"hidden_states must be a torch.Tensor, got"):
+            layer(bad)
+
+
 def test_double_backward_of_torch_only_gradients_still_works():
     """Without a recipe a Linear's backward GEMMs are torch's: its gradient is differentiable,
     and a gradient penalty through it equals plain torch's."""
