@@ -15,7 +15,7 @@
  *   FUS_ACT_IDENTITY  x; backward dx = grad, and x is not read on CUDA (pass grad as x): a
  *                     gradient's quantized copy (bit for bit fus_quantize() of grad) and its
  *                     column sums (in the order below) in one pass. Meant for a bias gradient
- *                     beside the FP8 cast of a Linear's grad_output; no op uses it yet.
+ *                     beside the FP8 cast of a Linear's grad_output (Bias's backward).
  *
  * Shapes: K = H for the elementwise kinds, 2H for the gated ones.
  *   forward:  x [N, K] -> y [N, H]

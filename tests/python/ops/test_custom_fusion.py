@@ -160,10 +160,16 @@ def _flat(results):
     return flat
 
 
-def _assert_same(got, ref):
-    """Bit for bit."""
+def _assert_same(got, ref, bias_sums=False):
+    """Bit for bit; with ``bias_sums``, bias gradients to fp32 rounding: a Bias handed the
+    preceding Linear's fusing grad_output quantizer sums dy in the cast kernel's order, the
+    unfused one in ATen's (docs/architecture.md, "bias gradients compare to fp32 rounding")."""
     for (name, a), (name_ref, b) in zip(_flat(got), _flat(ref), strict=True):
-        assert name == name_ref and torch.equal(a, b), name
+        assert name == name_ref, name
+        if bias_sums and name.endswith("bias"):
+            assert a.dtype == b.dtype and rel_err(a, b) < 1e-6, name
+        else:
+            assert torch.equal(a, b), name
 
 
 def _assert_close(got, ref, dtype):
@@ -287,8 +293,9 @@ def test_user_rule_takes_precedence_over_builtin(register, recipe_name):
     CALLS.clear()
     got = _steps(model, X, rec)
     assert CALLS == ["user_linear_bias.fwd", "user_linear_bias.fwd", "user_dbias_dgelu.bwd"] * 2
-    # Every unit now runs the basic ops' own code: the unfused numerics, bit for bit.
-    _assert_same(got, unfused)
+    # Every unit now runs the basic ops' own code: the unfused numerics, bit for bit (but for
+    # fc2's bias gradient, summed beside the hand-off cast).
+    _assert_same(got, unfused, bias_sums=recipe_name in ("delayed", "mxfp8", "blockwise"))
 
 
 def test_unregister_restores_builtin_plan(register):

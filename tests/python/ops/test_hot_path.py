@@ -172,7 +172,9 @@ def test_replayed_step_makes_no_needless_operator_calls(rec):
     # of the cast operator itself (keep_scale): no clone of its own (8 calls before session 20).
     want_fwd = {None: 3, "delayed": 6, "current": 7}[rec]
     assert len(fwd) == want_fwd, fwd
-    assert len(bwd) <= {None: 9, "delayed": 11, "current": 14}[rec], bwd
+    # Delayed: fc2's bias gradient and its grad_output cast (both copies) are one act_bwd of
+    # the identity kind (11 before session 27: an ATen sum and a quantize_fp8).
+    assert len(bwd) <= {None: 9, "delayed": 10, "current": 14}[rec], bwd
     # 3-D input: the views that flatten and restore the leading dimensions are needed there;
     # the same bits.
     x3 = x.detach().view(2, 8, 256).requires_grad_()

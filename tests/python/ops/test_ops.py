@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ops_helpers import DTYPES, E4M3, E5M2, RECIPES, prequantized, rel_err, tol
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusible
 from fusible import ops
@@ -347,3 +348,82 @@ def test_user_op_may_take_integer_inputs():
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         assert torch.equal(m(ids), m[0].table[ids])
+
+
+# ---- Bias backward: the bias gradient beside the preceding Linear's grad_output cast -----------
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "mxfp8", "blockwise", "custom"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 31, 127])
+def test_bias_grad_in_the_grad_output_cast(recipe_name, dtype, tokens):
+    """Under a recipe whose quantizer fuses (delayed, MXFP8, blockwise on CPU), Bias's backward
+    writes dy quantized for the Linear before it and the bias gradient in one kernel
+    (activation.h's identity kind); current scaling and custom keep ATen's sum. The Linear sees
+    the bits its own cast of dy would give (checked against the same model whose bias is
+    frozen: then Linear casts dy itself), the delayed-scaling history records the same amax,
+    and the bias gradient is dy's column sum (fp32 sums, one rounding; vs FP64)."""
+    rec = RECIPES[recipe_name]
+    if recipe_name in ("mxfp8", "blockwise"):
+        tokens = 32 * ((tokens + 31) // 32)  # the recipes' alignment
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(64, 96, bias=False, dtype=dtype), ops.Bias(96, dtype=dtype))
+    frozen = copy.deepcopy(model)
+    frozen[1].bias.requires_grad_(False)
+    x = prequantized((tokens, 64)).to(dtype)
+    g = prequantized((tokens, 96), E5M2, seed=1).to(dtype) / 64
+    for _ in range(2):  # the second step runs on the first's delayed-scaling history
+        for m in (model, frozen):
+            for p in m.parameters():
+                p.grad = None
+        got = _run(model, x, recipe=rec, grad=g)
+        ref = _run(frozen, x, recipe=rec, grad=g)
+        assert torch.equal(got[1], ref[1])  # dgrad
+        assert torch.equal(got[3]["0.weight"], ref[3]["0.weight"])  # wgrad
+    db = got[3]["1.bias"]
+    assert db.dtype == dtype
+    want = g.double().sum(0)
+    assert rel_err(db, want) < tol(dtype)
+    if recipe_name == "delayed":
+        hist = model.state_dict()["0._extra_state"]["backward.amax_history"]
+        assert hist[:, 0].abs().sum() > 0  # grad_output's amax was recorded
+        assert torch.equal(hist, frozen.state_dict()["0._extra_state"]["backward.amax_history"])
+
+
+class _Ops(TorchDispatchMode):
+    """The operators dispatched inside it, by overload packet name (``sum``, ``act_bwd``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+        self.shapes: list[tuple[str, tuple[int, ...] | None]] = []  # (name, first arg's shape)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.names.append(name)
+        first = args[0] if args else None
+        self.shapes.append((name, tuple(first.shape) if isinstance(first, torch.Tensor) else None))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "mxfp8", "blockwise"])
+def test_bias_backward_runs_no_separate_column_sum(recipe_name):
+    """Where the grad_output quantizer fuses (delayed, MXFP8, blockwise on CPU) the bias
+    gradient replaces ATen's column sum and the Linear's own cast of dy: the backward runs one
+    ``act_bwd`` (the identity kind) and no ``sum`` or cast. Current scaling keeps the sum and
+    its cast (bias.py says why). Counted by dispatch, so deterministic on any torch."""
+    model = ops.Sequential(ops.Linear(64, 96, bias=False), ops.Bias(96))
+    x = torch.randn(32, 64, requires_grad=True)
+    with fusible.autocast(recipe=RECIPES[recipe_name]):
+        y = model(x)
+    loss = y.sum()
+    with _Ops() as seen:
+        loss.backward()
+    # (The weight's casts for dgrad stay: only dy's [32, 96] matters here.)
+    casts = [n for n, shape in seen.shapes if n.startswith("quantize") and shape == (32, 96)]
+    if recipe_name == "current":
+        assert seen.names.count("sum") == 1 and "act_bwd" not in seen.names, seen.names
+        assert casts, seen.names
+    else:
+        assert "sum" not in seen.names and seen.names.count("act_bwd") == 1, seen.names
+        assert not casts, seen.names

@@ -212,7 +212,10 @@ def test_backward_hand_off_usage_follows_wgrad(recipe_name, frozen, monkeypatch)
     (current scaling: an amax pass, then the cast)."""
     rec = RECIPES[recipe_name]
     torch.manual_seed(0)
-    model = ops.Sequential(ops.Linear(H, F, dtype=DT), ops.GELU(), ops.Linear(F, H, dtype=DT))
+    # fc2 without a bias: its Bias's backward would call act_bwd too (the identity kind).
+    model = ops.Sequential(
+        ops.Linear(H, F, dtype=DT), ops.GELU(), ops.Linear(F, H, bias=False, dtype=DT)
+    )
     model[0].weight.requires_grad_(not frozen)
     calls: list[bool] = []
     transposes: list[tuple[int, ...]] = []

@@ -494,11 +494,12 @@ def test_fused_kernels_write_blockwise_output_bit_for_bit(
 ):
     """Every fusion under Float8BlockScaling against the unfused ops (fusion_disabled: no
     hand-off, the next op casts with the blockwise quantize): outputs and gradients bit for bit
-    (the bias gradient of a dact + dbias unit is summed in the kernel's fixed order, so within
-    fp32 rounding). On CPU the fused plan runs no separate cast of the activations it hands off
-    (the norm / activation kernels write them blockwise); on CUDA it does (_compute.
-    fused_quant_args: the fused blockwise kernels are slower there than kernel + cast).
-    Widths 80 and 224 are not multiples of 128 (partial blocks), nor is the token count 144."""
+    (the bias gradients of a dact + dbias unit and of a Bias beside the Linear's grad_output
+    cast are summed in the kernel's fixed order, so within fp32 rounding). On CPU the fused plan
+    runs no separate cast of the activations it hands off (the norm / activation kernels write
+    them blockwise); on CUDA it does (_compute.fused_quant_args: the fused blockwise kernels are
+    slower there than kernel + cast). Widths 80 and 224 are not multiples of 128 (partial
+    blocks), nor is the token count 144."""
     rec = FUSED_RECIPES[rec_name]
     kernel_casts = device == "cpu"
     h, f = 80, 224
@@ -544,7 +545,7 @@ def test_fused_kernels_write_blockwise_output_bit_for_bit(
         assert torch.equal(_bits(y), _bits(y2)), name
         assert torch.equal(_bits(dx), _bits(dx2)), name
         for n in grads:
-            if n == "1.bias":  # dact + dbias: the kernel's column-sum order
+            if n.endswith("bias"):  # dact + dbias, Bias beside the cast: the kernel's order
                 torch.testing.assert_close(grads[n], grads2[n], rtol=1e-5, atol=1e-5)
             else:
                 assert torch.equal(_bits(grads[n]), _bits(grads2[n])), (name, n)

@@ -26,6 +26,7 @@ __all__ = [
     "SiLU",
     "SwiGLU",
     "activation_backward",
+    "dact_quantized",
 ]
 
 
@@ -60,9 +61,21 @@ def activation_backward(
     scale of that amax -- bit for bit ``quantize_fp8_current`` of the high-precision ``dx``
     (activation.h: the quantized output is the cast of the rounded value; amax is max |rounded
     value|; both passes compute the same values)."""
-    (x,) = ctx.saved
+    inputs = [C.dequantize(dy).contiguous(), *ctx.saved]
     ctx.saved = []  # the saved input is freed as soon as the kernel has read it
-    dy = C.dequantize(dy).contiguous()
+    del dy
+    return dact_quantized(kind, inputs, q, with_dbias)
+
+
+def dact_quantized(
+    kind: str, inputs: list[torch.Tensor], q: Quantizer | None, with_dbias: bool
+) -> tuple[torch.Tensor | C.HandOff, torch.Tensor | None]:
+    """:func:`activation_backward` on ``inputs = [dy, x]`` (``dy`` contiguous, ``x`` the
+    forward's input), which it empties: the caller hands over its references, so both are freed
+    as soon as the kernel has read them. ``kind="identity"`` with ``[dy, dy]``: ``dy`` quantized
+    by ``q`` and its column sums, in one pass over ``dy`` (Bias's backward)."""
+    x = inputs.pop()
+    dy = inputs.pop()
     shape, dtype = x.shape, x.dtype
     if isinstance(q, Float8CurrentScalingQuantizer) and dy.dtype == dtype:
         d, scale_inv, dbias = _dact_current_scaling(kind, dy, x, q, with_dbias)
@@ -79,7 +92,10 @@ def activation_backward(
     assert q is not None
     quant, fp8_dtype, scale, pow2, eps, into = fused
     colwise = q.columnwise
-    late_t = colwise and quant == "fp8"  # the transposed copy after the kernel, from the rowwise
+    # The transposed copy after the kernel, from the rowwise (the saved input freed first);
+    # not for the identity kind, which has no saved input: both copies in its one pass, as the
+    # Linear's own cast-transpose would write them (one operator, not two).
+    late_t = colwise and quant == "fp8" and kind != "identity"
     _, d, d2, s, s2, amax, dbias = K.act_bwd(dy, x, kind, None, quant, fp8_dtype, scale, True,
                                              colwise and not late_t, with_dbias, pow2,
                                              eps, into)  # fmt: skip
@@ -221,9 +237,8 @@ ACTIVATIONS: dict[str, ActivationKind] = {
         ActivationKind("geglu", GEGLU, _gated(_gelu_tanh)),
     )
 }
-# Kinds of the core library's table that are kernels only, not activation ops: "identity" is a
-# gradient's quantized cast with its column sums in one pass (for Bias's backward beside the
-# preceding Linear's grad_output cast; not wired into the op yet, see docs/architecture.md).
+# Kinds of the core library's table that are kernels only, not activation ops: "identity" is
+# the gradient's quantized cast with its column sums (Bias's backward, dact_quantized).
 KERNEL_ONLY_KINDS = ("identity",)
 if tuple(ACTIVATIONS) + KERNEL_ONLY_KINDS != K.ACTIVATIONS:
     raise ImportError(

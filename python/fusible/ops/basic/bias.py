@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from fusible.ops import _compute as C
+from fusible.ops.basic.activation import dact_quantized
 from fusible.ops.op import BasicOperation
 
 __all__ = ["Bias"]
@@ -49,8 +50,30 @@ class Bias(BasicOperation):
         ctx.attrs["dtype"] = b.dtype
         return x + b.to(x.dtype), []
 
+    def kernels(self, fwd: bool) -> list[str]:
+        return (
+            []
+            if fwd
+            else ["act_bwd(identity, dbias, quantized grad for the preceding op) where its "
+                  "quantizer fuses, else a column sum"]
+        )  # fmt: skip
+
     def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
         db = None
+        q = prev_grad_quantizer
+        if ctx.params_requires_grad[0] and q is not None:
+            g = C.dequantize(dy)
+            # The preceding op (a Linear) takes dy quantized: its cast and the bias gradient in
+            # one pass over dy (activation.h's identity kind: bit for bit the quantizer's cast).
+            # Where dy's dtype is the bias's (else the bias gradient keeps its fp32 sum), and the
+            # quantizer fuses into the kernel: delayed scaling, MXFP8 (and blockwise on CPU).
+            # Not current scaling: it needs dy's amax before the cast, so the kernel would run
+            # twice plus a transpose, more operators than quantize_fp8_current and a sum.
+            if g.dtype == ctx.attrs["dtype"] and C.fused_quant_args(q, g.device) is not None:
+                inputs = [g.contiguous()] * 2
+                del dy, g
+                dx, db = dact_quantized("identity", inputs, q, True)
+                return dx, [db], []
         if ctx.params_requires_grad[0]:
             # fp32 accumulation without an fp32 copy of dy (the copy cost more than the sum).
             # A contiguous 16-bit dy of the bias's dtype: ATen's sum accumulates it in fp32 and
