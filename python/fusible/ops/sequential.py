@@ -9,7 +9,7 @@ import sys
 import types
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -283,7 +283,16 @@ class Sequential(OwnForwardModule):
     def __len__(self) -> int:
         return len(self._modules)
 
-    def __getitem__(self, i: int) -> torch.nn.Module:
+    @overload
+    def __getitem__(self, i: int) -> torch.nn.Module: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequential: ...
+    def __getitem__(self, i: int | slice) -> torch.nn.Module:
+        """An op by position, or (a slice) a new ``ops.Sequential`` of those ops, as
+        ``torch.nn.Sequential`` slices: the ops are shared (their parameters and recipe
+        state), the fusion plans are the new container's own."""
+        if isinstance(i, slice):
+            return Sequential(*list(self._modules.values())[i])  # type: ignore[arg-type]
         return list(self._modules.values())[i]  # type: ignore[return-value]
 
     def __iter__(self) -> Iterator[torch.nn.Module]:

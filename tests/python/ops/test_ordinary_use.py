@@ -598,6 +598,20 @@ def test_transformer_layer_non_tensor_input_is_a_type_error():
             layer(bad)
 
 
+def test_slicing_a_sequential_gives_a_sequential():
+    """``seq[1:3]`` returned a list; like ``torch.nn.Sequential`` it is now a container of the
+    same ops (shared parameters and recipe state) that runs: the two halves compose to the
+    whole, bit for bit."""
+    torch.manual_seed(0)
+    m = ops.Sequential(ops.LayerNorm(64), ops.Linear(64, 128), ops.GELU(), ops.Linear(128, 64))
+    head, tail = m[:2], m[2:]
+    assert isinstance(head, ops.Sequential) and len(head) == 2 and head[1] is m[1]
+    assert isinstance(fusible.LayerNormMLP(64, 128)[1:3], ops.Sequential)
+    x = torch.randn(4, 64)
+    with fusible.autocast(recipe=recipe.Float8CurrentScaling()):
+        assert torch.equal(tail(head(x)), m(x))
+
+
 def test_double_backward_of_torch_only_gradients_still_works():
     """Without a recipe a Linear's backward GEMMs are torch's: its gradient is differentiable,
     and a gradient penalty through it equals plain torch's."""
