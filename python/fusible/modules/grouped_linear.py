@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,6 +42,8 @@ class GroupedLinear(Sequential):
     would have to be added once after the sum). ``sequence_parallel=True`` is refused: the rows
     are grouped by expert on each rank (``m_splits``), so an all-gather along them would
     interleave the ranks' groups (MoE token dispatch is the caller's, as in Megatron-LM).
+
+    ``init_method``: every expert's weight initialiser, as :class:`fusible.Linear`'s.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class GroupedLinear(Sequential):
         tp_group: Any = None,
         parallel_mode: str | None = None,
         sequence_parallel: bool = False,
+        init_method: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         dtype = resolve_params_dtype("GroupedLinear", dtype, params_dtype)
         check_bias("GroupedLinear", bias)
@@ -74,7 +78,8 @@ class GroupedLinear(Sequential):
                 "implemented)"
             )
         k, n = tp.local_features(in_features, out_features)
-        op = _GroupedLinearOp(num_gemms, k, n, bias, device=device, dtype=dtype, name=name)
+        op = _GroupedLinearOp(num_gemms, k, n, bias, device=device, dtype=dtype, name=name,
+                              init_method=init_method)  # fmt: skip
         pre = tp.before_column() if tp.mode == "column" else []
         post = tp.after_row() if tp.mode == "row" else []
         super().__init__(*pre, op, *post)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +37,8 @@ class LayerNormLinear(NormFirst, LinearParameters):
     all-gathered; the norm's parameter gradients are summed over ``tp_group``), as
     :class:`fusible.Linear`. ``parallel_mode="row"`` is refused: the norm needs whole rows of
     features, which a row-parallel input splits.
+
+    ``init_method``: the weight's initialiser, as :class:`fusible.Linear`'s.
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class LayerNormLinear(NormFirst, LinearParameters):
         tp_group: Any = None,
         parallel_mode: str | None = None,
         sequence_parallel: bool = False,
+        init_method: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         dtype = resolve_params_dtype("LayerNormLinear", dtype, params_dtype)
         check_bias("LayerNormLinear", bias, "eps")
@@ -67,7 +71,7 @@ class LayerNormLinear(NormFirst, LinearParameters):
                          "LayerNormLinear")  # fmt: skip
         n = tp.local("out_features", out_features) if tp.active else out_features
         linear = BasicLinear(in_features, n, device=device, dtype=dtype, name=name,
-                             scope="layernorm_linear")  # fmt: skip
+                             scope="layernorm_linear", init_method=init_method)  # fmt: skip
         pre = tp.before_column()
         ops: list[torch.nn.Module] = [norm, *pre, linear]
         if bias:

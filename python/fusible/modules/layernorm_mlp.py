@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,6 +45,9 @@ class LayerNormMLP(NormFirst):
     sequence parallelism, a backward all-reduce) before fc1 and one reduce-scatter (all-reduce)
     after fc2. With sequence parallelism the norm's parameters and fc2's bias see this rank's
     tokens only; their gradients are summed over ``tp_group``.
+
+    ``init_method`` / ``output_layer_init_method`` (TransformerEngine's): fc1's / fc2's weight
+    initialiser, as :class:`fusible.Linear`'s ``init_method``.
     """
 
     def __init__(
@@ -62,6 +66,8 @@ class LayerNormMLP(NormFirst):
         tp_group: Any = None,
         sequence_parallel: bool = False,
         name: str | None = None,
+        init_method: Callable[[torch.Tensor], Any] | None = None,
+        output_layer_init_method: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         if name is not None and not isinstance(name, str):
             raise TypeError(
@@ -80,9 +86,9 @@ class LayerNormMLP(NormFirst):
         ffn_local = tp.local("ffn_hidden_size", ffn_hidden_size) if tp.active else ffn_hidden_size
         fc1_out = fc1_out // ffn_hidden_size * ffn_local
         fc1 = BasicLinear(hidden_size, fc1_out, device=device, dtype=dtype, name="fc1",
-                          scope="layernorm_mlp")  # fmt: skip
+                          scope="layernorm_mlp", init_method=init_method)  # fmt: skip
         fc2 = BasicLinear(ffn_local, hidden_size, device=device, dtype=dtype, name="fc2",
-                          scope="layernorm_mlp")  # fmt: skip
+                          scope="layernorm_mlp", init_method=output_layer_init_method)  # fmt: skip
         pre, post = tp.before_column(), tp.after_row()
         ops: list[torch.nn.Module] = [norm, *pre, fc1]
         if bias:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,7 +44,12 @@ class Linear(_OpsLinear):
     ``save_original_input`` (TransformerEngine's): under an FP8 recipe, backward keeps the
     high-precision input for wgrad (no FP8 copy of it) and quantizes it again, the same bits;
     for a Linear whose input something else keeps anyway, e.g. an attention output projection
-    (attention keeps its output for its own backward). See ``ops.BasicLinear``."""
+    (attention keeps its output for its own backward). See ``ops.BasicLinear``.
+
+    ``init_method`` (TransformerEngine's): ``init_method(weight)`` initialises the weight in
+    place (None: kaiming-uniform, as ``torch.nn.Linear``); ``reset_parameters()`` runs it again.
+    Under tensor parallelism it initialises this rank's shard (TE initialises the full weight
+    and splits it, with its RNG tracker)."""
 
     def __init__(
         self,
@@ -59,18 +65,21 @@ class Linear(_OpsLinear):
         parallel_mode: str | None = None,
         sequence_parallel: bool = False,
         save_original_input: bool = False,
+        init_method: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         dtype = resolve_params_dtype("Linear", dtype, params_dtype)
         check_bias("Linear", bias)
         tp = TensorParallel.resolve("Linear", tp_group, parallel_mode, sequence_parallel)
         if not tp.active:
             super().__init__(in_features, out_features, bias, device=device, dtype=dtype,
-                             name=name, save_original_input=save_original_input)  # fmt: skip
+                             name=name, save_original_input=save_original_input,
+                             init_method=init_method)  # fmt: skip
         else:
             col = tp.mode == "column"
             k, n = tp.local_features(in_features, out_features)
             lin = BasicLinear(k, n, device=device, dtype=dtype, name=name,
-                              save_original_input=save_original_input)  # fmt: skip
+                              save_original_input=save_original_input,
+                              init_method=init_method)  # fmt: skip
             pre, post = (tp.before_column(), []) if col else ([], tp.after_row())
             ops: list[torch.nn.Module] = [*pre, lin, *post]
             bias_index = len(ops)

@@ -23,6 +23,7 @@ roles (``...:layernorm_linear:qkv``, ``...:linear:proj``, ``...:layernorm_mlp:fc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -183,7 +184,9 @@ class MultiheadAttention(_Block):
       ``hidden_dropout`` applies to the projection output before the add.
 
     ``attention_dropout`` is SDPA's ``dropout_p`` (training mode only). ``state_dict()`` keys are
-    TransformerEngine's: ``layernorm_qkv.*`` (or ``qkv.*``) and ``proj.*``.
+    TransformerEngine's: ``layernorm_qkv.*`` (or ``qkv.*``) and ``proj.*``. ``init_method`` /
+    ``output_layer_init_method``: the QKV / projection weight initialisers, as
+    :class:`fusible.Linear`'s ``init_method``.
     """
 
     def __init__(
@@ -211,6 +214,8 @@ class MultiheadAttention(_Block):
         name: str | None = None,
         tp_group: Any = None,
         sequence_parallel: bool = False,
+        init_method: Callable[[torch.Tensor], Any] | None = None,
+        output_layer_init_method: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         dtype = resolve_params_dtype(type(self).__name__, dtype, params_dtype)
         check_bias(type(self).__name__, bias)
@@ -269,12 +274,14 @@ class MultiheadAttention(_Block):
             qkv = LayerNormLinear(hidden_size, q_dim + 2 * kv_dim, bias, eps=layernorm_epsilon,
                                   normalization=normalization,
                                   zero_centered_gamma=zero_centered_gamma, name="qkv",
-                                  **kw, **col)  # fmt: skip
+                                  init_method=init_method, **kw, **col)  # fmt: skip
             self.layernorm_qkv = qkv
         else:
-            qkv = Linear(hidden_size, q_dim + 2 * kv_dim, bias, name="qkv", **kw, **col)
+            qkv = Linear(hidden_size, q_dim + 2 * kv_dim, bias, name="qkv",
+                         init_method=init_method, **kw, **col)  # fmt: skip
             self.qkv = qkv
-        self.proj = Linear(q_dim, hidden_size, bias, name="proj", **kw, **row)
+        self.proj = Linear(q_dim, hidden_size, bias, name="proj",
+                           init_method=output_layer_init_method, **kw, **row)  # fmt: skip
         if residual_connection:
             _residual_tail(self.proj, hidden_dropout)
         elif hidden_dropout > 0.0:
@@ -426,6 +433,8 @@ class TransformerLayer(_Block):
     - ``attention_dropout`` (SDPA), ``hidden_dropout`` (each block's output, before its residual
       add); both only in training mode. Both default to 0.0, where TransformerEngine's default
       to 0.1.
+    - ``init_method`` (``qkv``, ``fc1``) and ``output_layer_init_method`` (``proj``, ``fc2``):
+      weight initialisers, TransformerEngine's split (see :class:`fusible.Linear`).
     - ``name``: a label for ``explain()`` and ``repr``; the Linears' role names are always
       ``qkv``, ``proj``, ``fc1``, ``fc2``, so a ``CustomRecipe`` rule such as ``"weight:*:fc2"``
       reaches the same Linear in every layer.
@@ -466,6 +475,8 @@ class TransformerLayer(_Block):
         name: str | None = None,
         tp_group: Any = None,
         sequence_parallel: bool = False,
+        init_method: Callable[[torch.Tensor], Any] | None = None,
+        output_layer_init_method: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         dtype = resolve_params_dtype(type(self).__name__, dtype, params_dtype)
         super().__init__()
@@ -483,11 +494,14 @@ class TransformerLayer(_Block):
             layernorm_epsilon=layernorm_epsilon, input_layernorm=True, bias=bias,
             attn_mask_type=self_attn_mask_type, qkv_format=attn_input_format, rotary=rotary,
             rotary_base=rotary_base, residual_connection=True, hidden_dropout=hidden_dropout,
-            tp_group=tp_group, sequence_parallel=sequence_parallel, **norm, **kw,
+            tp_group=tp_group, sequence_parallel=sequence_parallel, init_method=init_method,
+            output_layer_init_method=output_layer_init_method, **norm, **kw,
         )  # fmt: skip
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, bias,
                                           activation=activation, eps=layernorm_epsilon,
                                           tp_group=tp_group, sequence_parallel=sequence_parallel,
+                                          init_method=init_method,
+                                          output_layer_init_method=output_layer_init_method,
                                           **norm, **kw)  # fmt: skip
         self.tp_size, self.sequence_parallel = self.self_attention.tp_size, sequence_parallel
         _residual_tail(self.layernorm_mlp, hidden_dropout)

@@ -3,6 +3,9 @@ Sequential, so the fuser sees both)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from fusible.ops.basic import BasicLinear, Bias
@@ -39,7 +42,7 @@ class LinearParameters(Sequential):
 
 class Linear(LinearParameters):
     """``y = x @ weight.T + bias``; ``weight`` is ``[out_features, in_features]``.
-    ``save_original_input``: see :class:`~fusible.ops.BasicLinear`."""
+    ``save_original_input``, ``init_method``: see :class:`~fusible.ops.BasicLinear`."""
 
     def __init__(
         self,
@@ -51,10 +54,11 @@ class Linear(LinearParameters):
         dtype: torch.dtype | None = None,
         name: str | None = None,
         save_original_input: bool = False,
+        init_method: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         ops: list[torch.nn.Module] = [
             BasicLinear(in_features, out_features, device=device, dtype=dtype, name=name,
-                        save_original_input=save_original_input)
+                        save_original_input=save_original_input, init_method=init_method)
         ]  # fmt: skip
         if bias:
             ops.append(Bias(out_features, device=device, dtype=dtype, name=name))

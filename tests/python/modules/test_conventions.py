@@ -615,3 +615,77 @@ def test_functional_call_by_state_dict_names(case):
     m(x).square().sum().backward()
     for k, v in te.items():
         assert torch.equal(given[k].grad, v.grad), k
+
+
+# ---- init_method (TransformerEngine's weight initialisers) ---------------------------------------
+
+
+def _fill(v):
+    return lambda w: torch.nn.init.constant_(w, v)
+
+
+INIT_CASES = {
+    # module factory(init, output_init) -> {weight name: the value its initialiser writes}
+    "linear": (lambda i, o: fusible.Linear(H, F, init_method=i), {"weight": 0.25}),
+    "layernorm_linear": (
+        lambda i, o: fusible.LayerNormLinear(H, F, init_method=i),
+        {"weight": 0.25},
+    ),
+    "layernorm_mlp": (
+        lambda i, o: fusible.LayerNormMLP(H, F, init_method=i, output_layer_init_method=o),
+        {"fc1_weight": 0.25, "fc2_weight": -0.5},
+    ),
+    "grouped_linear": (
+        lambda i, o: fusible.GroupedLinear(2, H, F, init_method=i),
+        {"weight0": 0.25, "weight1": 0.25},
+    ),
+    "transformer_layer": (
+        lambda i, o: fusible.TransformerLayer(H, F, 4, init_method=i, output_layer_init_method=o),
+        {
+            "self_attention.layernorm_qkv.weight": 0.25,
+            "self_attention.proj.weight": -0.5,
+            "layernorm_mlp.fc1_weight": 0.25,
+            "layernorm_mlp.fc2_weight": -0.5,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INIT_CASES))
+def test_init_method_initialises_each_weight(case):
+    """``init_method`` / ``output_layer_init_method`` (TransformerEngine's arguments; they used
+    to raise "unexpected keyword") initialise the weights they are for, at construction and
+    again at ``reset_parameters()`` (a ``meta`` build materialised with ``to_empty()``);
+    biases and norms keep their defaults; None keeps kaiming-uniform."""
+    make, want = INIT_CASES[case]
+    m = make(_fill(0.25), _fill(-0.5))
+    sd = m.state_dict()
+    for name, v in want.items():
+        assert torch.equal(sd[name], torch.full_like(sd[name], v)), name
+    for name, t in sd.items():
+        if name.endswith("bias") and not name.endswith("_extra_state"):
+            assert not t.any(), name
+    with torch.device("meta"):
+        lazy = make(_fill(0.25), _fill(-0.5))
+    lazy.to_empty(device="cpu")
+    lazy.reset_parameters()
+    for name in want:
+        assert torch.equal(lazy.state_dict()[name], sd[name]), name
+    torch.manual_seed(0)
+    default = make(None, None).state_dict()
+    assert all(default[name].std() > 0 for name in want)
+
+
+def test_init_method_must_be_callable():
+    with pytest.raises(TypeError, match=r"BasicLinear: init_method must be a callable"):
+        fusible.Linear(H, F, init_method=0.02)
+
+
+def test_init_method_under_quantized_model_init():
+    """A weight stored quantized is the cast of what ``init_method`` wrote."""
+    rec = RECIPES["current"]
+    with fusible.quantized_model_init(rec):
+        m = fusible.Linear(H, F, init_method=_fill(0.25))
+    w = m.weight
+    assert isinstance(w, QuantizedTensor)
+    assert torch.equal(w.dequantize(), torch.full((F, H), 0.25))

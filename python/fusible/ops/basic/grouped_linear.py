@@ -143,6 +143,7 @@ class GroupedLinear(QuantizedWeightOp):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         name: str | None = None,
+        init_method: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         super().__init__(name=name)
         for arg, v in (("num_gemms", num_gemms), ("in_features", in_features),
@@ -160,12 +161,14 @@ class GroupedLinear(QuantizedWeightOp):
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(b))
         self.workspace_caches = [WorkspaceCache() for _ in range(num_gemms)]
         self._record_weight_init()
+        self._set_init_method(init_method)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Each weight kaiming-uniform (as ``torch.nn.Linear``; a quantized one re-quantized in
-        place, one built inside ``quantized_model_init`` quantized after), biases zero; a no-op
-        on ``meta`` (``to_empty()`` then ``reset_parameters()`` materialises)."""
+        """Each weight kaiming-uniform (as ``torch.nn.Linear``) or by ``init_method`` (a
+        quantized one re-quantized in place, one built inside ``quantized_model_init`` quantized
+        after), biases zero; a no-op on ``meta`` (``to_empty()`` then ``reset_parameters()``
+        materialises)."""
         for i in range(self.num_gemms):
             self._reset_quantized_weight(f"weight{i}", kaiming_init)
         with torch.no_grad():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -108,6 +109,7 @@ class BasicLinear(QuantizedWeightOp):
         name: str | None = None,
         scope: str | None = None,
         save_original_input: bool = False,
+        init_method: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         super().__init__(name=name)
         if not isinstance(save_original_input, bool):
@@ -129,13 +131,14 @@ class BasicLinear(QuantizedWeightOp):
         self.workspace_cache = WorkspaceCache()
         self._rowwise_twins: dict[str, tuple[Quantizer, Quantizer]] = {}
         self._record_weight_init()
+        self._set_init_method(init_method)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Kaiming-uniform initialisation. A quantized weight is re-initialised in place
-        (re-quantized with its quantizer); a weight built inside ``quantized_model_init`` (and
-        still high precision, e.g. built on ``meta`` and materialised with ``to_empty()``) is
-        initialised, then quantized."""
+        """Kaiming-uniform initialisation (or ``init_method``). A quantized weight is
+        re-initialised in place (re-quantized with its quantizer); a weight built inside
+        ``quantized_model_init`` (and still high precision, e.g. built on ``meta`` and
+        materialised with ``to_empty()``) is initialised, then quantized."""
         self._reset_quantized_weight("weight", kaiming_init)
 
     @property

@@ -7,7 +7,7 @@ GEMM path makes on the stored copies."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -55,6 +55,19 @@ class QuantizedWeightOp(BasicOperation):
     # Class defaults: an op pickled before these attributes existed reads them here.
     weight_init_recipe: Recipe | None = None
     weight_init_transpose: bool = False
+    init_method: Callable[[torch.Tensor], Any] | None = None
+
+    def _set_init_method(self, init_method: Any) -> None:
+        """TransformerEngine's ``init_method``: a callable that initialises a weight tensor in
+        place (``init_method(w)``; None: kaiming-uniform, as ``torch.nn.Linear``), kept for
+        :meth:`reset_parameters` (``to_empty()`` after a ``meta`` build runs it again). Under
+        tensor parallelism it initialises this rank's shard."""
+        if init_method is not None and not callable(init_method):
+            raise TypeError(
+                f"{type(self).__name__}: init_method must be a callable w -> None that "
+                f"initialises w in place, or None, got {type(init_method).__name__}"
+            )
+        self.init_method = init_method
 
     def _record_weight_init(self) -> None:
         """Keep the ``quantized_model_init`` region active at construction (None: high-precision
@@ -104,13 +117,15 @@ class QuantizedWeightOp(BasicOperation):
         assert w is not None
         if w.device.type == "meta":
             return
+        init = self.init_method or init
         if isinstance(w, QuantizedTensor):
             value = torch.empty(w.shape, dtype=w.dtype, device=w.device)
             init(value)
             with torch.no_grad():
                 w.copy_(value)
             return
-        init(w)
+        with torch.no_grad():  # a user's init_method may write the parameter directly
+            init(w)
         if self.weight_init_recipe is not None:
             self._quantize_weight_param(self.weight_init_recipe, (name,))
 
