@@ -310,7 +310,8 @@ class GroupedLinear(QuantizedWeightOp):
             what = f"m_splits[{bad[0][0]}]={bad[0][1]}" if bad else f"m_splits={list(splits)}"
             raise ValueError(
                 f"GroupedLinear: MXFP8 needs in_features, out_features and every m_splits entry "
-                f"divisible by 32, got {self.in_features}, {self.out_features} and {what}"
+                f"divisible by 32, got {self.in_features}, {self.out_features} and {what}; pad "
+                "each expert's rows to a multiple of 32 or use another recipe"
             )
 
     def _check_blockwise(self, splits: tuple[int, ...]) -> None:

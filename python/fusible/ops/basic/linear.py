@@ -322,7 +322,8 @@ class BasicLinear(QuantizedWeightOp):
                 raise ValueError(
                     f"{type(self).__name__}: MXFP8 needs in_features, out_features and the token "
                     f"count divisible by 32, got {self.in_features}, {self.out_features} and "
-                    f"{tokens}"
+                    f"{tokens}; pad the input (e.g. the batch) or keep this op out of MXFP8 "
+                    "(a CustomRecipe rule such as '*:*:<name>': None)"
                 )
         attrs["need_wgrad"], attrs["need_dgrad"] = need_wgrad, need_dgrad
         xq: Any
