@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from fusible.ops import LayerNorm, RMSNorm, Sequential
+from fusible.ops import basic as ops_basic
 from fusible.ops.basic.activation import ACTIVATIONS
 from fusible.ops.op import BasicOperation
 
@@ -177,6 +178,23 @@ def resolve_params_dtype(
             "('params_dtype' is TransformerEngine's name for 'dtype')"
         )
     return params_dtype
+
+
+def bias_op(
+    module: str, features: int, return_bias: object, **kw: Any
+) -> ops_basic.Bias | ops_basic.ReturnBias:
+    """The op holding a Linear's bias: ``Bias`` (added), or with TransformerEngine's
+    ``return_bias=True`` a ``ReturnBias`` (not added: the module returns ``(y, bias)``)."""
+    if not isinstance(return_bias, bool):
+        raise TypeError(f"{module}: return_bias must be a bool, got {return_bias!r}")
+    return (ops_basic.ReturnBias if return_bias else ops_basic.Bias)(features, **kw)
+
+
+def check_return_bias(module: str, bias: object, return_bias: object) -> None:
+    """``return_bias=True`` needs a bias to return (TransformerEngine returns an empty tensor
+    there; a caller that adds it gains nothing, so it is refused rather than imitated)."""
+    if return_bias is True and not bias:
+        raise ValueError(f"{module}: return_bias=True needs bias=True (there is no bias to return)")
 
 
 def check_bias(module: str, bias: object, te_third: str | None = None) -> None:

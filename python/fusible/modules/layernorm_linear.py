@@ -9,7 +9,9 @@ import torch
 
 from fusible.modules._common import (
     NormFirst,
+    bias_op,
     check_bias,
+    check_return_bias,
     linear_te_names,
     make_norm,
     norm_te_names,
@@ -17,7 +19,7 @@ from fusible.modules._common import (
     use_te_state_dict_names,
 )
 from fusible.modules._tp import TensorParallel, reduce_grad_over
-from fusible.ops import BasicLinear, Bias
+from fusible.ops import BasicLinear
 from fusible.ops.linear import LinearParameters
 
 __all__ = ["LayerNormLinear"]
@@ -38,7 +40,8 @@ class LayerNormLinear(NormFirst, LinearParameters):
     :class:`fusible.Linear`. ``parallel_mode="row"`` is refused: the norm needs whole rows of
     features, which a row-parallel input splits.
 
-    ``init_method``: the weight's initialiser, as :class:`fusible.Linear`'s.
+    ``init_method``: the weight's initialiser; ``return_bias=True``: the bias is returned, not
+    added (``forward`` returns ``(y, bias)``); both as :class:`fusible.Linear`'s.
     """
 
     def __init__(
@@ -58,9 +61,11 @@ class LayerNormLinear(NormFirst, LinearParameters):
         parallel_mode: str | None = None,
         sequence_parallel: bool = False,
         init_method: Callable[[torch.Tensor], Any] | None = None,
+        return_bias: bool = False,
     ) -> None:
         dtype = resolve_params_dtype("LayerNormLinear", dtype, params_dtype)
         check_bias("LayerNormLinear", bias, "eps")
+        check_return_bias("LayerNormLinear", bias, return_bias)
         tp = TensorParallel.resolve("LayerNormLinear", tp_group, parallel_mode, sequence_parallel)
         if tp.mode == "row":
             raise ValueError(
@@ -75,7 +80,7 @@ class LayerNormLinear(NormFirst, LinearParameters):
         pre = tp.before_column()
         ops: list[torch.nn.Module] = [norm, *pre, linear]
         if bias:
-            ops.append(Bias(n, device=device, dtype=dtype))
+            ops.append(bias_op("LayerNormLinear", n, return_bias, device=device, dtype=dtype))
         if tp.sequence_parallel:
             for pname, _ in norm.named_parameters(recurse=False):
                 reduce_grad_over(norm, pname, tp.group)  # the norm saw this rank's tokens only

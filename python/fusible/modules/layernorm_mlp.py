@@ -10,7 +10,9 @@ import torch
 from fusible.modules._common import (
     GLU,
     NormFirst,
+    bias_op,
     check_bias,
+    check_return_bias,
     linear_te_names,
     make_activation,
     make_norm,
@@ -19,7 +21,7 @@ from fusible.modules._common import (
     use_te_state_dict_names,
 )
 from fusible.modules._tp import TensorParallel, reduce_grad_over
-from fusible.ops import BasicLinear, Bias
+from fusible.ops import BasicLinear, Bias, ReturnBias
 
 __all__ = ["LayerNormMLP"]
 
@@ -47,7 +49,8 @@ class LayerNormMLP(NormFirst):
     tokens only; their gradients are summed over ``tp_group``.
 
     ``init_method`` / ``output_layer_init_method`` (TransformerEngine's): fc1's / fc2's weight
-    initialiser, as :class:`fusible.Linear`'s ``init_method``.
+    initialiser, as :class:`fusible.Linear`'s ``init_method``. ``return_bias=True``: fc2's bias
+    is not added, ``forward`` returns ``(y, fc2_bias)`` (see :class:`fusible.Linear`).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class LayerNormMLP(NormFirst):
         name: str | None = None,
         init_method: Callable[[torch.Tensor], Any] | None = None,
         output_layer_init_method: Callable[[torch.Tensor], Any] | None = None,
+        return_bias: bool = False,
     ) -> None:
         if name is not None and not isinstance(name, str):
             raise TypeError(
@@ -75,6 +79,7 @@ class LayerNormMLP(NormFirst):
             )
         dtype = resolve_params_dtype("LayerNormMLP", dtype, params_dtype)
         check_bias("LayerNormMLP", bias, "eps")
+        check_return_bias("LayerNormMLP", bias, return_bias)
         mode = None if tp_group is None else "column"  # fc1's; fc2 is row-parallel
         tp = TensorParallel.resolve("LayerNormMLP", tp_group, mode, sequence_parallel)
         norm = make_norm(normalization, hidden_size, eps, zero_centered_gamma, device, dtype,
@@ -95,7 +100,8 @@ class LayerNormMLP(NormFirst):
             ops.append(Bias(fc1_out, device=device, dtype=dtype))
         ops += [act, fc2, *post]
         if bias:
-            ops.append(Bias(hidden_size, device=device, dtype=dtype))
+            ops.append(bias_op("LayerNormMLP", hidden_size, return_bias, device=device,
+                               dtype=dtype))  # fmt: skip
         if tp.sequence_parallel:
             # Replicated parameters applied to this rank's tokens only.
             for owner in (norm, ops[-1]) if bias else (norm,):
@@ -151,7 +157,7 @@ class LayerNormMLP(NormFirst):
             # isinstance, not a length check: ops appended after fc2 (a residual add) are not
             # a bias.
             i = self._fc1_index + 1 if name == "fc1_bias" else self._fc2_bias_index
-            if i < len(self) and isinstance(self[i], Bias):
+            if i < len(self) and isinstance(self[i], (Bias, ReturnBias)):
                 return self[i], "bias"
         return super()._forwarded_parameter(name)
 

@@ -8,13 +8,15 @@ from typing import Any
 import torch
 
 from fusible.modules._common import (
+    bias_op,
     check_bias,
+    check_return_bias,
     linear_te_names,
     resolve_params_dtype,
     use_te_state_dict_names,
 )
 from fusible.modules._tp import TensorParallel, reduce_grad_over
-from fusible.ops import BasicLinear, Bias
+from fusible.ops import BasicLinear
 from fusible.ops.linear import Linear as _OpsLinear
 from fusible.ops.sequential import Sequential
 
@@ -49,7 +51,12 @@ class Linear(_OpsLinear):
     ``init_method`` (TransformerEngine's): ``init_method(weight)`` initialises the weight in
     place (None: kaiming-uniform, as ``torch.nn.Linear``); ``reset_parameters()`` runs it again.
     Under tensor parallelism it initialises this rank's shard (TE initialises the full weight
-    and splits it, with its RNG tracker)."""
+    and splits it, with its RNG tracker).
+
+    ``return_bias=True`` (TransformerEngine's): the bias is not added; ``forward`` returns
+    ``(y, bias)`` (the bias in ``y``'s dtype, its gradient flowing back from wherever the caller
+    adds it), e.g. to fuse it with a dropout and a residual add, or to add it once after a
+    row-parallel reduction. The bias is then a ``ReturnBias`` op, under the same names."""
 
     def __init__(
         self,
@@ -66,14 +73,19 @@ class Linear(_OpsLinear):
         sequence_parallel: bool = False,
         save_original_input: bool = False,
         init_method: Callable[[torch.Tensor], Any] | None = None,
+        return_bias: bool = False,
     ) -> None:
         dtype = resolve_params_dtype("Linear", dtype, params_dtype)
         check_bias("Linear", bias)
+        check_return_bias("Linear", bias, return_bias)
         tp = TensorParallel.resolve("Linear", tp_group, parallel_mode, sequence_parallel)
         if not tp.active:
-            super().__init__(in_features, out_features, bias, device=device, dtype=dtype,
-                             name=name, save_original_input=save_original_input,
+            super().__init__(in_features, out_features, bias and not return_bias, device=device,
+                             dtype=dtype, name=name, save_original_input=save_original_input,
                              init_method=init_method)  # fmt: skip
+            if return_bias:
+                self.append(bias_op("Linear", out_features, return_bias, device=device,
+                                    dtype=dtype, name=name))  # fmt: skip
         else:
             col = tp.mode == "column"
             k, n = tp.local_features(in_features, out_features)
@@ -84,7 +96,7 @@ class Linear(_OpsLinear):
             ops: list[torch.nn.Module] = [*pre, lin, *post]
             bias_index = len(ops)
             if bias:
-                b = Bias(n, device=device, dtype=dtype, name=name)
+                b = bias_op("Linear", n, return_bias, device=device, dtype=dtype, name=name)
                 if not col and tp.sequence_parallel:
                     reduce_grad_over(b, "bias", tp.group)  # added to this rank's tokens only
                 ops.append(b)

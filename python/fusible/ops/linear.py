@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from fusible.ops.basic import BasicLinear, Bias
+from fusible.ops.basic import BasicLinear, Bias, ReturnBias
 from fusible.ops.sequential import Sequential
 
 __all__ = ["Linear"]
@@ -35,7 +35,7 @@ class LinearParameters(Sequential):
             return self[self._linear_index], "weight"
         # isinstance, not a length check: ops may be appended (a residual add, a dropout).
         j = self._bias_index
-        if name == "bias" and len(self) > j and isinstance(self[j], Bias):
+        if name == "bias" and len(self) > j and isinstance(self[j], (Bias, ReturnBias)):
             return self[j], "bias"
         return super()._forwarded_parameter(name)
 

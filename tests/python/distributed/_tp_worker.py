@@ -251,11 +251,43 @@ def row_linear(rec_name: str, sp: bool, dims: tuple[int, int, int] = (S, H, F)) 
         (exact if DEVICE == "cpu" else close)("dx vs full", dx, dxf[:, c])
 
 
+def row_linear_return_bias(rec_name: str, sp: bool) -> None:
+    """Row-parallel Linear with ``return_bias=True`` (TransformerEngine's; Megatron adds the
+    bias after the reduction itself): ``out + bias`` is the plain module's output, the
+    gradients its gradients (the bias's: summed by autograd, and over the group with sequence
+    parallelism, so to fp32 rounding)."""
+    rec = RECIPES[rec_name]
+    W, b = rand(H, F, seed=5), rand(H, seed=6)
+    x, dy = rand(S, F, seed=7), rand(S, H, seed=8)
+    c = cols(F, RANK)
+    kw: dict[str, Any] = {"tp_group": dist.group.WORLD, "parallel_mode": "row",
+                          "sequence_parallel": sp}  # fmt: skip
+    plain, split = fusible.Linear(F, H, **kw), fusible.Linear(F, H, return_bias=True, **kw)
+    for m in (plain, split):
+        load(m, weight=W[:, c], bias=b)
+    y, dx = run(plain, x[:, c], toks(dy, RANK) if sp else dy, rec, dist.group.WORLD)
+    xs = x[:, c].detach().clone().requires_grad_()
+    with fusible.autocast(
+        enabled=rec is not None, recipe=rec, amax_reduction_group=dist.group.WORLD
+    ):
+        out, bias = split(xs)
+    assert bias.shape == (H,) and bias.dtype == out.dtype, (bias.shape, bias.dtype)
+    (out + bias).backward(toks(dy, RANK) if sp else dy)
+    exact("y", out + bias, y)
+    exact("dx", xs.grad, dx)
+    exact("dW", split.weight.grad, plain.weight.grad)
+    close("db", split.bias.grad, plain.bias.grad)
+
+
 for _r in RECIPES:
     for _sp in (False, True):
         _sfx = f"{_r}{'_sp' if _sp else ''}"
         case(f"linear_column_{_sfx}")(lambda r=_r, s=_sp: column_linear(r, s))
         case(f"linear_row_{_sfx}")(lambda r=_r, s=_sp: row_linear(r, s))
+for _r, _sp in (("none", False), ("delayed", True)):
+    case(f"linear_row_return_bias_{_r}{'_sp' if _sp else ''}")(
+        lambda r=_r, s=_sp: row_linear_return_bias(r, s)
+    )
 
 
 # ---- LayerNormLinear, LayerNormMLP ---------------------------------------------------------------

@@ -18,6 +18,7 @@ _RECIPES = ("none", "delayed", "current", "mxfp8")
 CASES = [
     *(f"{k}_{r}{sp}" for k in ("linear_column", "linear_row", "lnlinear", "lnmlp")
       for r in _RECIPES for sp in ("", "_sp")),
+    "linear_row_return_bias_none", "linear_row_return_bias_delayed_sp",
     "lnmlp_swiglu_sp", "lnmlp_swiglu_current", "delayed_amax_reduction", "explain", "bad_input",
     "fsdp2",
 ]  # fmt: skip

@@ -689,3 +689,54 @@ def test_init_method_under_quantized_model_init():
     w = m.weight
     assert isinstance(w, QuantizedTensor)
     assert torch.equal(w.dequantize(), torch.full((F, H), 0.25))
+
+
+# ---- return_bias (TransformerEngine's: the bias returned, not added) -----------------------------
+
+RETURN_BIAS = {
+    "linear": (lambda rb: fusible.Linear(H, F, return_bias=rb), "bias"),
+    "layernorm_linear": (lambda rb: fusible.LayerNormLinear(H, F, return_bias=rb), "bias"),
+    "layernorm_mlp": (lambda rb: fusible.LayerNormMLP(H, F, return_bias=rb), "fc2_bias"),
+}
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+@pytest.mark.parametrize("case", sorted(RETURN_BIAS))
+def test_return_bias_returns_what_the_module_would_add(case, recipe_name):
+    """``return_bias=True`` (it raised "unexpected keyword"): ``forward`` returns ``(y, bias)``
+    with ``y + bias`` the plain module's output (bit for bit under an FP8 recipe, where the
+    plain module adds the bias in the GEMM epilogue too; to fp32 rounding without one), the
+    same ``state_dict`` keys (checkpoints load both ways), the same input and weight gradients,
+    and the bias gradient from wherever the caller adds it (to fp32 rounding: another sum)."""
+    make, bname = RETURN_BIAS[case]
+    rec = RECIPES[recipe_name]
+    torch.manual_seed(0)
+    plain, split = make(False), make(True)
+    assert list(split.state_dict()) == list(plain.state_dict())
+    split.load_state_dict(plain.state_dict())
+    x = torch.randn(64, H)
+    g = torch.randn(64, H if case == "layernorm_mlp" else F)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    with fusible.autocast(enabled=rec is not None, recipe=rec):
+        y = plain(xs[0])
+        out, bias = split(xs[1])
+    assert bias.shape == getattr(split, bname).shape and bias.dtype == out.dtype
+    y.backward(g)
+    (out + bias).backward(g)
+    tol = 0 if rec is not None else 1e-6
+    torch.testing.assert_close(out + bias, y, rtol=tol, atol=tol)
+    assert torch.equal(xs[1].grad, xs[0].grad)
+    for name, p in plain.named_parameters():
+        q = dict(split.named_parameters())[name]
+        if p is getattr(plain, bname):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(q.grad, p.grad), name
+
+
+def test_return_bias_arguments():
+    with pytest.raises(ValueError, match=r"Linear: return_bias=True needs bias=True"):
+        fusible.Linear(H, F, bias=False, return_bias=True)
+    with pytest.raises(TypeError, match=r"LayerNormMLP: return_bias must be a bool"):
+        fusible.LayerNormMLP(H, F, return_bias=1)  # type: ignore[arg-type]
+    assert isinstance(fusible.Linear(H, F, return_bias=True)[1], ops.ReturnBias)

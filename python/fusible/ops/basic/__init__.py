@@ -1,6 +1,7 @@
 """Basic operations."""
 
 from fusible.ops.basic.activation import GEGLU, GELU, ReLU, SiLU, SwiGLU
+from fusible.ops.basic.bias import ReturnBias
 from fusible.ops.basic.comm import AllGather, AllReduce, ReduceScatter
 from fusible.ops.basic.grouped_linear import GroupedLinear
 from fusible.ops.basic.linear import BasicLinear, Bias
@@ -34,6 +35,7 @@ __all__ = [
     "ReLU",
     "ReduceScatter",
     "Reshape",
+    "ReturnBias",
     "SiLU",
     "SwiGLU",
 ]

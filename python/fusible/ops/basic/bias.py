@@ -1,5 +1,6 @@
 """Bias: ``y = x + b`` over the last dimension (fused into the preceding GEMM's epilogue, or
-into the activation backward's bias gradient, by the fusion rules)."""
+into the activation backward's bias gradient, by the fusion rules); ReturnBias: the bias handed
+back to the caller instead (TransformerEngine's ``return_bias=True``)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from fusible.ops import _compute as C
 from fusible.ops.basic.activation import dact_quantized
 from fusible.ops.op import BasicOperation
 
-__all__ = ["Bias"]
+__all__ = ["Bias", "ReturnBias"]
 
 _HALF = (torch.bfloat16, torch.float16)
 
 
-class Bias(BasicOperation):
-    """``y = x + bias`` (bias ``[features]``)."""
+class _BiasParameter(BasicOperation):
+    """A ``bias`` parameter ``[features]``, zero-initialised: what Bias and ReturnBias share
+    (not a Bias: the fusion rules match Bias by type, and ReturnBias must not be fused as one)."""
 
     def __init__(
         self,
@@ -27,7 +29,7 @@ class Bias(BasicOperation):
     ) -> None:
         super().__init__(name=name)
         if features <= 0:
-            raise ValueError(f"Bias: features must be positive, got {features}")
+            raise ValueError(f"{type(self).__name__}: features must be positive, got {features}")
         self.features = features
         self.bias = torch.nn.Parameter(torch.zeros(features, device=device, dtype=dtype))
 
@@ -39,6 +41,38 @@ class Bias(BasicOperation):
 
     def extra_repr(self) -> str:
         return f"features={self.features}"
+
+
+class ReturnBias(_BiasParameter):
+    """Passes ``x`` on unchanged and emits the bias (in ``x``'s dtype) as an extra output of
+    ``Sequential.forward``, which then returns ``(y, bias)``: TransformerEngine's
+    ``return_bias=True``, for a caller that adds the bias itself later (fused with a dropout and
+    a residual add, or after a tensor-parallel reduction). Its gradient is the gradient of that
+    output."""
+
+    num_extra_outputs = 1
+    computes = False
+
+    def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
+        (b,) = params
+        x = C.dequantize(x)
+        if x.shape[-1] != self.features:
+            raise ValueError(
+                f"ReturnBias: input feature size {x.shape[-1]} does not match features "
+                f"{self.features}"
+            )
+        ctx.attrs["dtype"] = b.dtype
+        # A copy: an output of the plan's autograd function must not alias its parameter input.
+        return x, [b.to(x.dtype, copy=True)]
+
+    def op_backward(self, ctx, dy, *, prev_grad_quantizer, extra_output_grads):
+        (g,) = extra_output_grads
+        db = None if g is None or not ctx.params_requires_grad[0] else g.to(ctx.attrs["dtype"])
+        return dy, [db], []
+
+
+class Bias(_BiasParameter):
+    """``y = x + bias`` (bias ``[features]``)."""
 
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
         (b,) = params
