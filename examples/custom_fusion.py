@@ -11,6 +11,8 @@ applied), and ``ops.fusion_disabled()`` runs the unfused reference path to check
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 import fusible
@@ -86,4 +88,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()  # no options: --help prints the above
     main()

@@ -47,7 +47,10 @@ def main() -> None:
         yc = K.dequantize_mxfp8(cd, cs, True, torch.float32)
         report(f"MXFP8 {tag} rowwise", y, d.numel() + s.numel(), f"{s.numel()} E8M0 scales")
         report(f"MXFP8 {tag} columnwise", yc, cd.numel() + cs.numel(), f"{cs.numel()} E8M0 scales")
-    print(f"core library CUDA backend built: {K.has_cuda()}")
+    print(
+        f"core library CUDA backend built: {K.has_cuda()} (a CUDA GPU visible: "
+        f"{torch.cuda.is_available()})"
+    )
 
 
 if __name__ == "__main__":

@@ -100,7 +100,9 @@ def _spawned(rank: int, world: int, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="delayed")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=2)

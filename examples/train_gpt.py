@@ -4,7 +4,7 @@ found through the running interpreter (no download) -- under an FP8 recipe chose
 line, next to the same model trained without a recipe (BF16 autocast on a GPU, FP32 on the CPU)
 from the same initial weights and data order.
 
-    python examples/train_gpt.py --recipe current          # none | delayed | current | mxfp8
+    python examples/train_gpt.py --recipe current          # none|delayed|current|mxfp8|blockwise
     python examples/train_gpt.py --tiny --steps 4          # smoke run (seconds)
 
 It prints the fusion plan of one layer, a progress bar per run (loss, tokens/s), the train and
@@ -259,23 +259,13 @@ def train(model: GPT, data: ByteData, cfg: Config, rec: Any, name: str, device: 
 
 # ---- checkpoint (safetensors: tensors only, no pickle) -----------------------------------------
 
-_FIELD = "#"  # separates a state_dict key from a field of its _extra_state dict
-
 
 def save_checkpoint(model: nn.Module, path: Path, metadata: dict[str, str]) -> int:
-    """``model.state_dict()`` as safetensors. Recipe state (``..._extra_state``: a dict of plain
-    tensors per Linear) is stored as one tensor per field, ``<key>#<field>``."""
+    """``model.state_dict()`` as safetensors: recipe state (``..._extra_state``, a dict of plain
+    tensors per Linear) spread into one tensor per field (``fusible.flatten_state_dict``)."""
     from safetensors.torch import save_file
 
-    flat: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict().items():
-        if isinstance(value, torch.Tensor):
-            flat[key] = value.detach().contiguous()
-        elif isinstance(value, dict):
-            for field, t in value.items():
-                flat[f"{key}{_FIELD}{field}"] = t.detach().contiguous().clone()
-        else:
-            raise TypeError(f"save_checkpoint: {key!r} is a {type(value).__name__}")
+    flat = fusible.flatten_state_dict(model.state_dict())
     save_file(flat, str(path), metadata=metadata)
     return len(flat)
 
@@ -284,16 +274,10 @@ def load_checkpoint(path: Path, device: str) -> tuple[dict[str, Any], dict[str, 
     """The ``state_dict`` saved by :func:`save_checkpoint` and its metadata."""
     from safetensors import safe_open
 
-    sd: dict[str, Any] = {}
     with safe_open(str(path), framework="pt", device=device) as f:
         meta = f.metadata() or {}
-        for name in f.keys():
-            key, sep, field = name.partition(_FIELD)
-            if sep:
-                sd.setdefault(key, {})[field] = f.get_tensor(name)
-            else:
-                sd[key] = f.get_tensor(name)
-    return sd, meta
+        flat = {name: f.get_tensor(name) for name in f.keys()}
+    return fusible.unflatten_state_dict(flat), meta
 
 
 def fresh_model(cfg: Config, device: str) -> GPT:

@@ -16,16 +16,19 @@ from fusible.modules import *  # noqa: F403  (the modules, in __all__ below)
 from fusible.quantization.autocast import autocast
 from fusible.quantization.model_init import quantized_model_init
 from fusible.quantization.recompute import checkpoint
+from fusible.quantization.state import flatten_state_dict, unflatten_state_dict
 
 __all__ = [
     "__version__",
     "autocast",
     "checkpoint",
     "distributed",
+    "flatten_state_dict",
     "ops",
     "optim",
     "quantization",
     "quantized_model_init",
     "recipe",
+    "unflatten_state_dict",
 ]
 __all__ += modules.__all__

@@ -383,9 +383,10 @@ class CustomRecipe(Recipe):
         """A CustomRecipe routing roles by ordered glob rules (see :class:`RoleRules`), e.g.::
 
         CustomRecipe.from_rules({
+            "*:*:fc2": None,            # the op named fc2 stays in high precision (first:
+                                        # the first matching rule wins)
             "weight:*": MXFP8BlockScaling(),
             "grad_*:*": Float8CurrentScaling(fp8_format=Format.E5M2),
-            "*:*:fc2": None,            # the op named fc2 stays in high precision
             "*": Float8CurrentScaling(),
         })
         """

@@ -51,8 +51,10 @@ __all__ = [
     "Float8CurrentScalingRecipeState",
     "MXFP8BlockScalingRecipeState",
     "RecipeState",
+    "flatten_state_dict",
     "load_recipe_state",
     "recipe_state_to_dict",
+    "unflatten_state_dict",
     "update_delayed_scaling",
 ]
 
@@ -540,3 +542,54 @@ def load_recipe_state(state: RecipeState | None, state_dict: Mapping[str, Any] |
     for k in present:
         fields[k].copy_(state_dict[k])
     return [k for k in state_dict if k not in fields]
+
+
+# ---- a state_dict as tensors alone (safetensors) ------------------------------------------------
+
+_FIELD = "#"  # between a state_dict key and a field of its ``_extra_state`` dict
+
+
+def flatten_state_dict(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with each recipe state (``..._extra_state``: a dict of plain tensors, maybe
+    empty) spread into one tensor per field, ``<key>#<field>`` (an empty one as ``<key>#``, a
+    0-element tensor): tensors alone, as ``safetensors.torch.save_file`` takes them, which
+    refuses the dicts. :func:`unflatten_state_dict` undoes it. Tensors are detached and made
+    contiguous (safetensors needs that), not copied where they already are."""
+    flat: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if _FIELD in key:
+            raise ValueError(f"flatten_state_dict: key {key!r} holds {_FIELD!r}, the separator")
+        if isinstance(value, torch.Tensor):
+            flat[key] = value.detach().contiguous()
+        elif isinstance(value, Mapping):
+            if not value:
+                flat[key + _FIELD] = torch.empty(0)
+            for field, t in value.items():
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(
+                        f"flatten_state_dict: {key!r} field {field!r} is a {type(t).__name__}, "
+                        "not a tensor"
+                    )
+                # A clone: safetensors refuses tensors that share storage (history rows).
+                flat[f"{key}{_FIELD}{field}"] = t.detach().contiguous().clone()
+        else:
+            raise TypeError(
+                f"flatten_state_dict: {key!r} is a {type(value).__name__}; expected a tensor or "
+                "a dict of tensors (a recipe state)"
+            )
+    return flat
+
+
+def unflatten_state_dict(flat: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The ``state_dict`` :func:`flatten_state_dict` made ``flat`` from, for
+    ``load_state_dict``."""
+    out: dict[str, Any] = {}
+    for name, t in flat.items():
+        key, sep, field = name.partition(_FIELD)
+        if not sep:
+            out[key] = t
+            continue
+        fields = out.setdefault(key, {})
+        if field:
+            fields[field] = t
+    return out

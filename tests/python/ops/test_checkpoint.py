@@ -435,3 +435,31 @@ def test_copied_model_is_independent(how):
     y_model, y_twin = _step(model, x, DELAYED)[0], _step(twin, x, DELAYED)[0]
     assert not torch.equal(y_model, y_twin)
     assert model[1].weight.abs().sum() > 0
+
+
+@pytest.mark.parametrize("rec_name", ["none", "delayed", "current"])
+def test_safetensors_round_trip_through_flatten_state_dict(rec_name, tmp_path):
+    """``safetensors.torch.save_file(model.state_dict())`` refuses the recipe states (dicts,
+    ``{}`` when stateless): ``fusible.flatten_state_dict`` spreads them into tensors and
+    ``unflatten_state_dict`` restores them, so a strict load of the file gives the same
+    ``state_dict`` bit for bit (an empty recipe state too)."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    rec = {"none": None, "delayed": DELAYED, "current": recipe.Float8CurrentScaling()}[rec_name]
+    model = _trained(rec) if rec is not None else _model()
+    with pytest.raises((ValueError, AttributeError, TypeError)):
+        safetensors_torch.save_file(model.state_dict(), str(tmp_path / "plain.safetensors"))
+    path = str(tmp_path / "m.safetensors")
+    safetensors_torch.save_file(fusible.flatten_state_dict(model.state_dict()), path)
+    fresh = _model(seed=1)
+    fresh.load_state_dict(fusible.unflatten_state_dict(safetensors_torch.load_file(path)))
+    got, want = fresh.state_dict(), model.state_dict()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        if isinstance(v, dict):
+            assert got[k].keys() == v.keys(), k
+            for f in v:
+                assert torch.equal(got[k][f], v[f]), (k, f)
+        else:
+            assert torch.equal(got[k], v), k
+    with pytest.raises(TypeError, match=r"flatten_state_dict: 'x' is a list"):
+        fusible.flatten_state_dict({"x": [1]})

@@ -42,6 +42,19 @@ class _BiasParameter(BasicOperation):
     def extra_repr(self) -> str:
         return f"features={self.features}"
 
+    def _bias_for(self, ctx, x, params):
+        """``(x, b)``: the input dequantized, checked against ``features``, and the bias; the
+        bias's dtype kept for backward."""
+        (b,) = params
+        x = C.dequantize(x)
+        if x.shape[-1] != self.features:
+            raise ValueError(
+                f"{type(self).__name__}: input feature size {x.shape[-1]} does not match "
+                f"features {self.features}"
+            )
+        ctx.attrs["dtype"] = b.dtype
+        return x, b
+
 
 class ReturnBias(_BiasParameter):
     """Passes ``x`` on unchanged and emits the bias (in ``x``'s dtype) as an extra output of
@@ -54,14 +67,7 @@ class ReturnBias(_BiasParameter):
     computes = False
 
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
-        (b,) = params
-        x = C.dequantize(x)
-        if x.shape[-1] != self.features:
-            raise ValueError(
-                f"ReturnBias: input feature size {x.shape[-1]} does not match features "
-                f"{self.features}"
-            )
-        ctx.attrs["dtype"] = b.dtype
+        x, b = self._bias_for(ctx, x, params)
         # A copy: an output of the plan's autograd function must not alias its parameter input.
         return x, [b.to(x.dtype, copy=True)]
 
@@ -75,13 +81,7 @@ class Bias(_BiasParameter):
     """``y = x + bias`` (bias ``[features]``)."""
 
     def op_forward(self, ctx, x, params, *, next_input_quantizer, extra_inputs):
-        (b,) = params
-        x = C.dequantize(x)
-        if x.shape[-1] != self.features:
-            raise ValueError(
-                f"Bias: input feature size {x.shape[-1]} does not match features {self.features}"
-            )
-        ctx.attrs["dtype"] = b.dtype
+        x, b = self._bias_for(ctx, x, params)
         return x + b.to(x.dtype), []
 
     def kernels(self, fwd: bool) -> list[str]:
