@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -411,11 +412,13 @@ def test_user_fusions_block_numerics(register, dtype, recipe_name):
 # ---- the example ---------------------------------------------------------------------------------
 
 
-def test_example_script_runs(capsys):
+def test_example_script_runs(capsys, monkeypatch):
     """Runs examples/custom_fusion.py as __main__ in this process (a subprocess would spend its
-    time importing torch); whatever happens, its rule does not outlive the test."""
+    time importing torch), with its own command line (no arguments, not pytest's); whatever
+    happens, its rule does not outlive the test."""
     from fusible.ops import registry
 
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLE)])
     user_rules = list(registry._USER)
     try:
         try:
